@@ -1,0 +1,861 @@
+"""`TrainingArguments`: everything a raytrainer run is configured with.
+
+Field names, types and defaults follow `TrainingArguments` as in the Hugging Face Trainer docs, so an
+existing script or config file keeps working; the Ray fields at the end (`num_workers`, `use_gpu`,
+`resources_per_worker`, ...) are raytrainer's own.
+
+All checks run in `__post_init__`, on the driver, before any worker starts. Each mistake is a
+`ValueError` that names the field, the value it got and how to fix it. `dataclasses.replace` builds a
+new instance, so it re-validates too.
+
+The process-related properties (`world_size`, `process_index`, `should_log`, ...) describe the
+process the object lives in: on the driver they describe the rank-0 view of the run, and each worker
+calls `_set_process(...)` on its own copy once it knows its rank.
+"""
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "HubStrategy",
+    "IntervalStrategy",
+    "OptimizerNames",
+    "SaveStrategy",
+    "SchedulerType",
+    "TrainingArguments",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _ValueEnum(str, Enum):
+    """A string enum that compares equal to, and prints as, its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [member.value for member in cls]
+
+
+class IntervalStrategy(_ValueEnum):
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+
+
+class SaveStrategy(_ValueEnum):
+    NO = "no"
+    STEPS = "steps"
+    EPOCH = "epoch"
+    BEST = "best"
+
+
+class HubStrategy(_ValueEnum):
+    END = "end"
+    EVERY_SAVE = "every_save"
+    CHECKPOINT = "checkpoint"
+    ALL_CHECKPOINTS = "all_checkpoints"
+
+
+class SchedulerType(_ValueEnum):
+    LINEAR = "linear"
+    COSINE = "cosine"
+    COSINE_WITH_RESTARTS = "cosine_with_restarts"
+    POLYNOMIAL = "polynomial"
+    CONSTANT = "constant"
+    CONSTANT_WITH_WARMUP = "constant_with_warmup"
+    INVERSE_SQRT = "inverse_sqrt"
+    REDUCE_ON_PLATEAU = "reduce_lr_on_plateau"
+    COSINE_WITH_MIN_LR = "cosine_with_min_lr"
+    WARMUP_STABLE_DECAY = "warmup_stable_decay"
+
+
+class OptimizerNames(_ValueEnum):
+    ADAMW_TORCH = "adamw_torch"
+    ADAMW_TORCH_FUSED = "adamw_torch_fused"
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    RMSPROP = "rmsprop"
+
+
+# "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "passive": -1,
+}
+_PASSIVE_MAIN_LEVEL = logging.INFO
+_PASSIVE_REPLICA_LEVEL = logging.WARNING
+
+DDP_BACKENDS = (None, "gloo", "nccl", "mpi", "ccl", "hccl")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+INCLUDE_FOR_METRICS = ("inputs", "loss")
+_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small validation helpers. Every error reads "<field>=<value>: <what is wrong>; <how to fix it>".
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _error(name: str, value: Any, problem: str, fix: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: {problem}; {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: Any, example: int) -> None:
+    if not (_is_int(value) and value > 0):
+        raise _error(name, value, "must be a positive integer", f"pass e.g. --{name} {example}")
+
+
+def _to_enum(name: str, value: Any, enum_cls: type[_ValueEnum]) -> _ValueEnum:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(v) for v in enum_cls.values())
+        example = f"pass e.g. --{name} {enum_cls.values()[0]}"
+        raise _error(name, value, f"unknown value, must be one of {allowed}", example) from None
+
+
+def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(v) for v in allowed)
+        example = next(v for v in allowed if v is not None)
+        raise _error(name, value, f"must be one of {shown}", f"pass e.g. --{name} {example}")
+
+
+def _parse_dict(name: str, value: Any) -> dict | None:
+    """A dict field given as a dict, None, or a JSON object string (as the command line gives it)."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _error(
+                name,
+                value,
+                f"is not valid JSON ({exc.msg})",
+                f"""pass a JSON object, e.g. --{name} '{{"key": 1}}'""",
+            ) from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise _error(
+        name, value, "must be a dict or a JSON object string", f"""pass e.g. --{name} '{{"key": 1}}'"""
+    )
+
+
+def _normalize_steps(name: str, value: Any, strategy: str) -> int | float:
+    """An interval in steps: an integer >= 1, or a float in (0, 1) meaning a ratio of the total steps."""
+    fix = f"pass e.g. --{name} 500 (or a ratio in (0, 1) of the total steps), or change --{strategy}"
+    if not _is_number(value) or value <= 0:
+        raise _error(name, value, f"must be a positive number when {strategy} is 'steps'", fix)
+    if value >= 1:
+        if value != int(value):
+            raise _error(name, value, "must be an integer when it is 1 or more", fix)
+        return int(value)
+    return value
+
+
+@dataclass
+class TrainingArguments:
+    """The arguments of a raytrainer run.
+
+    The fields mirror `TrainingArguments` as in the Hugging Face Trainer docs (same names, types and
+    defaults); see their `help` texts or `--help` on the command line. The last group of fields is
+    raytrainer's: how many Ray Train workers to run and with which resources.
+    """
+
+    # --- Output ---
+    output_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where checkpoints and predictions are written. Defaults to 'trainer_output'."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Overwrite the content of the output directory instead of continuing from it."},
+    )
+
+    # --- What the script should do (read by scripts, not by the Trainer) ---
+    do_train: bool = field(default=False, metadata={"help": "Whether to run training."})
+    do_eval: bool = field(
+        default=False,
+        metadata={"help": "Whether to run evaluation. Set automatically when eval_strategy is not 'no'."},
+    )
+    do_predict: bool = field(default=False, metadata={"help": "Whether to run predictions on the test set."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "Path to a checkpoint folder to resume training from."}
+    )
+
+    # --- Evaluation ---
+    eval_strategy: IntervalStrategy | str = field(
+        default="no", metadata={"help": "When to evaluate during training: 'no', 'steps' or 'epoch'."}
+    )
+    evaluation_strategy: IntervalStrategy | str | None = field(
+        default=None, metadata={"help": "Deprecated alias of eval_strategy."}
+    )
+    prediction_loss_only: bool = field(
+        default=False, metadata={"help": "When evaluating and predicting, only return the loss."}
+    )
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Batch size per worker (device) for training."}
+    )
+    per_device_eval_batch_size: int = field(
+        default=8, metadata={"help": "Batch size per worker (device) for evaluation."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={"help": "Number of forward/backward passes to accumulate before an optimizer step."},
+    )
+    eval_accumulation_steps: int | None = field(
+        default=None,
+        metadata={"help": "Prediction steps to accumulate on the device before moving outputs to the CPU."},
+    )
+    eval_delay: float = field(
+        default=0,
+        metadata={"help": "Epochs or steps (per eval_strategy) to wait before the first evaluation."},
+    )
+    eval_steps: float | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate every X update steps when eval_strategy='steps'; a float in (0, 1) is a ratio "
+            "of the total steps. Defaults to logging_steps."
+        },
+    )
+
+    # --- Optimizer and schedule ---
+    learning_rate: float = field(default=5e-5, metadata={"help": "The initial learning rate."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "Weight decay for all parameters except biases and LayerNorm weights."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "Beta1 of the Adam optimizers."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Beta2 of the Adam optimizers."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "Epsilon of the Adam optimizers."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0 disables it."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Total number of training epochs."})
+    max_steps: int = field(
+        default=-1,
+        metadata={"help": "If > 0, the total number of training steps; overrides num_train_epochs."},
+    )
+    lr_scheduler_type: SchedulerType | str = field(
+        default="linear", metadata={"help": "The learning rate scheduler to use."}
+    )
+    lr_scheduler_kwargs: dict | str = field(
+        default_factory=dict,
+        metadata={"help": "Extra keyword arguments for the scheduler, as a dict or a JSON string."},
+    )
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Fraction of the total steps used for a linear warmup."}
+    )
+    warmup_steps: float = field(
+        default=0,
+        metadata={
+            "help": "Linear warmup steps; overrides warmup_ratio. A float in (0, 1) is a ratio of the total "
+            "steps."
+        },
+    )
+    optim: OptimizerNames | str = field(
+        default="adamw_torch_fused", metadata={"help": "The optimizer to use."}
+    )
+    optim_args: str | None = field(default=None, metadata={"help": "Optional arguments for the optimizer."})
+    label_smoothing_factor: float = field(
+        default=0.0, metadata={"help": "Label smoothing epsilon; 0 means no smoothing."}
+    )
+
+    # --- Logging ---
+    log_level: str = field(
+        default="passive",
+        metadata={
+            "help": "Logger level of the main process: debug, info, warning, error, critical or passive "
+            "(raytrainer's default, info).",
+            "choices": tuple(LOG_LEVELS),
+        },
+    )
+    log_level_replica: str = field(
+        default="warning",
+        metadata={
+            "help": "Logger level of the replica processes, same choices as log_level.",
+            "choices": tuple(LOG_LEVELS),
+        },
+    )
+    log_on_each_node: bool = field(
+        default=True,
+        metadata={"help": "In multi-node training, log once per node (True) or only on the main node."},
+    )
+    logging_dir: str | None = field(default=None, metadata={"help": "Directory for logging integrations."})
+    logging_strategy: IntervalStrategy | str = field(
+        default="steps", metadata={"help": "When to log during training: 'no', 'steps' or 'epoch'."}
+    )
+    logging_first_step: bool = field(default=False, metadata={"help": "Log the first global step."})
+    logging_steps: float = field(
+        default=500,
+        metadata={"help": "Log every X update steps; a float in (0, 1) is a ratio of the total steps."},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=True, metadata={"help": "Filter NaN and inf losses out of the logged loss."}
+    )
+    disable_tqdm: bool | None = field(
+        default=None,
+        metadata={"help": "Disable progress bars. Defaults to True when the log level is above warning."},
+    )
+    run_name: str | None = field(default=None, metadata={"help": "A name for the run, used by integrations."})
+    report_to: str | list[str] | None = field(
+        default="none",
+        metadata={"help": "Integrations to report to; 'all' for every installed one, 'none' for none."},
+    )
+    skip_memory_metrics: bool = field(default=True, metadata={"help": "Skip the memory profiler metrics."})
+    include_num_input_tokens_seen: bool = field(
+        default=False, metadata={"help": "Track the number of input tokens seen during training."}
+    )
+
+    # --- Saving ---
+    save_strategy: SaveStrategy | str = field(
+        default="steps", metadata={"help": "When to save checkpoints: 'no', 'steps', 'epoch' or 'best'."}
+    )
+    save_steps: float = field(
+        default=500,
+        metadata={"help": "Save every X update steps; a float in (0, 1) is a ratio of the total steps."},
+    )
+    save_total_limit: int | None = field(
+        default=None, metadata={"help": "Keep at most this many checkpoints; older ones are deleted."}
+    )
+    save_only_model: bool = field(
+        default=False,
+        metadata={"help": "Save only the model, not optimizer, scheduler and RNG states (no resuming)."},
+    )
+    save_on_each_node: bool = field(
+        default=False, metadata={"help": "In multi-node training, save on every node, not only the main one."}
+    )
+
+    # --- Reproducibility and devices ---
+    seed: int = field(default=42, metadata={"help": "Random seed set at the beginning of training."})
+    data_seed: int | None = field(default=None, metadata={"help": "Random seed for the data samplers."})
+    use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even when a GPU is available."})
+    bf16: bool = field(default=False, metadata={"help": "Use bfloat16 mixed precision."})
+    fp16: bool = field(default=False, metadata={"help": "Use float16 mixed precision."})
+
+    # --- Data loading ---
+    dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete batch."})
+    dataloader_num_workers: int = field(
+        default=0, metadata={"help": "Data loading subprocesses per worker; 0 loads in the worker itself."}
+    )
+    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin memory in the data loaders."})
+    dataloader_persistent_workers: bool = field(
+        default=False, metadata={"help": "Keep data loading subprocesses alive between epochs."}
+    )
+    dataloader_prefetch_factor: int | None = field(
+        default=None, metadata={"help": "Batches loaded in advance by each data loading subprocess."}
+    )
+    past_index: int = field(
+        default=-1, metadata={"help": "Index of the model output holding past memory states, if any."}
+    )
+    remove_unused_columns: bool = field(
+        default=True, metadata={"help": "Remove the columns the model's forward method does not accept."}
+    )
+    label_names: list[str] | None = field(
+        default=None, metadata={"help": "The keys of the input dict that hold the labels."}
+    )
+    group_by_length: bool = field(
+        default=False, metadata={"help": "Group samples of similar length into batches."}
+    )
+    length_column_name: str = field(
+        default="length", metadata={"help": "Column with precomputed lengths, for group_by_length."}
+    )
+    ignore_data_skip: bool = field(
+        default=False,
+        metadata={"help": "When resuming, do not skip the batches already seen in the current epoch."},
+    )
+
+    # --- Best model ---
+    load_best_model_at_end: bool = field(
+        default=False, metadata={"help": "Load the best checkpoint at the end of training."}
+    )
+    metric_for_best_model: str | None = field(
+        default=None,
+        metadata={"help": "Metric that ranks checkpoints; defaults to 'loss' with load_best_model_at_end."},
+    )
+    greater_is_better: bool | None = field(
+        default=None,
+        metadata={"help": "Whether a greater metric is better; False by default for names ending in 'loss'."},
+    )
+
+    # --- Metrics ---
+    include_inputs_for_metrics: bool = field(
+        default=False, metadata={"help": "Deprecated alias of include_for_metrics=['inputs']."}
+    )
+    include_for_metrics: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Extra data passed to compute_metrics: 'inputs' and/or 'loss'."},
+    )
+
+    # --- Hub ---
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub when it is saved."})
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "The repository to keep in sync with output_dir."}
+    )
+    hub_strategy: HubStrategy | str = field(
+        default="every_save",
+        metadata={"help": "What and when to push: 'end', 'every_save', 'checkpoint' or 'all_checkpoints'."},
+    )
+    hub_token: str | None = field(default=None, metadata={"help": "The token used to push to the Hub."})
+
+    # --- Distributed ---
+    ddp_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "torch.distributed backend: gloo, nccl, mpi, ccl or hccl.",
+            "choices": DDP_BACKENDS[1:],
+        },
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=None, metadata={"help": "find_unused_parameters passed to DistributedDataParallel."}
+    )
+    ddp_bucket_cap_mb: int | None = field(
+        default=None, metadata={"help": "bucket_cap_mb passed to DistributedDataParallel."}
+    )
+    ddp_broadcast_buffers: bool | None = field(
+        default=None, metadata={"help": "broadcast_buffers passed to DistributedDataParallel."}
+    )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Timeout in seconds of the torch.distributed process group."}
+    )
+    average_tokens_across_devices: bool = field(
+        default=True, metadata={"help": "Average the token count across workers for the loss."}
+    )
+    torch_empty_cache_steps: int | None = field(
+        default=None, metadata={"help": "Empty the accelerator cache every X steps; None never does."}
+    )
+
+    # --- Ray (raytrainer's own) ---
+    num_workers: int = field(
+        default=0,
+        metadata={
+            "help": "Ray Train workers: 0 runs the training loop in this process, N >= 1 runs N actors."
+        },
+    )
+    use_gpu: bool = field(default=False, metadata={"help": "Give each Ray Train worker one GPU."})
+    resources_per_worker: dict[str, float] | str | None = field(
+        default=None,
+        metadata={"help": """Ray resources of each worker, as a dict or JSON, e.g. '{"CPU": 2}'."""},
+    )
+    placement_strategy: str = field(
+        default="PACK",
+        metadata={"help": "Ray placement strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."},
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Address of the Ray cluster; if unset, RAY_ADDRESS, else a new local instance."},
+    )
+    storage_path: str | None = field(
+        default=None,
+        metadata={"help": "Where Ray Train keeps checkpoints: a local path or URI. Defaults to output_dir."},
+    )
+    max_failures: int = field(
+        default=0, metadata={"help": "Times to restart the workers after a failure; -1 retries forever."}
+    )
+
+    # -----------------------------------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        self._fill_defaults()
+        self._convert_types()
+        self._check_values()
+        self._derive_values()
+        self._check_combinations()
+        # The process view (not dataclass fields: not in to_dict, not on the command line).
+        self._world_size = max(1, self.num_workers)
+        self._process_index = 0
+        self._local_process_index = 0
+        self._node_rank = 0
+
+    def _fill_defaults(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)
+        if self.storage_path is None:
+            self.storage_path = self.output_dir
+        elif "://" not in self.storage_path:
+            self.storage_path = os.path.expanduser(self.storage_path)
+        # Deprecated aliases are folded into the current field and then cleared, so that a later
+        # dataclasses.replace() of the current field is not overridden by the stale alias.
+        if self.evaluation_strategy is not None:
+            warnings.warn(
+                "evaluation_strategy is deprecated, use eval_strategy instead", FutureWarning, stacklevel=4
+            )
+            self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
+        self.include_for_metrics = list(self.include_for_metrics or [])
+        if self.include_inputs_for_metrics:
+            warnings.warn(
+                "include_inputs_for_metrics is deprecated, use include_for_metrics=['inputs'] instead",
+                FutureWarning,
+                stacklevel=4,
+            )
+            if "inputs" not in self.include_for_metrics:
+                self.include_for_metrics.append("inputs")
+            self.include_inputs_for_metrics = False
+
+    def _convert_types(self) -> None:
+        self.eval_strategy = _to_enum("eval_strategy", self.eval_strategy, IntervalStrategy)
+        self.logging_strategy = _to_enum("logging_strategy", self.logging_strategy, IntervalStrategy)
+        self.save_strategy = _to_enum("save_strategy", self.save_strategy, SaveStrategy)
+        self.hub_strategy = _to_enum("hub_strategy", self.hub_strategy, HubStrategy)
+        self.lr_scheduler_type = _to_enum("lr_scheduler_type", self.lr_scheduler_type, SchedulerType)
+        self.optim = _to_enum("optim", self.optim, OptimizerNames)
+        for name in _DICT_FIELDS:
+            setattr(self, name, _parse_dict(name, getattr(self, name)))
+        if self.lr_scheduler_kwargs is None:
+            self.lr_scheduler_kwargs = {}
+        if isinstance(self.placement_strategy, str):
+            self.placement_strategy = self.placement_strategy.upper()
+        self.report_to = _normalize_report_to(self.report_to)
+        warmup = self.warmup_steps
+        if _is_number(warmup) and warmup >= 1 and warmup == int(warmup):
+            self.warmup_steps = int(warmup)
+
+    def _check_values(self) -> None:
+        _check_positive_int("per_device_train_batch_size", self.per_device_train_batch_size, 8)
+        _check_positive_int("per_device_eval_batch_size", self.per_device_eval_batch_size, 8)
+        _check_positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        if self.eval_accumulation_steps is not None:
+            _check_positive_int("eval_accumulation_steps", self.eval_accumulation_steps, 10)
+        if self.torch_empty_cache_steps is not None:
+            _check_positive_int("torch_empty_cache_steps", self.torch_empty_cache_steps, 100)
+        if self.save_total_limit is not None:
+            _check_positive_int("save_total_limit", self.save_total_limit, 2)
+        if not (_is_number(self.learning_rate) and self.learning_rate >= 0):
+            raise _error(
+                "learning_rate", self.learning_rate, "must be a number >= 0", "pass e.g. --learning_rate 5e-5"
+            )
+        if not (_is_int(self.max_steps) and (self.max_steps == -1 or self.max_steps > 0)):
+            raise _error(
+                "max_steps",
+                self.max_steps,
+                "must be -1 (train for num_train_epochs) or a positive integer",
+                "pass e.g. --max_steps 1000, or leave it at -1",
+            )
+        if not (_is_number(self.warmup_ratio) and 0 <= self.warmup_ratio <= 1):
+            raise _error(
+                "warmup_ratio",
+                self.warmup_ratio,
+                "must be a number in [0, 1]",
+                "pass e.g. --warmup_ratio 0.1",
+            )
+        if not (_is_number(self.warmup_steps) and self.warmup_steps >= 0):
+            raise _error(
+                "warmup_steps",
+                self.warmup_steps,
+                "must be an integer >= 0 or a ratio in (0, 1)",
+                "pass e.g. --warmup_steps 100",
+            )
+        if not (_is_number(self.label_smoothing_factor) and 0 <= self.label_smoothing_factor < 1):
+            raise _error(
+                "label_smoothing_factor",
+                self.label_smoothing_factor,
+                "must be a number in [0, 1)",
+                "pass e.g. --label_smoothing_factor 0.1",
+            )
+        _check_one_of("log_level", self.log_level, tuple(LOG_LEVELS))
+        _check_one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
+        _check_one_of("ddp_backend", self.ddp_backend, DDP_BACKENDS)
+        _check_one_of("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        for item in self.include_for_metrics:
+            _check_one_of("include_for_metrics", item, INCLUDE_FOR_METRICS)
+        self._check_ray_values()
+
+    def _check_ray_values(self) -> None:
+        if not (_is_int(self.num_workers) and self.num_workers >= 0):
+            raise _error(
+                "num_workers",
+                self.num_workers,
+                "must be an integer >= 0 (0 runs in this process)",
+                "pass e.g. --num_workers 2",
+            )
+        if not (_is_int(self.max_failures) and self.max_failures >= -1):
+            raise _error(
+                "max_failures",
+                self.max_failures,
+                "must be an integer >= 0, or -1 to retry forever",
+                "pass e.g. --max_failures 3",
+            )
+        for key, amount in (self.resources_per_worker or {}).items():
+            if not (isinstance(key, str) and _is_number(amount) and amount >= 0):
+                raise _error(
+                    "resources_per_worker",
+                    self.resources_per_worker,
+                    f"entry {key!r}: {amount!r} must map a resource name to a number >= 0",
+                    """pass e.g. --resources_per_worker '{"CPU": 2}'""",
+                )
+        if self.use_gpu and self.use_cpu:
+            raise _error(
+                "use_gpu",
+                self.use_gpu,
+                "conflicts with use_cpu=True",
+                "pass only one of --use_gpu and --use_cpu",
+            )
+
+    def _derive_values(self) -> None:
+        if self.eval_strategy != IntervalStrategy.NO:
+            self.do_eval = True
+        if self.eval_strategy == IntervalStrategy.STEPS and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        # Interval lengths are checked (and 10.0 becomes 10) only where their strategy uses them.
+        for name, strategy in (
+            ("logging_steps", "logging_strategy"),
+            ("eval_steps", "eval_strategy"),
+            ("save_steps", "save_strategy"),
+        ):
+            if getattr(self, strategy) == IntervalStrategy.STEPS:
+                setattr(self, name, _normalize_steps(name, getattr(self, name), strategy))
+        if self.metric_for_best_model is None and (
+            self.load_best_model_at_end or self.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
+        ):
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.disable_tqdm is None:
+            level = LOG_LEVELS[self.log_level]
+            if level == -1:
+                level = logging.getLogger("raytrainer").getEffectiveLevel()
+            self.disable_tqdm = level > logging.WARNING
+        if self.use_cpu:
+            self.dataloader_pin_memory = False
+
+    def _check_combinations(self) -> None:
+        if self.fp16 and self.bf16:
+            raise _error(
+                "fp16", self.fp16, "cannot be combined with bf16=True", "pass only one of --fp16 and --bf16"
+            )
+        if self.load_best_model_at_end and self.save_strategy != SaveStrategy.BEST:
+            self._check_best_model_intervals()
+        if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
+            raise _error(
+                "metric_for_best_model",
+                None,
+                "must be set when save_strategy='best'",
+                "pass e.g. --metric_for_best_model loss",
+            )
+        plateau = self.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
+        if plateau and self.eval_strategy == IntervalStrategy.NO:
+            raise _error(
+                "lr_scheduler_type",
+                self.lr_scheduler_type.value,
+                "needs evaluations, but eval_strategy='no'",
+                "pass e.g. --eval_strategy epoch",
+            )
+        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
+            raise _error(
+                "dataloader_prefetch_factor",
+                self.dataloader_prefetch_factor,
+                "needs data loading subprocesses, but dataloader_num_workers=0",
+                "pass e.g. --dataloader_num_workers 2, or leave dataloader_prefetch_factor unset",
+            )
+
+    def _check_best_model_intervals(self) -> None:
+        """load_best_model_at_end needs a checkpoint at every evaluation that could be the best."""
+        if self.eval_strategy.value != self.save_strategy.value:
+            raise ValueError(
+                "load_best_model_at_end=True requires the save and eval strategies to match (unless "
+                f"save_strategy='best'), but eval_strategy={self.eval_strategy.value!r} and "
+                f"save_strategy={self.save_strategy.value!r}; pass e.g. --eval_strategy "
+                f"{self.save_strategy.value}, or --save_strategy best"
+            )
+        if self.eval_strategy != IntervalStrategy.STEPS:
+            return
+        save, every = self.save_steps, self.eval_steps
+        if (save < 1) != (every < 1):
+            is_multiple, fix = False, "give both as step counts or both as ratios in (0, 1)"
+        elif save < 1:  # both ratios: compare in millionths to avoid float noise
+            is_multiple = round(save * 1e6) % round(every * 1e6) == 0
+            fix = "pass a save_steps ratio that is a multiple of the eval_steps ratio"
+        else:
+            is_multiple = save % every == 0
+            fix = f"pass e.g. --save_steps {math.ceil(save / every) * every}"
+        if not is_multiple:
+            raise ValueError(
+                f"load_best_model_at_end=True requires save_steps to be a multiple of eval_steps, but "
+                f"save_steps={save!r} is not a multiple of eval_steps={every!r}; {fix}"
+            )
+
+    # --- The process view ----------------------------------------------------------------------------------
+
+    def _set_process(self, world_size: int, rank: int, local_rank: int, node_rank: int) -> None:
+        """Record which process of the run this copy lives in (called by each worker)."""
+        if not (world_size >= 1 and 0 <= rank < world_size and 0 <= local_rank <= rank and node_rank >= 0):
+            raise ValueError(
+                f"_set_process(world_size={world_size}, rank={rank}, local_rank={local_rank}, "
+                f"node_rank={node_rank}): inconsistent ranks"
+            )
+        self._world_size = world_size
+        self._process_index = rank
+        self._local_process_index = local_rank
+        self._node_rank = node_rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes training together."""
+        return self._world_size
+
+    @property
+    def process_index(self) -> int:
+        """The global rank of this process."""
+        return self._process_index
+
+    @property
+    def local_process_index(self) -> int:
+        """The rank of this process on its node."""
+        return self._local_process_index
+
+    @property
+    def train_batch_size(self) -> int:
+        """The batch size of one training step on one worker."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """The batch size of one evaluation step on one worker."""
+        return self.per_device_eval_batch_size
+
+    @property
+    def ddp_timeout_delta(self) -> timedelta:
+        return timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process of each node, or of the run (log_on_each_node)."""
+        if self.log_on_each_node:
+            return self.local_process_index == 0
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes checkpoints: per node or once per run (save_on_each_node)."""
+        if self.save_on_each_node:
+            return self.local_process_index == 0
+        return self.process_index == 0
+
+    def get_process_log_level(self) -> int:
+        """The `logging` level for this process: log_level where `should_log`, else log_level_replica."""
+        if self.should_log:
+            level = LOG_LEVELS[self.log_level]
+            return _PASSIVE_MAIN_LEVEL if level == -1 else level
+        level = LOG_LEVELS[self.log_level_replica]
+        return _PASSIVE_REPLICA_LEVEL if level == -1 else level
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup steps: warmup_steps (a count, or a ratio when below 1), else warmup_ratio of the total."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps if self.warmup_steps > 0 else self.warmup_ratio
+        return math.ceil(num_training_steps * ratio)
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work"):
+        """Run the block on the main process (of each node if `local`) first, the others after it.
+
+        The other processes wait at a barrier until the main one has finished the block, e.g. to
+        preprocess a dataset once and let the replicas load it from the cache. Without an initialized
+        torch.distributed process group this does nothing special.
+        """
+        dist = _initialized_distributed()
+        if dist is None or self.world_size <= 1:
+            yield
+            return
+        is_main = (self.local_process_index if local else self.process_index) == 0
+        who = "main local process" if local else "main process"
+        try:
+            if not is_main:
+                logger.debug("%d: waiting for the %s to perform %s", self.process_index, who, desc)
+                dist.barrier()
+            yield
+        finally:
+            if is_main:
+                logger.debug("%d: %s completed %s, releasing the replicas", self.process_index, who, desc)
+                dist.barrier()
+
+    # --- Serialization -------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values: enums become strings, tokens are hidden."""
+        result = {}
+        for f in fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, Enum):
+                value = value.value
+            elif isinstance(value, list):
+                value = [v.value if isinstance(v, Enum) else v for v in value]
+            else:
+                value = copy.deepcopy(value)
+            if f.name.endswith("_token") and value is not None:
+                value = f"<{f.name.upper()}>"
+            result[f.name] = value
+        return result
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """The fields with only bool/int/float/str/tensor values (others as str), e.g. for TensorBoard."""
+        d = self.to_dict()
+        d.update(train_batch_size=self.train_batch_size, eval_batch_size=self.eval_batch_size)
+        valid = [bool, int, float, str]
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            valid.append(torch.Tensor)
+        return {k: v if type(v) in valid else str(v) for k, v in d.items()}
+
+    def __repr__(self) -> str:
+        lines = "".join(f"{k}={v!r},\n" for k, v in sorted(self.to_dict().items()))
+        return f"{type(self).__name__}(\n{lines})"
+
+    __str__ = __repr__
+
+
+def _normalize_report_to(value: Any) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(v, str) for v in items):
+        raise _error(
+            "report_to", value, "must be a string or a list of strings", "pass e.g. --report_to none"
+        )
+    if items == ["none"]:
+        return []
+    return items
+
+
+def _initialized_distributed():
+    """torch.distributed when a process group is initialized, else None (torch is never imported here)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist

@@ -1,0 +1,1 @@
+"""Driver side: runs in the user's process; launches Ray Train and shows what the workers report."""

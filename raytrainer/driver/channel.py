@@ -1,0 +1,59 @@
+"""The worker -> driver stream: log records, progress and callback events, and each rank's result.
+
+Ray Train v2 keeps only metrics reported with a checkpoint, so live output travels through this small
+actor instead. Workers batch events and send them without waiting; the driver drains them a few times a
+second. Results are copied into the actor's heap on arrival, so they outlive the worker that sent them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Channel:
+    def __init__(self):
+        self._events: list = []
+        self._results: dict = {}
+
+    def put(self, events: list) -> None:
+        self._events.extend(events)
+
+    def drain(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def set_result(self, rank: int, payload) -> None:
+        self._results[rank] = copy.deepcopy(payload)
+
+    def results(self) -> dict:
+        return self._results
+
+
+class ChannelClient:
+    """Worker-side sender: buffers events and flushes every ``interval`` seconds or when asked."""
+
+    def __init__(self, handle, rank: int, interval: float = 0.2):
+        self.handle = handle
+        self.rank = rank
+        self.interval = interval
+        self._buffer: list = []
+        self._last = time.monotonic()
+
+    def send(self, kind: str, payload, urgent: bool = False) -> None:
+        self._buffer.append((kind, self.rank, payload))
+        if urgent or time.monotonic() - self._last >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            self.handle.put.remote(self._buffer)
+            self._buffer = []
+        self._last = time.monotonic()
+
+    def set_result(self, payload) -> None:
+        self.flush()
+        ray.get(self.handle.set_result.remote(self.rank, payload))

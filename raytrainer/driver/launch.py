@@ -1,0 +1,168 @@
+"""Launching a Trainer method on Ray Train worker actors and following it from the driver.
+
+The run spec is the pickled Trainer itself (made once by the preflight), so a subclass's overrides run
+on the workers. While Ray Train's ``fit()`` blocks, a pump thread drains the event channel: worker log
+records are printed, rank 0's callback events are replayed into the driver's display callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import cloudpickle
+
+from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
+from raytrainer.logging_utils import emit_worker_record
+
+logger = logging.getLogger(__name__)
+
+
+def _worker_main(config: dict) -> None:
+    """Entry point of every Ray Train worker."""
+    from raytrainer.driver.channel import ChannelClient
+    from raytrainer.driver.runner import run_rank
+    from raytrainer.worker.context import ray_train_context
+
+    trainer = cloudpickle.loads(config["spec"])
+    ctx = ray_train_context(trainer.args.use_gpu)
+    client = ChannelClient(config["channel"], ctx.rank)
+    payload = run_rank(trainer, ctx, client, config["method"], config["kwargs"])
+    client.set_result(payload)
+
+
+class _Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+class DriverDisplay:
+    """The driver's callbacks (progress bar, printer, any with ``on_driver = True``), fed by rank 0."""
+
+    def __init__(self, trainer):
+        callbacks = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+        self.handler = CallbackHandler(callbacks, trainer.model, trainer.processing_class, None, None)
+        self.args = trainer.args
+        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        self.control = TrainerControl()
+        self._done = 0
+
+    def replay(self, event: str, snapshot: dict, kwargs: dict) -> None:
+        for key, value in snapshot.items():
+            setattr(self.state, key, value)
+        if event == "on_prediction_step":
+            done, total = kwargs["done"], kwargs["total"]
+            self.handler.eval_dataloader = _Sized(total) if total is not None else None
+            for _ in range(max(done - self._done, 0)):
+                self.handler.call_event(event, self.args, self.state, self.control)
+            self._done = done
+            return
+        if event in ("on_evaluate", "on_predict"):
+            self._done = 0
+        self.handler.call_event(event, self.args, self.state, self.control, **kwargs)
+
+
+class _Pump(threading.Thread):
+    def __init__(self, channel, display: DriverDisplay, period: float = 0.1):
+        super().__init__(daemon=True, name="raytrainer-events")
+        self.channel, self.display, self.period = channel, display, period
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.period):
+            self.drain()
+
+    def drain(self) -> None:
+        import ray
+
+        try:
+            events = ray.get(self.channel.drain.remote())
+        except Exception as exc:  # the channel died: nothing more will arrive
+            logger.debug("event channel unavailable: %s", exc)
+            return
+        for kind, _rank, payload in events:
+            try:
+                if kind == "log":
+                    emit_worker_record(payload)
+                elif kind == "event":
+                    self.display.replay(*payload)
+            except Exception:
+                logger.exception("while showing a worker event")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        self.drain()
+
+
+def _run_config(args):
+    from ray.train import FailureConfig, RunConfig
+
+    output_dir = os.path.abspath(args.storage_path or args.output_dir)
+    return RunConfig(
+        name=os.path.basename(output_dir.rstrip("/")),
+        storage_path=os.path.dirname(output_dir.rstrip("/")),
+        failure_config=FailureConfig(max_failures=args.max_failures),
+    )
+
+
+def _torch_trainer(args, config: dict):
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrainer.driver.ray_runtime import parse_resources
+
+    scaling = ScalingConfig(
+        num_workers=args.num_workers,
+        use_gpu=bool(args.use_gpu),
+        resources_per_worker=parse_resources(args.resources_per_worker),
+        placement_strategy=args.placement_strategy,
+    )
+    torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
+    return TorchTrainer(_worker_main, train_loop_config=config, scaling_config=scaling,
+                        torch_config=torch_config, run_config=_run_config(args))
+
+
+def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
+    """Run ``method`` on ``args.num_workers`` Ray Train workers; return rank 0's payload."""
+    import ray
+    from ray.train import TrainingFailedError
+
+    from raytrainer.driver.channel import Channel
+    from raytrainer.driver.ray_runtime import ensure_ray
+
+    args = trainer.args
+    ensure_ray(args)
+    channel = Channel.remote()
+    pump = _Pump(channel, DriverDisplay(trainer))
+    config = {"spec": spec, "method": method, "kwargs": kwargs, "channel": channel}
+    started = time.time()
+    pump.start()
+    try:
+        _torch_trainer(args, config).fit()
+    except TrainingFailedError as err:
+        raise worker_error(err) from None
+    finally:
+        pump.stop()
+    results = ray.get(channel.results.remote())
+    ray.kill(channel)
+    logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
+    return results[0]
+
+
+def worker_error(err: Exception) -> Exception:
+    """The lowest rank's own exception, so the user sees their error, not a wrapper."""
+    failures = getattr(err, "worker_failures", None) or {}
+    if not failures:
+        return err
+    rank = min(failures)
+    exc = failures[rank]
+    cause = getattr(exc, "cause", None) or exc
+    if hasattr(cause, "add_note"):
+        cause.add_note(f"(raised on Ray Train worker rank {rank} of {len(failures)} failing)")
+    return cause

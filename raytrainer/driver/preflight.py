@@ -1,0 +1,170 @@
+"""Checks on the driver before any worker starts: bad input fails here, clearly, with nothing started.
+
+``check`` returns the pickled Trainer (the run spec the workers unpickle), so that pickling — and the
+error that names what cannot be pickled — happens exactly once, before Ray is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from collections.abc import Mapping
+
+import cloudpickle
+import torch
+from torch.utils.data import IterableDataset
+
+from raytrainer import data as rdata
+from raytrainer.trainer_utils import has_length
+
+
+def check(trainer, method: str, kwargs: dict) -> bytes | None:
+    args = trainer.args
+    if method == "train":
+        _check_train(trainer)
+    elif method == "evaluate":
+        dataset = kwargs.get("eval_dataset")
+        dataset = trainer.eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset: pass it to Trainer or to evaluate().")
+        _check_examples(trainer, dataset, "eval_dataset")
+    elif method == "predict":
+        if kwargs.get("test_dataset") is None:
+            raise ValueError("predict() needs a test_dataset.")
+        _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
+    if args.num_workers == 0:
+        return None
+    return pickled_spec(trainer, kwargs)
+
+
+# -- training ----------------------------------------------------------------------------------------
+def _check_train(trainer) -> None:
+    args, dataset = trainer.args, trainer.train_dataset
+    if dataset is None:
+        raise ValueError("train() needs a train_dataset: pass `train_dataset=` to Trainer.")
+    if (isinstance(dataset, IterableDataset) or not has_length(dataset)) and args.max_steps <= 0:
+        raise ValueError(
+            f"train_dataset ({type(dataset).__name__}) has no length, so the number of steps is unknown: "
+            "set max_steps to a positive value."
+        )
+    example = _check_examples(trainer, dataset, "train_dataset")
+    if example is None:
+        return
+    if not _overrides(trainer, "compute_loss") and trainer.compute_loss_func is None:
+        _check_labels(trainer, example, "train_dataset")
+        _check_returns_loss(trainer, dataset)
+
+
+def _overrides(trainer, name: str) -> bool:
+    from raytrainer.trainer import Trainer
+
+    return getattr(type(trainer), name) is not getattr(Trainer, name)
+
+
+def _first_examples(dataset, n: int) -> list:
+    if has_length(dataset) and not isinstance(dataset, IterableDataset):
+        return [dataset[i] for i in range(min(n, len(dataset)))]
+    out = []
+    for example in dataset:
+        out.append(example)
+        if len(out) == n:
+            break
+    return out
+
+
+def _check_examples(trainer, dataset, name: str):
+    if isinstance(dataset, Mapping) and name == "eval_dataset":
+        for key, ds in dataset.items():
+            _check_examples(trainer, ds, f"{name}[{key!r}]")
+        return None
+    if has_length(dataset) and not isinstance(dataset, IterableDataset) and len(dataset) == 0:
+        raise ValueError(f"{name} is empty.")
+    examples = _first_examples(dataset, 1)
+    if not examples:
+        raise ValueError(f"{name} yielded no example.")
+    example = examples[0]
+    if not isinstance(example, Mapping) and not hasattr(example, "__dataclass_fields__"):
+        raise ValueError(
+            f"{name}[0] is a {type(example).__name__}; each example must be a dict of model inputs "
+            "(e.g. {'input_ids': ..., 'labels': ...}), as the HF Trainer expects."
+        )
+    return example
+
+
+def _check_labels(trainer, example, name: str) -> None:
+    forward = set(inspect.signature(trainer.model.forward).parameters)
+    wanted = [n for n in trainer.label_names if n in forward]
+    if not wanted:
+        return
+    keys = set(rdata._as_mapping(example))
+    if "labels" in wanted and keys & set(rdata.LABEL_KEYS):
+        return
+    missing = [n for n in wanted if n not in keys]
+    if missing:
+        raise ValueError(
+            f"{name}[0] has no {missing[0]!r} column (its keys: {sorted(keys)}), but "
+            f"{type(trainer.model).__name__}.forward takes {missing[0]!r} to compute the loss. Add the "
+            "column (as 'labels', 'label' or 'label_ids'), or set label_names= to the right names."
+        )
+
+
+def _check_returns_loss(trainer, dataset) -> None:
+    """Run forward once on two collated examples: the model must return a loss."""
+    from raytrainer.trainer import _loss_from_outputs
+
+    model = trainer.model
+    examples = _first_examples(dataset, 2)
+    batch = trainer._collator_for(dataset, "training")(examples)
+    device = next(model.parameters(), torch.empty(0)).device
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(**batch)
+    except TypeError as exc:
+        raise ValueError(
+            f"{type(model).__name__}.forward could not take a collated batch with keys {sorted(batch)}: "
+            f"{exc}. Check remove_unused_columns, label_names and the data collator."
+        ) from exc
+    finally:
+        model.train(was_training)
+    _loss_from_outputs(outputs, model)
+
+
+# -- picklability ------------------------------------------------------------------------------------
+def pickled_spec(trainer, kwargs: dict) -> bytes:
+    """The Trainer pickled for the workers; on failure, the error names the object that fails."""
+    shipped = copy.copy(trainer)  # workers may run in another directory: paths become absolute
+    shipped.args = copy.copy(trainer.args)
+    shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)
+    if shipped.args.storage_path and "://" not in shipped.args.storage_path:
+        shipped.args.storage_path = os.path.abspath(shipped.args.storage_path)
+    try:
+        cloudpickle.dumps(kwargs)
+        return cloudpickle.dumps(shipped)
+    except Exception as exc:
+        culprit = _find_unpicklable(trainer, kwargs)
+        raise ValueError(
+            f"{culprit} cannot be pickled to send it to the Ray workers ({type(exc).__name__}: {exc}). "
+            "Define functions and classes at module level, and keep locks, open files, sockets and "
+            "generators out of models, datasets and callbacks (or build them inside model_init / the "
+            "dataset's __getitem__)."
+        ) from exc
+
+
+def _find_unpicklable(trainer, kwargs: dict) -> str:
+    candidates = [(f"{name}=", value) for name, value in kwargs.items()]
+    for name, value in vars(trainer).items():
+        if name == "callback_handler":
+            candidates += [(f"callback {type(cb).__name__}", cb) for cb in value.callbacks]
+        else:
+            candidates.append((f"Trainer.{name}", value))
+    for label, value in candidates:
+        try:
+            cloudpickle.dumps(value)
+        except Exception:
+            described = getattr(value, "__qualname__", None) or type(value).__name__
+            return f"{label} ({described})"
+    return f"the {type(trainer).__name__} object"

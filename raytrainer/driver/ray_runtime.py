@@ -1,0 +1,48 @@
+"""Connecting to Ray: the user's cluster when an address is given, else a private local instance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# Environment of a local instance we start (inherited by its raylet and workers).
+_LOCAL_ENV = {
+    "RAY_AUTH_MODE": "disabled",  # never pick up a token file meant for another cluster
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # print() on a worker appears once on the driver
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def cpus_needed(args) -> float:
+    per_worker = (args.resources_per_worker or {}).get("CPU", 1)
+    return args.num_workers * per_worker
+
+
+def ensure_ray(args) -> None:
+    """Attach to the cluster in ``ray_address`` / ``RAY_ADDRESS``, or start a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=True)
+        return
+    for key, value in _LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
+    num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999))
+    logger.info("starting a local Ray instance with %d CPUs", num_cpus)
+    # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,
+             logging_level=logging.WARNING, configure_logging=True)
+
+
+def parse_resources(value) -> dict | None:
+    if value is None or isinstance(value, dict):
+        return value
+    return json.loads(value)

@@ -1,0 +1,45 @@
+"""raytrainer's library logger and the driver-side sink for records forwarded by workers.
+
+The ``raytrainer`` logger has its own stderr handler and does not propagate (as libraries in the HF
+ecosystem do), so it prints even when the application configured no logging. Records that workers
+forward arrive already filtered by their rank's level and already formatted; the driver prints them
+through the ``raytrainer.workers`` logger, whose handler a user may replace.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+WORKER_FORMAT = "[rank%(rank)s] %(levelname)s %(name)s: %(message)s"
+_library = logging.getLogger("raytrainer")
+_workers = logging.getLogger("raytrainer.workers")
+
+
+def _stderr_handler(fmt: str) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    handler._raytrainer = True  # marks handlers raytrainer owns
+    return handler
+
+
+if not _library.handlers:
+    _library.addHandler(_stderr_handler("%(levelname)s %(name)s: %(message)s"))
+    _library.propagate = False
+if not _workers.handlers:
+    _workers.addHandler(_stderr_handler("%(message)s"))
+    _workers.propagate = False
+    _workers.setLevel(logging.DEBUG)
+
+
+def get_logger(name: str) -> logging.Logger:
+    return logging.getLogger(name)
+
+
+def emit_worker_record(payload: dict) -> None:
+    """Print one record a worker forwarded (its level was checked on the worker)."""
+    record = logging.makeLogRecord(
+        {"name": "raytrainer.workers", "levelno": payload["levelno"],
+         "levelname": logging.getLevelName(payload["levelno"]), "msg": payload["text"]}
+    )
+    _workers.handle(record)

@@ -1,0 +1,50 @@
+"""The one interface every distribution strategy implements.
+
+A strategy owns how the model is placed and wrapped, how gradients are produced and synchronised,
+and how a consolidated copy of the weights is obtained. The per-rank loop talks to it only through
+these methods, so adding a backend never touches the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from raytrainer.worker.context import RankContext
+
+
+class Strategy:
+    name = "single"
+
+    def __init__(self, ctx: RankContext, args):
+        self.ctx = ctx
+        self.args = args
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
+        return model.to(self.ctx.device)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module evaluation and prediction run: no collective may hide in its forward."""
+        return self.unwrap(model)
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module, sync: bool):
+        """Context for a micro-step; ``sync=False`` on gradient-accumulation steps skips all-reduce."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    # -- weights -----------------------------------------------------------------------------------
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Consolidated CPU weights, complete on rank 0 (other ranks may return an empty dict)."""
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}

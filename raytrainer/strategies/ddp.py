@@ -1,0 +1,29 @@
+"""DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrainer.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.ctx.device)
+        kwargs = {"find_unused_parameters": bool(self.args.ddp_find_unused_parameters)}
+        if self.args.ddp_bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.args.ddp_bucket_cap_mb
+        if self.args.ddp_broadcast_buffers is not None:
+            kwargs["broadcast_buffers"] = self.args.ddp_broadcast_buffers
+        if self.ctx.device.type == "cuda":
+            kwargs["device_ids"] = [self.ctx.device.index]
+        return DistributedDataParallel(model, **kwargs)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: torch.nn.Module, sync: bool):
+        return super().no_sync(model, sync) if sync else model.no_sync()

@@ -1,0 +1,545 @@
+"""``Trainer``: the HF Trainer's API; the work runs on Ray Train workers (or in-process with 0 workers).
+
+The driver-side entry points (``train``, ``evaluate``, ``predict``) validate everything first, then
+ship this very object to every rank, where the same method runs again with a rank context set. That is
+why HF's overridable methods (``compute_loss``, ``training_step``, ``get_train_dataloader``, ...) are
+plain methods here: a subclass's override is what runs on the workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from raytrainer import data as rdata
+from raytrainer.args import TrainingArguments
+from raytrainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerControl,
+    TrainerState,
+)
+from raytrainer.trainer_utils import (
+    EvalLoopOutput,
+    PredictionOutput,
+    TrainOutput,
+    has_length,
+    seed_worker,
+    speed_metrics,
+)
+
+logger = logging.getLogger(__name__)
+
+TRAINING_ARGS_NAME = "training_args.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init: Callable | None = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        optimizer_cls_and_kwargs: tuple | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        *,
+        tokenizer=None,
+        callback: list | None = None,
+    ):
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+            logger.info("No `TrainingArguments` passed, using `output_dir=trainer_output`.")
+        self.args = args
+        if model is None and model_init is None:
+            raise ValueError("Trainer needs a `model` or a `model_init` function that returns one.")
+        if model is not None and model_init is not None:
+            logger.warning("Trainer got both `model` and `model_init`; `model_init` replaces the model.")
+        if model_init is not None and optimizers != (None, None):
+            raise ValueError(
+                "Passing `optimizers` is not allowed with `model_init`: the optimizer would point at the "
+                "parameters of a model that model_init replaces. Override `create_optimizer_and_scheduler`."
+            )
+        if callbacks is not None and callback is not None:
+            raise ValueError("Pass callbacks once, as `callbacks=[...]` (`callback=` is its alias).")
+        self.model_init = model_init
+        self.model = self.call_model_init() if model_init is not None else model
+        self.model_wrapped = self.model
+        self.data_collator = data_collator if data_collator is not None else rdata.default_data_collator
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.label_names = args.label_names or rdata.default_label_names(self.model)
+        self.can_return_loss = self.label_names == [] or "return_loss" in _forward_params(self.model)
+
+        eval_strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+        if eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(
+                f"eval_strategy={eval_strategy!r} needs an eval_dataset: pass `eval_dataset=` to Trainer "
+                "or set eval_strategy='no'."
+            )
+
+        user_callbacks = callbacks if callbacks is not None else (callback or [])
+        display = PrinterCallback if args.disable_tqdm else ProgressCallback
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback, *user_callbacks, display], self.model, self.processing_class,
+            self.optimizer, self.lr_scheduler,
+        )
+        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        self.control = TrainerControl()
+        self._ctx = None  # RankContext while running as a rank
+        self._strategy = None
+        self._channel = None
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # -- picklable for the workers ----------------------------------------------------------------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_ctx"] = state["_strategy"] = state["_channel"] = None
+        return state
+
+    # -- where we run ------------------------------------------------------------------------------
+    @property
+    def _on_rank(self) -> bool:
+        return self._ctx is not None
+
+    def _dispatch(self, method: str, **kwargs):
+        """On the driver: validate, then run ``method`` on every rank and return rank 0's answer."""
+        from raytrainer.driver import runner
+
+        return runner.run(self, method, kwargs)
+
+    # -- public entry points ---------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs) -> TrainOutput:
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
+        if not self._on_rank:
+            return self._dispatch("train", resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                  ignore_keys_for_eval=ignore_keys_for_eval)
+        from raytrainer.worker.loop import training_loop
+
+        return training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        if not self._on_rank:
+            return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
+                                  metric_key_prefix=metric_key_prefix)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, Mapping):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        self._prepare_model_for_inference()
+        dataloader = self.get_eval_dataloader(dataset)
+        start = time.time()
+        output = self.evaluation_loop(
+            dataloader, description="Evaluation",
+            prediction_loss_only=True if self.compute_metrics is None else None,
+            ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+        )
+        output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
+                                            _ceil_div(output.num_samples, self.args.eval_batch_size)))
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        if not self._on_rank:
+            return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
+                                  metric_key_prefix=metric_key_prefix)
+        self._prepare_model_for_inference()
+        dataloader = self.get_test_dataloader(test_dataset)
+        start = time.time()
+        output = self.evaluation_loop(dataloader, description="Prediction", ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
+        output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
+                                            _ceil_div(output.num_samples, self.args.eval_batch_size)))
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control,
+                                                        metrics=output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
+                                metrics=output.metrics)
+
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        from raytrainer.worker.evaluation import evaluation_loop
+
+        return evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys,
+                               metric_key_prefix)
+
+    # -- model -------------------------------------------------------------------------------------
+    def call_model_init(self, trial=None) -> torch.nn.Module:
+        n_args = len(inspect.signature(self.model_init).parameters)
+        if n_args == 0:
+            model = self.model_init()
+        elif n_args == 1:
+            model = self.model_init(trial)
+        else:
+            raise ValueError("model_init must take zero arguments or one (the trial).")
+        if model is None:
+            raise ValueError("model_init returned None; it must return a torch.nn.Module.")
+        return model
+
+    def _prepare_model_for_inference(self) -> None:
+        """Place the model for evaluate()/predict() called on their own (outside train())."""
+        if self._strategy is None:
+            from raytrainer.strategies import select_strategy
+
+            self._strategy = select_strategy(self.args, self._ctx)
+            self.model_wrapped = self._strategy.setup_model(self.model)
+            self.model = self._strategy.unwrap(self.model_wrapped)
+
+    # -- data ----------------------------------------------------------------------------------------
+    def _collator_for(self, dataset, description: str):
+        """The data collator, wrapped to drop columns forward() does not take (remove_unused_columns)."""
+        if not self.args.remove_unused_columns:
+            return self.data_collator
+        keep = rdata.signature_columns(self.model, self.label_names)
+        if keep is None:
+            return self.data_collator
+        return rdata.RemoveColumnsCollator(self.data_collator, keep)
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        a = self.args
+        kwargs = {"num_workers": a.dataloader_num_workers, "pin_memory": a.dataloader_pin_memory
+                  and self._ctx.device.type == "cuda"}
+        if a.dataloader_num_workers > 0:
+            kwargs["persistent_workers"] = a.dataloader_persistent_workers
+            kwargs["prefetch_factor"] = a.dataloader_prefetch_factor
+            kwargs["worker_init_fn"] = seed_worker
+        return kwargs
+
+    def _get_train_sampler(self, dataset):
+        a, ctx = self.args, self._ctx
+        seed = a.data_seed if a.data_seed is not None else a.seed
+        common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": seed,
+                  "drop_last": a.dataloader_drop_last}
+        if a.group_by_length:
+            return rdata.LengthGroupedDistributedSampler(
+                dataset, batch_size=a.train_batch_size, length_column_name=a.length_column_name, **common)
+        return DistributedSampler(dataset, shuffle=True, **common)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._dataloader(self.train_dataset, self.args.train_batch_size, train=True)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._dataloader(dataset, self.args.eval_batch_size, train=False)
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        return self._dataloader(test_dataset, self.args.eval_batch_size, train=False)
+
+    def _dataloader(self, dataset, batch_size: int, train: bool) -> DataLoader:
+        ctx, a = self._ctx, self.args
+        hf_like = hasattr(dataset, "remove_columns") and hasattr(dataset, "column_names")
+        if hf_like and a.remove_unused_columns:
+            keep = rdata.signature_columns(self.model, self.label_names)
+            if keep is not None:
+                dataset = dataset.remove_columns([c for c in dataset.column_names if c not in keep])
+        collator = self._collator_for(dataset, "training" if train else "evaluation")
+        if isinstance(dataset, IterableDataset) or not has_length(dataset):
+            shard = rdata.IterableShard(dataset, batch_size, ctx.world_size, ctx.rank,
+                                        drop_last=a.dataloader_drop_last and train)
+            return DataLoader(shard, batch_size=batch_size, collate_fn=collator, **self._loader_kwargs())
+        if train:
+            sampler = self._get_train_sampler(dataset)
+            drop_last = a.dataloader_drop_last
+        else:
+            sampler = rdata.EvalBlockSampler(len(dataset), batch_size, ctx.world_size, ctx.rank)
+            drop_last = False
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
+                          drop_last=drop_last, **self._loader_kwargs())
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        dataset = dataloader.dataset
+        if isinstance(dataset, rdata.IterableShard):
+            dataset = dataset.dataset
+        try:
+            return len(dataset)
+        except TypeError:
+            return len(dataloader) * dataloader.batch_size
+
+    def num_tokens(self, train_dl: DataLoader, max_steps: int | None = None) -> int:
+        tokens = 0
+        for step, batch in enumerate(train_dl):
+            tokens += batch["input_ids"].numel() if "input_ids" in batch else 0
+            if max_steps is not None and step >= max_steps:
+                break
+        return tokens
+
+    # -- optimisation ----------------------------------------------------------------------------------
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            if self.optimizer_cls_and_kwargs is not None:
+                from raytrainer.optim import get_decay_parameter_names
+
+                cls, kwargs = self.optimizer_cls_and_kwargs
+                decay = set(get_decay_parameter_names(self.model))
+                params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+                groups = [
+                    {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+                    {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+                ]
+                self.optimizer = cls(groups, **kwargs)
+            else:
+                from raytrainer.optim import create_optimizer
+
+                self.optimizer = create_optimizer(self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            from raytrainer.optim import create_scheduler
+
+            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def _get_learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs):
+        device = self._ctx.device if self._ctx is not None else torch.device("cpu")
+        return _to_device(inputs, device)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        labels = None
+        if self.args.label_smoothing_factor > 0 and "labels" in inputs:
+            labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        if self.compute_loss_func is not None and labels is None and "labels" in inputs:
+            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
+        elif labels is not None:
+            from raytrainer.worker.loss import label_smoothed_loss
+
+            loss = label_smoothed_loss(outputs, labels, self.args.label_smoothing_factor)
+        else:
+            loss = _loss_from_outputs(outputs, model)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        if "num_items_in_batch" in inspect.signature(self.compute_loss).parameters:
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = self.compute_loss(model, inputs)
+        loss = loss / getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        self._strategy.backward(loss)
+        return loss.detach()
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        return_loss = inputs.pop("return_loss", None)
+        loss_without_labels = bool(return_loss) and self.can_return_loss
+        inputs = self._prepare_inputs(inputs)
+        if ignore_keys is None:
+            config = getattr(model, "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
+        labels = None
+        if has_labels:
+            labels = tuple(inputs.get(n).detach() for n in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        with torch.no_grad():
+            if has_labels or loss_without_labels:
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                loss = loss.mean().detach()
+                logits = _logits_from_outputs(outputs, [*ignore_keys, "loss"], drop_first=True)
+            else:
+                loss = None
+                logits = _logits_from_outputs(model(**inputs), ignore_keys, drop_first=False)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, logits, labels
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """Forward+backward FLOPs of a batch: the model's own estimate, else 6 x params x tokens."""
+        if hasattr(self.model, "floating_point_ops"):
+            return self.model.floating_point_ops(inputs)
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        tokens = ids.numel() if isinstance(ids, torch.Tensor) else _batch_size(inputs)
+        return 6 * tokens * sum(p.numel() for p in self.model.parameters())
+
+    # -- logging and callbacks ------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        if start_time is not None:
+            logs.update(speed_metrics("train", start_time))
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        return self._ctx is None or self._ctx.is_world_zero
+
+    def is_local_process_zero(self) -> bool:
+        return self._ctx is None or self._ctx.is_local_zero
+
+    # -- metrics files ----------------------------------------------------------------------------------
+    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """Readable copies of metric values: runtimes as h:mm:ss.ss, memory in MB, floats rounded."""
+        out = metrics.copy()
+        for k, v in out.items():
+            if "_mem_" in k:
+                out[k] = f"{v >> 20}MB"
+            elif "_runtime" in k:
+                h, rem = divmod(v, 3600)
+                m, s = divmod(rem, 60)
+                out[k] = f"{int(h)}:{int(m):02d}:{s:05.2f}"
+            elif k == "total_flos":
+                out[k] = f"{int(v) >> 30}GF"
+            elif isinstance(v, float):
+                out[k] = round(v, 4)
+        return out
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        if not self.is_world_process_zero():
+            return
+        print(f"***** {split} metrics *****")
+        formatted = self.metrics_format(metrics)
+        width = max((len(k) for k in formatted), default=0)
+        for key in sorted(formatted):
+            print(f"  {key: <{width}} = {formatted[key]:>9}")
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            all_metrics = {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    all_metrics = json.load(f)
+            all_metrics.update(metrics)
+            with open(path, "w") as f:
+                json.dump(all_metrics, f, indent=4, sort_keys=True)
+
+    def save_state(self) -> None:
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, TRAINER_STATE_NAME))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated weights (``model.safetensors``, or ``save_pretrained`` when the model has it)."""
+        from raytrainer.worker.saving import save_model_files
+
+        output_dir = output_dir or self.args.output_dir
+        state_dict = self._strategy.full_state_dict(self.model_wrapped) if self._strategy else None
+        if self.is_world_process_zero():
+            save_model_files(self.model, output_dir, state_dict, self.processing_class, self.args)
+
+    def _save_checkpoint(self, model, trial=None) -> str:
+        from raytrainer.worker.saving import save_checkpoint
+
+        return save_checkpoint(self, trial)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _forward_params(model) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _batch_size(inputs) -> int:
+    for v in (inputs.values() if isinstance(inputs, Mapping) else inputs):
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return v.shape[0]
+    return 1
+
+
+def _loss_from_outputs(outputs, model) -> torch.Tensor:
+    """The loss a model returned: first element of a tuple, ``loss`` of a dict, or a scalar tensor."""
+    loss = None
+    if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
+        loss = outputs.get("loss") if hasattr(outputs, "get") else None
+        found = list(outputs.keys())
+    elif isinstance(outputs, (tuple, list)):
+        loss = outputs[0] if outputs else None
+        found = f"a {type(outputs).__name__} of {len(outputs)}"
+    elif isinstance(outputs, torch.Tensor) and outputs.ndim == 0:
+        loss = outputs
+        found = "a scalar"
+    else:
+        found = type(outputs).__name__
+    if not isinstance(loss, torch.Tensor) or loss.ndim > 1 or (loss.ndim == 1 and loss.numel() != 1):
+        raise ValueError(
+            f"{type(model).__name__} returned no loss (it returned {found}). Return the loss first in a "
+            "tuple or under 'loss' in a dict when labels are given, or override Trainer.compute_loss / "
+            "pass compute_loss_func."
+        )
+    return loss
+
+
+def _logits_from_outputs(outputs, ignore_keys: list[str], drop_first: bool):
+    if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
+        logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
+    elif isinstance(outputs, (tuple, list)):
+        logits = tuple(outputs[1:] if drop_first else outputs)
+    else:
+        logits = () if drop_first else (outputs,)
+    logits = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in logits)
+    if len(logits) == 0:
+        return None
+    return logits[0] if len(logits) == 1 else logits

@@ -1,0 +1,97 @@
+"""Where this process stands in the run (rank, node, device) and the few collectives the loop needs.
+
+With one process every collective is the identity, so the same loop runs in the driver's own process
+(``num_workers=0``) and on Ray Train workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RankContext:
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_world_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_zero(self) -> bool:
+        return self.local_rank == 0
+
+    # -- collectives -------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def any_flags(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR of boolean flags across ranks: one rank's decision becomes everyone's."""
+        if not self.distributed:
+            return flags
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0; None elsewhere."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.is_world_zero else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def ray_train_context(use_gpu: bool) -> RankContext:
+    """The context of a Ray Train worker (process group already set up by Ray Train)."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    if use_gpu and torch.cuda.is_available():
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return RankContext(
+        world_size=ctx.get_world_size(),
+        rank=ctx.get_world_rank(),
+        local_rank=ctx.get_local_rank(),
+        local_world_size=ctx.get_local_world_size(),
+        node_rank=ctx.get_node_rank(),
+        device=device,
+    )
+
+
+def local_context(use_gpu: bool) -> RankContext:
+    """The context of the driver's own process (``num_workers=0``)."""
+    device = torch.device("cuda") if use_gpu and torch.cuda.is_available() else torch.device("cpu")
+    return RankContext(device=device)

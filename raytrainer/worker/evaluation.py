@@ -1,0 +1,168 @@
+"""Evaluation and prediction across ranks, returning what one process would have returned.
+
+Each rank runs ``prediction_step`` over its blocks (see ``raytrainer.data``), keeps predictions on the
+host (every ``eval_accumulation_steps`` when set, else at the end), and sends them to rank 0, which
+restores dataset order, cuts the padding, pads variable-length outputs with -100 and computes metrics.
+The metrics are then broadcast, so every rank's callbacks see the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from raytrainer.data import unshard
+from raytrainer.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+
+PAD = -100
+
+
+# -- nested structures of arrays -------------------------------------------------------------------
+def _to_numpy(x):
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_numpy(v) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _to_numpy(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _pad_to(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if a.shape == shape:
+        return a
+    out = np.full(shape, PAD, dtype=np.result_type(a.dtype, np.int64) if a.dtype.kind in "iub" else a.dtype)
+    out[tuple(slice(0, s) for s in a.shape)] = a
+    return out
+
+
+def pad_concat(arrays: list[np.ndarray]) -> np.ndarray:
+    """Concatenate along dim 0, padding the other dims with -100 to the largest size."""
+    arrays = [np.atleast_1d(a) for a in arrays]
+    if all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
+        return np.concatenate(arrays)
+    tail = tuple(max(s) for s in zip(*(a.shape[1:] for a in arrays)))
+    return np.concatenate([_pad_to(a, (a.shape[0], *tail)) for a in arrays])
+
+
+def nested_concat(parts: list):
+    first = parts[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(nested_concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: nested_concat([p[k] for p in parts]) for k in first}
+    return pad_concat(parts)
+
+
+def nested_unshard(per_rank: list, batch_size: int, num_examples: int):
+    first = per_rank[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(nested_unshard([p[i] for p in per_rank], batch_size, num_examples)
+                           for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: nested_unshard([p[k] for p in per_rank], batch_size, num_examples) for k in first}
+    # the ranks' arrays may differ past dim 0 (variable lengths): pad them to one shape first
+    tail = tuple(max(s) for s in zip(*(a.shape[1:] for a in per_rank))) if first.ndim > 1 else ()
+    padded = [_pad_to(a, (a.shape[0], *tail)) if tail else a for a in per_rank]
+    return unshard(padded, batch_size, num_examples)
+
+
+class _Accumulator:
+    """Device-side parts flushed to host numpy every ``every`` steps (or at the end)."""
+
+    def __init__(self, every: int | None):
+        self.every = every
+        self.device_parts: list = []
+        self.host_parts: list = []
+
+    def add(self, value, step: int) -> None:
+        if value is None:
+            return
+        self.device_parts.append(value)
+        if self.every and (step + 1) % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        self.host_parts.extend(_to_numpy(p) for p in self.device_parts)
+        self.device_parts = []
+
+    def result(self):
+        self.flush()
+        return nested_concat(self.host_parts) if self.host_parts else None
+
+
+def evaluation_loop(trainer, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
+    args, ctx = trainer.args, trainer._ctx
+    prediction_loss_only = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+    model = trainer._strategy.eval_model(trainer.model_wrapped)
+    model.eval()
+    handler = trainer.callback_handler
+    handler.eval_dataloader = dataloader
+    include = set(args.include_for_metrics or [])
+
+    losses, preds, labels, inputs_acc = (_Accumulator(args.eval_accumulation_steps) for _ in range(4))
+    for step, inputs in enumerate(dataloader):
+        batch_inputs = inputs.get("input_ids") if "inputs" in include else None
+        loss, logits, label_ids = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        batch_size = _observed_batch_size(inputs)
+        if loss is not None:
+            losses.add(loss.detach().reshape(1).repeat(batch_size), step)
+        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+            logits = trainer.preprocess_logits_for_metrics(logits, label_ids)
+        preds.add(logits, step)
+        labels.add(label_ids, step)
+        inputs_acc.add(batch_inputs, step)
+        trainer.control = handler.on_prediction_step(args, trainer.state, trainer.control)
+
+    local = [acc.result() for acc in (losses, preds, labels, inputs_acc)]
+    num_examples = _num_real_examples(dataloader)
+    gathered = ctx.gather_object(local)
+
+    metrics = None
+    if ctx.is_world_zero:
+        batch_size = dataloader.batch_size
+        all_losses, all_preds, all_labels, all_inputs = (
+            nested_unshard([g[i] for g in gathered], batch_size, num_examples) for i in range(4)
+        )
+        metrics = {}
+        if (trainer.compute_metrics is not None and all_preds is not None and all_labels is not None):
+            eval_pred = EvalPrediction(
+                predictions=all_preds, label_ids=all_labels,
+                inputs=all_inputs if "inputs" in include else None,
+                losses=all_losses if "loss" in include else None,
+            )
+            metrics = dict(trainer.compute_metrics(eval_pred))
+        metrics = denumpify_detensorize(metrics)
+        if all_losses is not None and len(all_losses):
+            metrics[f"{metric_key_prefix}_loss"] = float(np.mean(all_losses))
+        for key in list(metrics):
+            if not key.startswith(f"{metric_key_prefix}_"):
+                metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+    else:
+        all_preds = all_labels = None
+    metrics = ctx.broadcast_object(metrics)
+    return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics,
+                          num_samples=num_examples)
+
+
+def _observed_batch_size(inputs) -> int:
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return v.shape[0]
+    return 1
+
+
+def _num_real_examples(dataloader) -> int:
+    sampler = dataloader.sampler
+    if hasattr(sampler, "num_examples"):
+        return sampler.num_examples
+    return getattr(dataloader.dataset, "num_real", 0)

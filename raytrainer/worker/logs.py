@@ -1,0 +1,80 @@
+"""Log routing on a rank: main vs replica levels, forwarding to the driver, one log file per rank.
+
+On each rank the root and ``raytrainer`` loggers get ``args.get_process_log_level()`` (``log_level`` on
+the main process, ``log_level_replica`` elsewhere; ``log_on_each_node`` decides whether each node's local
+main counts as main). Records that pass are forwarded to the driver's console and written to
+``<output_dir>/logs/rank-<r>.log``. Everything is restored when the call ends, so running the loop in
+the driver's own process (``num_workers=0``) leaves the application's logging as it found it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from raytrainer.logging_utils import WORKER_FORMAT
+
+
+class _ForwardHandler(logging.Handler):
+    def __init__(self, channel, rank: int):
+        super().__init__()
+        self.channel = channel
+        self.setFormatter(logging.Formatter(WORKER_FORMAT))
+        self.rank = rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.rank = self.rank
+            text = self.format(record)
+            self.channel.send("log", {"levelno": record.levelno, "text": text},
+                              urgent=record.levelno >= logging.WARNING)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def rank_logging(args, rank: int, channel=None):
+    """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process)."""
+    level = args.get_process_log_level()
+    loggers = [logging.getLogger(), logging.getLogger("raytrainer")]
+    saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
+
+    log_dir = os.path.join(args.output_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    file_handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
+    file_handler.setFormatter(logging.Formatter("%(asctime)s " + WORKER_FORMAT))
+    file_handler.addFilter(_RankFilter(rank))
+    added = [file_handler]
+    if channel is not None:
+        added.append(_ForwardHandler(channel, rank))
+    try:
+        for lg in loggers:
+            lg.setLevel(level)
+            if channel is not None:
+                # On a worker our handlers replace the process's stream handlers: the driver prints.
+                for h in list(lg.handlers):
+                    lg.removeHandler(h)
+            for h in added:
+                lg.addHandler(h)
+        yield
+    finally:
+        for lg, lvl, handlers in saved:
+            for h in added:
+                lg.removeHandler(h)
+            lg.setLevel(lvl)
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+        for h in added:
+            h.close()
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True

@@ -1,0 +1,246 @@
+"""The per-rank training loop. Every rank runs this, in lock step.
+
+    set seed; model_init(trial); strategy.setup_model; create optimizer and scheduler
+    on_train_begin
+    for epoch:
+        on_epoch_begin
+        for each optimizer update (``gradient_accumulation_steps`` micro-batches; the last update of an
+        epoch may have fewer):
+            on_step_begin
+            micro-batches: training_step (no gradient all-reduce but on the last), on_substep_end between
+            clip gradients; on_pre_optimizer_step; optimizer.step(); on_optimizer_step; scheduler.step()
+            global_step += 1; on_step_end
+            control flags OR-ed across ranks -> log / evaluate / save, identically on every rank
+        on_epoch_end (also when the epoch was cut short), flags OR-ed, log / evaluate / save
+    on_train_end; TrainOutput with speed metrics
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from raytrainer.callbacks import TrainerControl, TrainerState
+from raytrainer.strategies import select_strategy
+from raytrainer.trainer_utils import MemoryTracker, TrainOutput, set_seed, speed_metrics
+
+_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+
+
+def sync_control(control: TrainerControl, ctx) -> TrainerControl:
+    """A decision taken on any rank becomes every rank's decision, in the same step."""
+    values = ctx.any_flags([getattr(control, f) for f in _FLAGS])
+    for name, value in zip(_FLAGS, values):
+        setattr(control, name, value)
+    return control
+
+
+class _Schedule:
+    """How many optimizer updates make an epoch and the run (HF's rules)."""
+
+    def __init__(self, args, len_dataloader: int | None):
+        ga = args.gradient_accumulation_steps
+        if len_dataloader is not None:
+            self.micro_per_epoch = len_dataloader
+            self.updates_per_epoch = max(math.ceil(len_dataloader / ga), 1)
+            if args.max_steps > 0:
+                self.max_steps = args.max_steps
+                self.num_epochs = math.ceil(args.max_steps / self.updates_per_epoch)
+            else:
+                self.max_steps = math.ceil(args.num_train_epochs * self.updates_per_epoch)
+                self.num_epochs = math.ceil(args.num_train_epochs)
+        else:  # iterable data: the run is max_steps long, epochs end when the stream does
+            self.micro_per_epoch = sys.maxsize
+            self.updates_per_epoch = args.max_steps
+            self.max_steps = args.max_steps
+            self.num_epochs = sys.maxsize
+
+
+def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
+    args, ctx = trainer.args, trainer._ctx
+    memory = MemoryTracker(args.skip_memory_metrics)
+    memory.start("train")
+    start_time = time.time()
+    set_seed(args.seed)
+    if trainer.model_init is not None:
+        trainer.model = trainer.call_model_init(trial)
+        trainer.optimizer = trainer.lr_scheduler = None
+
+    strategy = trainer._strategy = select_strategy(args, ctx)
+    train_dataloader = trainer.get_train_dataloader()
+    len_dataloader = len(train_dataloader) if _has_len(train_dataloader) else None
+    schedule = _Schedule(args, len_dataloader)
+
+    model = trainer.model_wrapped = strategy.setup_model(trainer.model)
+    trainer.model = strategy.unwrap(model)
+    trainer.create_optimizer_and_scheduler(num_training_steps=schedule.max_steps)
+    optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    state = trainer.state = TrainerState(
+        is_local_process_zero=trainer.is_local_process_zero(),
+        is_world_process_zero=trainer.is_world_process_zero(),
+        train_batch_size=args.train_batch_size,
+        stateful_callbacks=[cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "state")],
+    )
+    state.compute_steps(args, schedule.max_steps)
+    state.max_steps, state.num_train_epochs = schedule.max_steps, schedule.num_epochs
+    handler = trainer.callback_handler
+    handler.model, handler.optimizer, handler.lr_scheduler = trainer.model, optimizer, scheduler
+    handler.train_dataloader = train_dataloader
+
+    control = trainer.control = handler.on_train_begin(args, state, TrainerControl())
+    tr_loss = torch.zeros((), device=ctx.device)
+    loop = _LogState(total_loss=0.0, last_logged=0, grad_norm=None)
+    model.zero_grad(set_to_none=True)
+    ga = args.gradient_accumulation_steps
+    samples_seen = 0
+
+    for epoch in range(schedule.num_epochs):
+        if hasattr(train_dataloader.sampler, "set_epoch"):
+            train_dataloader.sampler.set_epoch(epoch)
+        elif hasattr(train_dataloader.dataset, "set_epoch"):
+            train_dataloader.dataset.set_epoch(epoch)
+        control = trainer.control = handler.on_epoch_begin(args, state, control)
+        batches = iter(train_dataloader)
+        updates_this_epoch = schedule.updates_per_epoch
+        exhausted = False
+        for update in range(updates_this_epoch):
+            micro = _take(batches, ga)
+            if not micro:
+                exhausted = True
+                break
+            control = trainer.control = handler.on_step_begin(args, state, control)
+            trainer._micro_steps = len(micro)
+            for i, inputs in enumerate(micro):
+                last = i == len(micro) - 1
+                with strategy.no_sync(model, sync=last):
+                    loss = trainer.training_step(model, inputs)
+                if args.logging_nan_inf_filter and not torch.isfinite(loss):
+                    loss = tr_loss / (1 + state.global_step - loop.last_logged)  # keep the running mean
+                tr_loss = tr_loss + loss
+                state.total_flos += float(trainer.floating_point_ops(inputs))
+                samples_seen += _num_samples(inputs)
+                if not last:
+                    control = trainer.control = handler.on_substep_end(args, state, control)
+
+            if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                loop.grad_norm = strategy.clip_grad_norm(model, args.max_grad_norm)
+            control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
+            optimizer.step()
+            control = trainer.control = handler.on_optimizer_step(args, state, control)
+            if not plateau:
+                scheduler.step()
+            model.zero_grad(set_to_none=True)
+
+            state.global_step += 1
+            state.epoch = epoch + (update + 1) / updates_this_epoch
+            control = trainer.control = handler.on_step_end(args, state, control)
+            sync_control(control, ctx)
+            tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
+            control = trainer.control
+            if control.should_epoch_stop or control.should_training_stop:
+                break
+        if exhausted and schedule.num_epochs == sys.maxsize and state.global_step == 0:
+            raise ValueError("the training dataset yielded no batch; check train_dataset and batch size")
+        control = trainer.control = handler.on_epoch_end(args, state, control)
+        sync_control(control, ctx)
+        tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
+        control = trainer.control
+        if control.should_training_stop or state.global_step >= schedule.max_steps:
+            break
+
+    total_loss = loop.total_loss + _mean_across_ranks(tr_loss, ctx)
+    train_loss = total_loss / max(state.global_step, 1)
+    num_samples = int(ctx.sum([float(samples_seen)])[0])
+    metrics = speed_metrics("train", start_time, num_samples=num_samples, num_steps=state.global_step)
+    metrics["total_flos"] = int(ctx.sum([state.total_flos])[0])
+    state.total_flos = metrics["total_flos"]
+    metrics["train_loss"] = train_loss
+    metrics.update(memory.stop("train"))
+    trainer.log(metrics)
+    trainer.control = handler.on_train_end(args, state, trainer.control)
+    return TrainOutput(state.global_step, train_loss, metrics)
+
+
+class _LogState:
+    def __init__(self, total_loss: float, last_logged: int, grad_norm):
+        self.total_loss = total_loss
+        self.last_logged = last_logged
+        self.grad_norm = grad_norm
+
+
+def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys):
+    args, state, control, ctx = trainer.args, trainer.state, trainer.control, trainer._ctx
+    if control.should_log and state.global_step > loop.last_logged:
+        loss = _mean_across_ranks(tr_loss, ctx)
+        loop.total_loss += loss
+        logs = {"loss": round(loss / (state.global_step - loop.last_logged), 4)}
+        if loop.grad_norm is not None:
+            logs["grad_norm"] = float(loop.grad_norm)
+        logs["learning_rate"] = trainer._get_learning_rate()
+        loop.last_logged = state.global_step
+        tr_loss = torch.zeros_like(tr_loss)
+        trainer.log(logs)
+
+    metrics = None
+    if trainer.control.should_evaluate:
+        metrics = trainer.evaluate(ignore_keys=ignore_keys)
+        _update_best(trainer, metrics)
+        if isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            key = args.metric_for_best_model or "loss"
+            key = key if key.startswith("eval_") else f"eval_{key}"
+            trainer.lr_scheduler.step(metrics[key])
+
+    if trainer.control.should_save:
+        trainer._save_checkpoint(trainer.model_wrapped, trial)
+        trainer.control = trainer.callback_handler.on_save(args, state, trainer.control)
+    return tr_loss
+
+
+def _update_best(trainer, metrics: dict) -> None:
+    """Track ``state.best_metric`` / ``best_global_step`` for metric_for_best_model (HF's rule)."""
+    args, state = trainer.args, trainer.state
+    if not args.metric_for_best_model:
+        return
+    key = args.metric_for_best_model
+    key = key if key.startswith("eval_") else f"eval_{key}"
+    if key not in metrics:
+        return
+    value = metrics[key]
+    better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
+    if state.best_metric is None or better(value, state.best_metric):
+        state.best_metric = value
+        state.best_global_step = state.global_step
+
+
+def _mean_across_ranks(t: torch.Tensor, ctx) -> float:
+    return ctx.sum([float(t.item())])[0] / ctx.world_size
+
+
+def _take(iterator, n: int) -> list:
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(iterator))
+        except StopIteration:
+            break
+    return out
+
+
+def _num_samples(inputs) -> int:
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return v.shape[0]
+    return 0
+
+
+def _has_len(dataloader) -> bool:
+    try:
+        len(dataloader)
+        return True
+    except TypeError:
+        return False
