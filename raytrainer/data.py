@@ -3,8 +3,8 @@
 Training shards with ``DistributedSampler`` (one permutation per epoch from ``data_seed``/``seed``, so a
 run with W ranks of batch B sees the same global batches as one rank of batch W*B). Evaluation shards in
 contiguous blocks of one batch, rank r taking blocks r, r+W, r+2W...; every rank runs the same number of
-batches (the tail is padded by repeating the first examples) and ``unshard`` puts the gathered blocks
-back in dataset order and cuts the padding, so every example is counted exactly once.
+batches, and ``unshard`` puts the gathered rows back at their dataset positions, so every example is
+counted exactly once and in order.
 """
 
 from __future__ import annotations
@@ -132,22 +132,70 @@ class LengthGroupedDistributedSampler(DistributedSampler):
         return iter(indices[self.rank: self.total_size: self.num_replicas])
 
 
+# -- evaluation sharding ---------------------------------------------------------------------------------
+def eval_positions(num_examples: int, batch_size: int, world_size: int, rank: int) -> list[int | None]:
+    """Dataset positions rank r evaluates: blocks r, r+W, ... of ``batch_size`` consecutive examples.
+
+    The last round may leave a rank without a block; it then gets one dummy example (None) so that every
+    rank runs the same number of batches. Dummies never share a batch with real examples, so they cannot
+    change how a batch is padded, and ``unshard`` drops them.
+    """
+    round_size = batch_size * world_size
+    rounds = max(1, -(-num_examples // round_size))
+    positions: list[int | None] = []
+    for start in range(rank * batch_size, rounds * round_size, round_size):
+        block = list(range(start, min(start + batch_size, num_examples)))
+        positions.extend(block if block else [None])
+    return positions
+
+
+def unshard(per_rank: list[np.ndarray], batch_size: int, num_examples: int) -> np.ndarray:
+    """Inverse of block sharding: each rank's rows back at their dataset positions, dummies dropped."""
+    world_size = len(per_rank)
+    if world_size == 1:
+        return per_rank[0][:num_examples]
+    first = per_rank[0]
+    out = np.empty((num_examples, *first.shape[1:]), dtype=first.dtype)
+    for rank, rows in enumerate(per_rank):
+        positions = eval_positions(num_examples, batch_size, world_size, rank)
+        real = [i for i, p in enumerate(positions) if p is not None]
+        out[[positions[i] for i in real]] = rows[real]
+    return out
+
+
+class EvalBlockSampler(Sampler[int]):
+    """Rank r's evaluation indices (see ``eval_positions``; a dummy reads example 0)."""
+
+    def __init__(self, num_examples: int, batch_size: int, world_size: int, rank: int):
+        self.num_examples = num_examples
+        self.indices = [p if p is not None else 0
+                        for p in eval_positions(num_examples, batch_size, world_size, rank)]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 # -- iterable datasets -------------------------------------------------------------------------------
 class IterableShard(IterableDataset):
-    """This rank's share of an iterable dataset, one batch at a time.
+    """This rank's share of an iterable dataset, one batch-sized block per round of W blocks.
 
-    Reads ``batch_size * world_size`` examples, keeps block ``rank``; the last incomplete round is
-    dropped (``drop_last``) or completed with the first examples of the stream, so every rank yields
-    the same number of batches. ``num_real`` counts the examples of the stream seen (for evaluation).
+    Training (``pad_rounds=True``): the last incomplete round is dropped (``drop_last``) or completed
+    with the first examples of the stream, so every rank yields the same number of full batches.
+    Evaluation (``pad_rounds=False``): blocks follow ``eval_positions`` — a rank left without a block in
+    the last round yields one dummy example. ``num_real`` counts the stream's examples seen.
     """
 
     def __init__(self, dataset: Iterable, batch_size: int, world_size: int, rank: int,
-                 drop_last: bool = False):
+                 drop_last: bool = False, pad_rounds: bool = True):
         self.dataset = dataset
         self.batch_size = batch_size
         self.world_size = world_size
         self.rank = rank
         self.drop_last = drop_last
+        self.pad_rounds = pad_rounds
         self.num_real = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -168,38 +216,10 @@ class IterableShard(IterableDataset):
             if len(buf) == round_size:
                 yield from buf[lo:hi]
                 buf = []
-        if buf and not self.drop_last:
-            while len(buf) < round_size:
-                buf.extend(first[: round_size - len(buf)])
-            yield from buf[lo:hi]
-
-
-# -- evaluation sharding ---------------------------------------------------------------------------------
-class EvalBlockSampler(Sampler[int]):
-    """Rank r's evaluation indices: blocks r, r+W, ... of ``batch_size`` consecutive examples."""
-
-    def __init__(self, num_examples: int, batch_size: int, world_size: int, rank: int):
-        self.num_examples = num_examples
-        round_size = batch_size * world_size
-        total = max(1, math.ceil(num_examples / round_size)) * round_size
-        padded = [i % max(num_examples, 1) for i in range(total)]
-        self.indices = [
-            i
-            for start in range(rank * batch_size, total, round_size)
-            for i in padded[start:start + batch_size]
-        ]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-def unshard(per_rank: list[np.ndarray], batch_size: int, num_examples: int) -> np.ndarray:
-    """Inverse of block sharding: interleave the ranks' blocks and drop the padded tail."""
-    if len(per_rank) == 1:
-        return per_rank[0][:num_examples]
-    blocks = [np.split(a, range(batch_size, len(a), batch_size)) if len(a) else [] for a in per_rank]
-    ordered = [b for round_ in zip(*blocks) for b in round_]
-    return np.concatenate(ordered)[:num_examples]
+        if self.pad_rounds:
+            if buf and not self.drop_last:
+                while len(buf) < round_size:
+                    buf.extend(first[: round_size - len(buf)])
+                yield from buf[lo:hi]
+        elif buf or self.num_real == 0:
+            yield from (buf[lo:hi] or first[:1])

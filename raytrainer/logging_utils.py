@@ -16,10 +16,20 @@ _library = logging.getLogger("raytrainer")
 _workers = logging.getLogger("raytrainer.workers")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (it may be redirected later)."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 def _stderr_handler(fmt: str) -> logging.Handler:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(fmt))
-    handler._raytrainer = True  # marks handlers raytrainer owns
     return handler
 
 

@@ -271,7 +271,7 @@ class Trainer:
         collator = self._collator_for(dataset, "training" if train else "evaluation")
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
             shard = rdata.IterableShard(dataset, batch_size, ctx.world_size, ctx.rank,
-                                        drop_last=a.dataloader_drop_last and train)
+                                        drop_last=a.dataloader_drop_last and train, pad_rounds=train)
             return DataLoader(shard, batch_size=batch_size, collate_fn=collator, **self._loader_kwargs())
         if train:
             sampler = self._get_train_sampler(dataset)
