@@ -101,7 +101,7 @@ class TrainerState:
     constructor is converted to that form.
     """
 
-    epoch: float = 0
+    epoch: float | None = None
     global_step: int = 0
     max_steps: int = 0
     logging_steps: int = 500

@@ -10,7 +10,6 @@ counted exactly once and in order.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -46,7 +45,10 @@ def default_data_collator(features: list, return_tensors: str = "pt") -> dict[st
     for key in ("label", "label_ids"):
         if key in first and first[key] is not None:
             value = first[key]
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.ndim == 0:  # HF: .item(), then long or float
+                dtype = torch.long if not value.is_floating_point() else torch.float
+                batch["labels"] = torch.tensor([f[key].item() for f in features], dtype=dtype)
+            elif isinstance(value, torch.Tensor):
                 batch["labels"] = torch.stack([f[key] for f in features])
             else:
                 is_int = isinstance(value, (int, np.integer)) or (
@@ -223,3 +225,47 @@ class IterableShard(IterableDataset):
                 yield from buf[lo:hi]
         elif buf or self.num_real == 0:
             yield from (buf[lo:hi] or first[:1])
+
+
+# -- Ray Data ----------------------------------------------------------------------------------------
+def is_ray_dataset(obj) -> bool:
+    return type(obj).__module__.startswith("ray.data") and hasattr(obj, "iter_torch_batches")
+
+
+class RayDataBatches:
+    """Batches from a Ray Data dataset, or from this worker's shard of it, shaped for the model.
+
+    On Ray Train workers the source is ``ray.train.get_dataset_shard("train")``: Ray splits the dataset
+    with ``equal=True``, so each of W ranks reads ``num_rows // W`` rows and all run the same number of
+    batches. ``label`` / ``label_ids`` columns become ``labels``; columns outside ``keep`` are dropped.
+    """
+
+    def __init__(self, source, batch_size: int, num_rows: int, keep: set[str] | None, drop_last: bool):
+        self.dataset = source
+        self.batch_size = batch_size
+        self.num_rows = num_rows
+        self.keep = keep
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_rows, self.batch_size)
+        return full + (0 if self.drop_last or rest == 0 else 1)
+
+    def __iter__(self):
+        yield from self.dataset.iter_torch_batches(
+            batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=_ray_collate(self.keep))
+
+
+def _ray_collate(keep: set[str] | None):
+    """Keep the model's columns (strings dropped), rename labels, copy into writable tensors."""
+    from ray.data.collate_fn import NumpyBatchCollateFn
+
+    class _Collate(NumpyBatchCollateFn):
+        def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+            return {
+                ("labels" if k in ("label", "label_ids") else k): torch.from_numpy(np.array(v))
+                for k, v in batch.items()
+                if (keep is None or k in keep) and v.dtype.kind not in "OUS"
+            }
+
+    return _Collate()

@@ -263,6 +263,11 @@ class Trainer:
 
     def _dataloader(self, dataset, batch_size: int, train: bool) -> DataLoader:
         ctx, a = self._ctx, self.args
+        if rdata.is_ray_dataset(dataset):
+            if not train:  # in-process evaluation: every example once, in order (see preflight)
+                dataset = dataset.take_all()
+            else:
+                return self._ray_data_batches(dataset, batch_size)
         hf_like = hasattr(dataset, "remove_columns") and hasattr(dataset, "column_names")
         if hf_like and a.remove_unused_columns:
             keep = rdata.signature_columns(self.model, self.label_names)
@@ -272,7 +277,9 @@ class Trainer:
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
             shard = rdata.IterableShard(dataset, batch_size, ctx.world_size, ctx.rank,
                                         drop_last=a.dataloader_drop_last and train, pad_rounds=train)
-            return DataLoader(shard, batch_size=batch_size, collate_fn=collator, **self._loader_kwargs())
+            # evaluation counts the stream's examples as it reads them: read in this process
+            loader_kwargs = self._loader_kwargs() if train else {}
+            return DataLoader(shard, batch_size=batch_size, collate_fn=collator, **loader_kwargs)
         if train:
             sampler = self._get_train_sampler(dataset)
             drop_last = a.dataloader_drop_last
@@ -281,6 +288,20 @@ class Trainer:
             drop_last = False
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                           drop_last=drop_last, **self._loader_kwargs())
+
+    def _ray_data_batches(self, dataset, batch_size: int) -> rdata.RayDataBatches:
+        import ray.train
+
+        ctx = self._ctx
+        rows = getattr(self, "_ray_data_rows", None)
+        if rows is None:
+            rows = self._ray_data_rows = dataset.count()
+        source = ray.train.get_dataset_shard("train") if ctx.on_ray else dataset
+        keep = None
+        if self.args.remove_unused_columns:
+            keep = rdata.signature_columns(self.model, self.label_names)
+        return rdata.RayDataBatches(source, batch_size, rows // ctx.world_size, keep,
+                                    self.args.dataloader_drop_last)
 
     def num_examples(self, dataloader: DataLoader) -> int:
         dataset = dataloader.dataset
@@ -340,11 +361,14 @@ class Trainer:
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         labels = None
-        if self.args.label_smoothing_factor > 0 and "labels" in inputs:
+        custom = self.compute_loss_func is not None or self.args.label_smoothing_factor > 0
+        if custom and "labels" in inputs:
             labels = inputs.pop("labels")
+        if self._model_accepts_loss_kwargs(model) and num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
-        if self.compute_loss_func is not None and labels is None and "labels" in inputs:
-            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
+        if labels is not None and self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
             from raytrainer.worker.loss import label_smoothed_loss
 
@@ -360,9 +384,20 @@ class Trainer:
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:
             loss = self.compute_loss(model, inputs)
-        loss = loss / getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        normalised = num_items_in_batch is not None and (
+            self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
+        if not normalised:  # a mean per micro-batch: average over the accumulation window
+            loss = loss / getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        elif self.args.average_tokens_across_devices and self._ctx.world_size > 1:
+            loss = loss * self._ctx.world_size  # divided by the global count; DDP averages gradients
         self._strategy.backward(loss)
         return loss.detach()
+
+    def _model_accepts_loss_kwargs(self, model) -> bool:
+        """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""
+        forward = getattr(model, "module", model).forward
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD
+                   for p in inspect.signature(forward).parameters.values())
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):

@@ -109,7 +109,7 @@ def denumpify_detensorize(metrics):
 def has_length(dataset) -> bool:
     try:
         return len(dataset) is not None
-    except TypeError:
+    except (TypeError, AttributeError, NotImplementedError):  # ray.data.Dataset raises AttributeError
         return False
 
 

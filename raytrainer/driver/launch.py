@@ -111,7 +111,7 @@ def _run_config(args):
     )
 
 
-def _torch_trainer(args, config: dict):
+def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -125,7 +125,7 @@ def _torch_trainer(args, config: dict):
     )
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
     return TorchTrainer(_worker_main, train_loop_config=config, scaling_config=scaling,
-                        torch_config=torch_config, run_config=_run_config(args))
+                        torch_config=torch_config, run_config=_run_config(args), datasets=datasets)
 
 
 def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
@@ -138,13 +138,16 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
 
     args = trainer.args
     ensure_ray(args)
+    datasets = _ray_datasets(trainer, method)
+    if datasets:
+        _check_cpus_for_ray_data(args)
     channel = Channel.remote()
     pump = _Pump(channel, DriverDisplay(trainer))
     config = {"spec": spec, "method": method, "kwargs": kwargs, "channel": channel}
     started = time.time()
     pump.start()
     try:
-        _torch_trainer(args, config).fit()
+        _torch_trainer(args, config, datasets).fit()
     except TrainingFailedError as err:
         raise worker_error(err) from None
     finally:
@@ -153,6 +156,30 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
     ray.kill(channel)
     logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
     return results[0]
+
+
+def _ray_datasets(trainer, method: str) -> dict | None:
+    """A Ray Data training set goes to Ray Train, which gives each worker its shard."""
+    from raytrainer.data import is_ray_dataset
+
+    if method == "train" and is_ray_dataset(trainer.train_dataset):
+        return {"train": trainer.train_dataset}
+    return None
+
+
+def _check_cpus_for_ray_data(args) -> None:
+    """Ray Data's read tasks need a CPU the training workers do not hold, or the run waits forever."""
+    import ray
+
+    from raytrainer.driver.ray_runtime import cpus_needed
+
+    total, needed = ray.cluster_resources().get("CPU", 0), cpus_needed(args)
+    if total - needed < 1:
+        raise ValueError(
+            f"train_dataset is a Ray Dataset, but the Ray cluster has {total:g} CPUs and the "
+            f"{args.num_workers} workers take {needed:g}: Ray Data would have no CPU to read with. Start Ray "
+            "with more CPUs (ray.init(num_cpus=...)), or leave Ray to raytrainer (it reserves 2 spare CPUs)."
+        )
 
 
 def worker_error(err: Exception) -> Exception:

@@ -21,6 +21,11 @@ from raytrainer.trainer_utils import has_length
 
 def check(trainer, method: str, kwargs: dict) -> bytes | None:
     args = trainer.args
+    if any(rdata.is_ray_dataset(d) for d in (trainer.train_dataset, trainer.eval_dataset, *kwargs.values())):
+        # Ray Data would start Ray on its own (with no spare CPUs) on first use: start it our way first.
+        from raytrainer.driver.ray_runtime import ensure_ray
+
+        ensure_ray(args)
     if method == "train":
         _check_train(trainer)
     elif method == "evaluate":
@@ -35,7 +40,23 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
         _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
     if args.num_workers == 0:
         return None
+    for key in ("eval_dataset", "test_dataset"):
+        if key in kwargs:
+            kwargs[key] = _materialized(kwargs[key])
     return pickled_spec(trainer, kwargs)
+
+
+def _materialized(dataset):
+    """A Ray Dataset used for evaluation, read once here into rows.
+
+    Evaluation needs every example once and in order; and a worker cannot read a Ray Dataset itself:
+    Ray Data's tasks would wait for CPUs inside the Ray Train placement group that the workers hold.
+    """
+    if rdata.is_ray_dataset(dataset):
+        return dataset.take_all()
+    if isinstance(dataset, Mapping):
+        return {k: _materialized(v) for k, v in dataset.items()}
+    return dataset
 
 
 # -- training ----------------------------------------------------------------------------------------
@@ -43,7 +64,9 @@ def _check_train(trainer) -> None:
     args, dataset = trainer.args, trainer.train_dataset
     if dataset is None:
         raise ValueError("train() needs a train_dataset: pass `train_dataset=` to Trainer.")
-    if (isinstance(dataset, IterableDataset) or not has_length(dataset)) and args.max_steps <= 0:
+    if rdata.is_ray_dataset(dataset):
+        trainer._ray_data_rows = dataset.count()  # sizes the epoch on every rank without a recount
+    elif (isinstance(dataset, IterableDataset) or not has_length(dataset)) and args.max_steps <= 0:
         raise ValueError(
             f"train_dataset ({type(dataset).__name__}) has no length, so the number of steps is unknown: "
             "set max_steps to a positive value."
@@ -63,6 +86,8 @@ def _overrides(trainer, name: str) -> bool:
 
 
 def _first_examples(dataset, n: int) -> list:
+    if rdata.is_ray_dataset(dataset):
+        return dataset.take(n)
     if has_length(dataset) and not isinstance(dataset, IterableDataset):
         return [dataset[i] for i in range(min(n, len(dataset)))]
     out = []
@@ -137,6 +162,7 @@ def _check_returns_loss(trainer, dataset) -> None:
 def pickled_spec(trainer, kwargs: dict) -> bytes:
     """The Trainer pickled for the workers; on failure, the error names the object that fails."""
     shipped = copy.copy(trainer)  # workers may run in another directory: paths become absolute
+    shipped.eval_dataset = _materialized(trainer.eval_dataset)
     shipped.args = copy.copy(trainer.args)
     shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)
     if shipped.args.storage_path and "://" not in shipped.args.storage_path:

@@ -35,7 +35,9 @@ def ensure_ray(args) -> None:
         return
     for key, value in _LOCAL_ENV.items():
         os.environ.setdefault(key, value)
-    num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999))
+    # Logical CPUs: the workers' share plus 2 spare, or Ray Data's read tasks (which need a CPU)
+    # would wait forever behind training workers holding every CPU of a small machine.
+    num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999) + 2)
     logger.info("starting a local Ray instance with %d CPUs", num_cpus)
     # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,

@@ -19,6 +19,7 @@ class RankContext:
     local_world_size: int = 1
     node_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    on_ray: bool = False  # a Ray Train worker (dataset shards come from ray.train)
 
     @property
     def distributed(self) -> bool:
@@ -88,6 +89,7 @@ def ray_train_context(use_gpu: bool) -> RankContext:
         local_world_size=ctx.get_local_world_size(),
         node_rank=ctx.get_node_rank(),
         device=device,
+        on_ray=True,
     )
 
 

@@ -15,6 +15,8 @@ import os
 
 from raytrainer.logging_utils import WORKER_FORMAT
 
+_RAY_TQDM_TOKEN = "__ray_tqdm_magic_token__"
+
 
 class _ForwardHandler(logging.Handler):
     def __init__(self, channel, rank: int):
@@ -24,6 +26,9 @@ class _ForwardHandler(logging.Handler):
         self.rank = rank
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _RAY_TQDM_TOKEN in str(record.msg):  # Ray's own progress-bar protocol: leave it to Ray
+            print(record.getMessage(), flush=True)
+            return
         try:
             record.rank = self.rank
             text = self.format(record)

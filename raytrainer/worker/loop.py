@@ -98,10 +98,12 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     model.zero_grad(set_to_none=True)
     ga = args.gradient_accumulation_steps
     samples_seen = 0
+    normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(model)
 
     for epoch in range(schedule.num_epochs):
-        if hasattr(train_dataloader.sampler, "set_epoch"):
-            train_dataloader.sampler.set_epoch(epoch)
+        sampler = getattr(train_dataloader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
         elif hasattr(train_dataloader.dataset, "set_epoch"):
             train_dataloader.dataset.set_epoch(epoch)
         control = trainer.control = handler.on_epoch_begin(args, state, control)
@@ -115,10 +117,11 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 break
             control = trainer.control = handler.on_step_begin(args, state, control)
             trainer._micro_steps = len(micro)
+            num_items = _num_items_in_batch(micro, args, ctx, normalised_loss)
             for i, inputs in enumerate(micro):
                 last = i == len(micro) - 1
                 with strategy.no_sync(model, sync=last):
-                    loss = trainer.training_step(model, inputs)
+                    loss = trainer.training_step(model, inputs, num_items)
                 if args.logging_nan_inf_filter and not torch.isfinite(loss):
                     loss = tr_loss / (1 + state.global_step - loop.last_logged)  # keep the running mean
                 tr_loss = tr_loss + loss
@@ -215,6 +218,17 @@ def _update_best(trainer, metrics: dict) -> None:
     if state.best_metric is None or better(value, state.best_metric):
         state.best_metric = value
         state.best_global_step = state.global_step
+
+
+def _num_items_in_batch(micro: list, args, ctx, global_count: bool) -> int | None:
+    """Label tokens (not -100) in one accumulation window; summed across ranks (one all-reduce) only
+    when the loss is normalised by it and ``average_tokens_across_devices`` is on."""
+    if not micro or "labels" not in micro[0]:
+        return None
+    count = sum(int(b["labels"].ne(-100).sum()) for b in micro)
+    if global_count and args.average_tokens_across_devices and ctx.world_size > 1:
+        count = int(ctx.sum([float(count)])[0])
+    return count
 
 
 def _mean_across_ranks(t: torch.Tensor, ctx) -> float:

@@ -1,0 +1,51 @@
+"""One local Ray instance for the whole integration session (Ray takes seconds to start on 2 cores).
+
+It is started through raytrainer's own ``ensure_ray`` (the path a user without a cluster takes) and
+stopped at the end of the session. Trainers in the tests then find Ray initialised and reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from raytrainer import TrainingArguments
+    from raytrainer.driver.ray_runtime import ensure_ray
+
+    ensure_ray(TrainingArguments(output_dir="unused", num_workers=2))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _integration(ray_session):
+    yield
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.integration)
+        if not any(m.name == "timeout" for m in item.iter_markers()):
+            item.add_marker(pytest.mark.timeout(240))
+
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import cloudpickle  # noqa: E402
+import models  # noqa: E402
+import train_digits  # noqa: E402
+
+# Ray workers cannot import test modules: ship the test models (and the demo's) by value.
+cloudpickle.register_pickle_by_value(models)
+cloudpickle.register_pickle_by_value(train_digits)

@@ -1,0 +1,59 @@
+"""Tiny models, data and callbacks for the integration tests (pickled by value to the Ray workers)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from raytrainer import Trainer, TrainerCallback
+
+log = logging.getLogger("tests.integration")
+
+
+class Regressor(torch.nn.Module):
+    """No dropout, so 2-rank DDP and 1 rank with twice the batch compute the same update."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is None:
+            return (logits,)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def make_data(n: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [{"x": x[i], "labels": int(y[i])} for i in range(n)]
+
+
+class StopAtStepOnRank(TrainerCallback):
+    """The HF docs' callback that returns a dict of flags, asked on ONE rank only."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank:
+            return {"should_training_stop": True}
+        return None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        log.error("rank %d ended at step %d", args.process_index, state.global_step)
+
+
+class LoggingTrainer(Trainer):
+    """compute_loss override that says where it runs, at WARNING and at ERROR level, once per rank."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not getattr(self, "_announced", False):
+            self._announced = True
+            log.warning("warning from rank %d", self.args.process_index)
+            log.error("compute_loss override running on rank %d", self.args.process_index)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -1,0 +1,290 @@
+"""Unit tests for raytrainer.data: collation, eval block sharding, iterable shards, sampler equivalence."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from raytrainer.data import (
+    EvalBlockSampler,
+    IterableShard,
+    LengthGroupedDistributedSampler,
+    RemoveColumnsCollator,
+    default_data_collator,
+    default_label_names,
+    eval_positions,
+    signature_columns,
+    unshard,
+)
+
+
+# -- default_data_collator ---------------------------------------------------------------------------------
+def test_collator_renames_int_label_to_long_labels():
+    batch = default_data_collator([{"x": [1.0, 2.0], "label": 1}, {"x": [3.0, 4.0], "label": 0}])
+    assert set(batch) == {"x", "labels"}
+    assert batch["labels"].dtype == torch.long
+    assert batch["labels"].tolist() == [1, 0]
+    assert batch["x"].dtype == torch.float32
+    assert batch["x"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_collator_float_labels_stay_float():
+    batch = default_data_collator([{"x": [0.0], "label": 0.25}, {"x": [1.0], "label": 1.5}])
+    assert batch["labels"].dtype == torch.float32
+    assert batch["labels"].tolist() == [0.25, 1.5]
+
+
+def test_collator_label_ids_lists_become_a_long_matrix():
+    batch = default_data_collator([{"label_ids": [1, 2, 3]}, {"label_ids": [4, 5, 6]}])
+    assert batch["labels"].dtype == torch.long
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert "label_ids" not in batch
+
+
+def test_collator_numpy_arrays_and_numpy_int_labels():
+    features = [{"pixels": np.full((2, 2), i, dtype=np.float32), "label": np.int64(i)} for i in range(3)]
+    batch = default_data_collator(features)
+    assert batch["pixels"].shape == (3, 2, 2)
+    assert batch["pixels"].dtype == torch.float32
+    assert torch.equal(batch["pixels"][2], torch.full((2, 2), 2.0))
+    assert batch["labels"].dtype == torch.long
+    assert batch["labels"].tolist() == [0, 1, 2]
+
+
+def test_collator_stacks_tensors_and_drops_strings_and_none():
+    features = [
+        {"input_ids": torch.tensor([1, 2]), "text": "a b", "extra": None, "labels": torch.tensor(1)},
+        {"input_ids": torch.tensor([3, 4]), "text": "c d", "extra": None, "labels": torch.tensor(0)},
+    ]
+    batch = default_data_collator(features)
+    assert set(batch) == {"input_ids", "labels"}
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 4]]
+    assert batch["labels"].tolist() == [1, 0]
+
+
+def test_collator_int32_tensor_label_becomes_long_as_in_hf():
+    features = [{"x": [0.0], "label": torch.tensor(i, dtype=torch.int32)} for i in range(2)]
+    batch = default_data_collator(features)
+    assert batch["labels"].dtype == torch.long
+
+
+def test_collator_accepts_dataclass_examples_and_rejects_other_types():
+    @dataclass
+    class Example:
+        x: list
+        label: int
+
+    batch = default_data_collator([Example([1.0], 1), Example([2.0], 0)])
+    assert batch["labels"].tolist() == [1, 0]
+    with pytest.raises(TypeError, match="dict of model inputs"):
+        default_data_collator([(1.0, 2.0)])
+
+
+def test_remove_columns_collator_keeps_only_forward_inputs_and_labels():
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return input_ids
+
+    model = Model()
+    keep = signature_columns(model, default_label_names(model))
+    features = [{"input_ids": [1, 2], "attention_mask": [1, 1], "label": 1, "meta": [9.0], "idx": 0}] * 2
+    batch = RemoveColumnsCollator(default_data_collator, keep)(features)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+
+    class KwargsModel(torch.nn.Module):
+        def forward(self, **kwargs):
+            return kwargs
+
+    assert signature_columns(KwargsModel(), ["labels"]) is None  # takes everything: remove nothing
+
+
+# -- evaluation block sharding -------------------------------------------------------------------------------
+def _batches(items: list, batch_size: int) -> list[list]:
+    """How a DataLoader with ``batch_size`` chunks a rank's sampled items."""
+    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 4, 5])
+def test_eval_block_sampler_and_unshard_round_trip(n, world_size, batch_size):
+    per_rank = []
+    for rank in range(world_size):
+        sampler = EvalBlockSampler(n, batch_size, world_size, rank)
+        assert sampler.num_examples == n
+        assert len(sampler) == len(list(sampler))
+        # What a rank's evaluation produces: one output per sampled example (here its dataset index).
+        per_rank.append(np.array(list(sampler), dtype=np.int64))
+    # Every rank runs the same number of batches (one per round), so the ranks stay in lock step.
+    rounds = max(1, -(-n // (batch_size * world_size)))
+    assert [len(_batches(list(a), batch_size)) for a in per_rank] == [rounds] * world_size
+    assert all(0 <= i < n for a in per_rank for i in a)
+    # Each real example is evaluated once; the only extra rows are one dummy per rank left without a block.
+    dummies = sum(p is None for r in range(world_size) for p in eval_positions(n, batch_size, world_size, r))
+    assert sum(len(a) for a in per_rank) == n + dummies
+    assert dummies <= world_size - 1
+    np.testing.assert_array_equal(unshard(per_rank, batch_size, n), np.arange(n))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 4, 5])
+def test_eval_positions_never_mix_dummies_with_real_examples(n, world_size, batch_size):
+    seen = []
+    for rank in range(world_size):
+        positions = eval_positions(n, batch_size, world_size, rank)
+        for batch in _batches(positions, batch_size):
+            assert batch == [None] or None not in batch, batch
+            # a real batch is consecutive examples: it is padded exactly as one process would pad it
+            if batch != [None]:
+                assert batch == list(range(batch[0], batch[0] + len(batch)))
+                seen.extend(batch)
+    assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unshard_keeps_trailing_dimensions(world_size):
+    n, batch_size = 11, 4
+    per_rank = []
+    for rank in range(world_size):
+        idx = np.array(list(EvalBlockSampler(n, batch_size, world_size, rank)))
+        per_rank.append(np.stack([idx, -idx], axis=1))  # (examples, 2)
+    out = unshard(per_rank, batch_size, n)
+    np.testing.assert_array_equal(out, np.stack([np.arange(n), -np.arange(n)], axis=1))
+
+
+def test_eval_block_sampler_gives_contiguous_blocks_round_robin():
+    # 10 examples, batch 2, 2 ranks: rank 0 gets blocks 0, 2, 4; rank 1 gets 1, 3 and a one-example dummy.
+    assert list(EvalBlockSampler(10, 2, 2, 0)) == [0, 1, 4, 5, 8, 9]
+    assert list(EvalBlockSampler(10, 2, 2, 1)) == [2, 3, 6, 7, 0]
+    # 9 examples: rank 0's last block is partial (not padded with other examples)
+    assert list(EvalBlockSampler(9, 2, 2, 0)) == [0, 1, 4, 5, 8]
+    assert eval_positions(9, 2, 2, 1) == [2, 3, 6, 7, None]
+    # one process: the dataset in order, the last batch short, nothing added
+    assert list(EvalBlockSampler(10, 4, 1, 0)) == list(range(10))
+
+
+# -- iterable datasets ---------------------------------------------------------------------------------------
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("n", [1, 5, 12, 13])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_iterable_shard_same_batch_count_and_full_coverage(n, world_size, batch_size):
+    shards = [IterableShard(_Stream(n), batch_size, world_size, rank) for rank in range(world_size)]
+    items = [list(shard) for shard in shards]
+    batches = [[a[i : i + batch_size] for i in range(0, len(a), batch_size)] for a in items]
+    assert len({len(b) for b in batches}) == 1, [len(b) for b in batches]
+    assert all(len(batch) == batch_size for b in batches for batch in b)  # the tail is completed
+    assert set(itertools.chain.from_iterable(items)) == set(range(n))
+    assert len(batches[0]) == -(-n // (batch_size * world_size))
+    assert all(shard.num_real == n for shard in shards)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_iterable_shard_drop_last_drops_only_the_incomplete_round(world_size):
+    n, batch_size = 13, 2
+    round_size = batch_size * world_size
+    items = [
+        list(IterableShard(_Stream(n), batch_size, world_size, r, drop_last=True)) for r in range(world_size)
+    ]
+    assert len({len(a) for a in items}) == 1
+    full = (n // round_size) * round_size
+    assert sorted(itertools.chain.from_iterable(items)) == list(range(full))
+
+
+@pytest.mark.parametrize("n", [1, 5, 12, 13])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_iterable_shard_for_evaluation_follows_eval_positions(n, world_size, batch_size):
+    shards = [
+        IterableShard(_Stream(n), batch_size, world_size, rank, pad_rounds=False)
+        for rank in range(world_size)
+    ]
+    items = [list(shard) for shard in shards]
+    expected = [
+        [p if p is not None else 0 for p in eval_positions(n, batch_size, world_size, r)]
+        for r in range(world_size)
+    ]
+    assert items == expected
+    assert len({len(_batches(a, batch_size)) for a in items}) == 1  # lock step
+    assert all(shard.num_real == n for shard in shards)
+    per_rank = [np.array(a) for a in items]
+    np.testing.assert_array_equal(unshard(per_rank, batch_size, n), np.arange(n))
+
+
+def test_iterable_shard_blocks_are_contiguous_per_rank():
+    assert list(IterableShard(_Stream(8), 2, 2, 0)) == [0, 1, 4, 5]
+    assert list(IterableShard(_Stream(8), 2, 2, 1)) == [2, 3, 6, 7]
+
+
+# -- training sampler equivalence: W ranks x batch B == 1 rank x batch W*B -----------------------------------
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("seed", [0, 42, 1234])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_distributed_sampler_two_by_eight_equals_one_by_sixteen(seed, epoch):
+    n = 64
+    samplers = [
+        DistributedSampler(_Sized(n), num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)
+    ]
+    single = DistributedSampler(_Sized(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    for s in [*samplers, single]:
+        s.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    whole = list(single)
+    for step in range(n // 16):
+        ranks_batch = set(per_rank[0][step * 8 : (step + 1) * 8]) | set(
+            per_rank[1][step * 8 : (step + 1) * 8]
+        )
+        assert ranks_batch == set(whole[step * 16 : (step + 1) * 16])
+    # and the permutation really depends on the seed and the epoch (the test is not vacuous)
+    other = DistributedSampler(_Sized(n), num_replicas=1, rank=0, shuffle=True, seed=seed + 1)
+    other.set_epoch(epoch)
+    assert list(other) != whole
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_length_grouped_sampler_two_by_eight_equals_one_by_sixteen(seed):
+    n = 64
+    lengths = [(i * 37) % 23 + 1 for i in range(n)]
+    dataset = [{"input_ids": [0] * length} for length in lengths]
+    two = [
+        LengthGroupedDistributedSampler(
+            dataset, batch_size=8, lengths=lengths, num_replicas=2, rank=r, seed=seed
+        )
+        for r in (0, 1)
+    ]
+    one = LengthGroupedDistributedSampler(
+        dataset, batch_size=16, lengths=lengths, num_replicas=1, rank=0, seed=seed
+    )
+    per_rank = [list(s) for s in two]
+    whole = list(one)
+    assert sorted(whole) == list(range(n))
+    for step in range(n // 16):
+        ranks_batch = set(per_rank[0][step * 8 : (step + 1) * 8]) | set(
+            per_rank[1][step * 8 : (step + 1) * 8]
+        )
+        assert ranks_batch == set(whole[step * 16 : (step + 1) * 16])
+    # inside the one mega-batch, examples come longest first
+    assert [lengths[i] for i in whole] == sorted(lengths, reverse=True)
+    # the lengths may also come from the examples themselves
+    derived = LengthGroupedDistributedSampler(dataset, batch_size=16, num_replicas=1, rank=0, seed=seed)
+    assert derived.lengths == lengths
