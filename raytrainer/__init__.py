@@ -1,43 +1,50 @@
 """raytrainer: the Hugging Face Trainer experience on Ray.
 
 Change ``from transformers import Trainer, TrainingArguments`` to ``from raytrainer import ...``, set
-``num_workers``, and the same script trains with DDP on Ray Train worker actors. Importing this package
-imports neither Ray nor any distributed backend; they load when a run starts.
+``num_workers``, and the same script trains with DDP on Ray Train worker actors.
+
+Names load on first use (PEP 562), so importing a light submodule -- as the event-channel actor does --
+does not import torch, and importing the package imports neither Ray nor any distributed backend.
 """
 
-from raytrainer import logging_utils as _logging_utils  # noqa: F401  (installs the library logger)
-from raytrainer.args import TrainingArguments
-from raytrainer.callbacks import (
-    EarlyStoppingCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-)
-from raytrainer.data import default_data_collator
-from raytrainer.hf_argparser import ArgumentParser
-from raytrainer.trainer import Trainer
-from raytrainer.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput, set_seed
+from __future__ import annotations
 
-HfArgumentParser = ArgumentParser
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ArgumentParser",
-    "EarlyStoppingCallback",
-    "EvalPrediction",
-    "HfArgumentParser",
-    "PredictionOutput",
-    "PrinterCallback",
-    "ProgressCallback",
-    "TrainOutput",
-    "Trainer",
-    "TrainerCallback",
-    "TrainerControl",
-    "TrainerState",
-    "TrainingArguments",
-    "default_data_collator",
-    "set_seed",
-]
+_EXPORTS = {
+    "ArgumentParser": "raytrainer.hf_argparser",
+    "HfArgumentParser": "raytrainer.hf_argparser",
+    "TrainingArguments": "raytrainer.args",
+    "EarlyStoppingCallback": "raytrainer.callbacks",
+    "PrinterCallback": "raytrainer.callbacks",
+    "ProgressCallback": "raytrainer.callbacks",
+    "TrainerCallback": "raytrainer.callbacks",
+    "TrainerControl": "raytrainer.callbacks",
+    "TrainerState": "raytrainer.callbacks",
+    "default_data_collator": "raytrainer.data",
+    "Trainer": "raytrainer.trainer",
+    "EvalPrediction": "raytrainer.trainer_utils",
+    "PredictionOutput": "raytrainer.trainer_utils",
+    "TrainOutput": "raytrainer.trainer_utils",
+    "set_seed": "raytrainer.trainer_utils",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raytrainer' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    value = getattr(module, "ArgumentParser" if name == "HfArgumentParser" else name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
+
+
+importlib.import_module("raytrainer.logging_utils")  # installs the library logger (stdlib only)

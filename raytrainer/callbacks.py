@@ -281,6 +281,10 @@ class TrainerCallback:
     """
 
     on_driver: bool = False
+    #: True when the callback's decisions depend only on what every rank shares (global_step, epoch,
+    #: args, broadcast eval metrics). When every callback says so, ranks cannot disagree and raytrainer
+    #: skips the per-step all-reduce of the control flags; any other callback turns it on.
+    same_on_every_rank: bool = False
 
     def on_init_end(self, args, state, control, **kwargs):
         """The Trainer has been constructed."""
@@ -476,6 +480,8 @@ class DefaultFlowCallback(TrainerCallback):
     ``save_strategy``, and the absolute ``state.logging_steps`` / ``eval_steps`` / ``save_steps``.
     """
 
+    same_on_every_rank = True
+
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         logging_strategy = _strategy(args.logging_strategy)
@@ -523,6 +529,8 @@ class ProgressCallback(TrainerCallback):
     events from the workers to the driver, where this callback runs). ``file`` is where the bars and
     logs go (stderr by default).
     """
+
+    same_on_every_rank = True
 
     on_driver = True
 
@@ -587,6 +595,8 @@ class ProgressCallback(TrainerCallback):
 class PrinterCallback(TrainerCallback):
     """Prints each log dict (without bookkeeping keys such as ``total_flos``) on local process zero."""
 
+    same_on_every_rank = True
+
     on_driver = True
 
     def __init__(self, file=None):
@@ -606,6 +616,8 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
     so this callback compares each new evaluation with the best of the previous ones. Needs an
     ``eval_strategy`` other than "no".
     """
+
+    same_on_every_rank = True
 
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0):
         self.early_stopping_patience = early_stopping_patience

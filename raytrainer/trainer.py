@@ -113,12 +113,17 @@ class Trainer:
         self._ctx = None  # RankContext while running as a rank
         self._strategy = None
         self._channel = None
+        self._writer = None  # the rank's CheckpointWriter during train()
+        self._checkpoint_sink = None  # told of each committed checkpoint (the driver's registry)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # -- picklable for the workers ----------------------------------------------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_ctx"] = state["_strategy"] = state["_channel"] = None
+        for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
+            state[name] = None
+        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params"):
+            state.pop(name, None)  # caches: recomputed where the object lands
         return state
 
     # -- where we run ------------------------------------------------------------------------------
@@ -380,7 +385,7 @@ class Trainer:
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
-        if "num_items_in_batch" in inspect.signature(self.compute_loss).parameters:
+        if self._compute_loss_takes_num_items():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:
             loss = self.compute_loss(model, inputs)
@@ -395,9 +400,20 @@ class Trainer:
 
     def _model_accepts_loss_kwargs(self, model) -> bool:
         """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""
-        forward = getattr(model, "module", model).forward
-        return any(p.kind is inspect.Parameter.VAR_KEYWORD
-                   for p in inspect.signature(forward).parameters.values())
+        module = getattr(model, "module", model)
+        cached = self.__dict__.get("_loss_kwargs_cache")
+        if cached is None or cached[0] is not module:
+            params = inspect.signature(module.forward).parameters.values()
+            cached = self._loss_kwargs_cache = (
+                module, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
+        return cached[1]
+
+    def _compute_loss_takes_num_items(self) -> bool:
+        cached = self.__dict__.get("_compute_loss_num_items")
+        if cached is None:
+            cached = self._compute_loss_num_items = (
+                "num_items_in_batch" in inspect.signature(self.compute_loss).parameters)
+        return cached
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
@@ -430,7 +446,10 @@ class Trainer:
             return self.model.floating_point_ops(inputs)
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else _batch_size(inputs)
-        return 6 * tokens * sum(p.numel() for p in self.model.parameters())
+        cached = self.__dict__.get("_num_params")
+        if cached is None or cached[0] is not self.model:
+            cached = self._num_params = (self.model, sum(p.numel() for p in self.model.parameters()))
+        return 6 * tokens * cached[1]
 
     # -- logging and callbacks ------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -512,10 +531,9 @@ class Trainer:
         if self.is_world_process_zero():
             save_model_files(self.model, output_dir, state_dict, self.processing_class, self.args)
 
-    def _save_checkpoint(self, model, trial=None) -> str:
-        from raytrainer.worker.saving import save_checkpoint
-
-        return save_checkpoint(self, trial)
+    def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
+        """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""
+        return self._writer.save(metrics)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------

@@ -18,9 +18,19 @@ class Channel:
     def __init__(self):
         self._events: list = []
         self._results: dict = {}
+        self._attempts = 0
+        self._latest_checkpoint: str | None = None
 
     def put(self, events: list) -> None:
         self._events.extend(events)
+        for kind, _rank, payload in events:
+            if kind == "checkpoint":
+                self._latest_checkpoint = payload["uri"]
+
+    def begin_attempt(self) -> tuple[int, str | None]:
+        """Called once per worker-group start: (attempt number, latest checkpoint committed so far)."""
+        self._attempts += 1
+        return self._attempts - 1, self._latest_checkpoint
 
     def drain(self) -> list:
         events, self._events = self._events, []
@@ -53,6 +63,9 @@ class ChannelClient:
             self.handle.put.remote(self._buffer)
             self._buffer = []
         self._last = time.monotonic()
+
+    def begin_attempt(self) -> tuple[int, str | None]:
+        return ray.get(self.handle.begin_attempt.remote())
 
     def set_result(self, payload) -> None:
         self.flush()

@@ -68,9 +68,9 @@ class DriverDisplay:
 
 
 class _Pump(threading.Thread):
-    def __init__(self, channel, display: DriverDisplay, period: float = 0.1):
+    def __init__(self, channel, display: DriverDisplay, registry, period: float = 0.1):
         super().__init__(daemon=True, name="raytrainer-events")
-        self.channel, self.display, self.period = channel, display, period
+        self.channel, self.display, self.registry, self.period = channel, display, registry, period
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -91,6 +91,8 @@ class _Pump(threading.Thread):
                     emit_worker_record(payload)
                 elif kind == "event":
                     self.display.replay(*payload)
+                elif kind == "checkpoint":
+                    self.registry.add(payload)
             except Exception:
                 logger.exception("while showing a worker event")
 
@@ -128,7 +130,7 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
                         torch_config=torch_config, run_config=_run_config(args), datasets=datasets)
 
 
-def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
+def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     """Run ``method`` on ``args.num_workers`` Ray Train workers; return rank 0's payload."""
     import ray
     from ray.train import TrainingFailedError
@@ -142,7 +144,7 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict) -> dict:
     if datasets:
         _check_cpus_for_ray_data(args)
     channel = Channel.remote()
-    pump = _Pump(channel, DriverDisplay(trainer))
+    pump = _Pump(channel, DriverDisplay(trainer), registry)
     config = {"spec": spec, "method": method, "kwargs": kwargs, "channel": channel}
     started = time.time()
     pump.start()

@@ -28,6 +28,7 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
         ensure_ray(args)
     if method == "train":
         _check_train(trainer)
+        _check_checkpointing(trainer, kwargs)
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
         dataset = trainer.eval_dataset if dataset is None else dataset
@@ -77,6 +78,18 @@ def _check_train(trainer) -> None:
     if not _overrides(trainer, "compute_loss") and trainer.compute_loss_func is None:
         _check_labels(trainer, example, "train_dataset")
         _check_returns_loss(trainer, dataset)
+
+
+def _check_checkpointing(trainer, kwargs: dict) -> None:
+    """Resolve resume_from_checkpoint to a committed checkpoint; make sure the storage can be written."""
+    from raytrainer.checkpoint import resolve_resume
+    from raytrainer.storage import Storage
+
+    args = trainer.args
+    storage = Storage.from_uri(args.storage_path or args.output_dir)
+    kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
+    if getattr(args.save_strategy, "value", args.save_strategy) != "no":
+        storage.check_writable()
 
 
 def _overrides(trainer, name: str) -> bool:

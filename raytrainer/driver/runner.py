@@ -5,30 +5,54 @@ Either way the same code path runs on each rank (``run_rank``); only the transpo
 
 from __future__ import annotations
 
+import logging
+
 from raytrainer.callbacks import TrainerState
+from raytrainer.checkpoint import CheckpointReader, load_weights_into, model_weights
 from raytrainer.driver import preflight
+from raytrainer.driver.registry import CheckpointRegistry
 from raytrainer.worker.context import RankContext, local_context
 from raytrainer.worker.logs import rank_logging
+
+logger = logging.getLogger(__name__)
 
 
 def run(trainer, method: str, kwargs: dict):
     """Validate on the driver, run ``method`` on every rank, return rank 0's answer."""
     spec = preflight.check(trainer, method, kwargs)
+    registry = CheckpointRegistry(trainer.args)
     if trainer.args.num_workers == 0:
-        return _run_local(trainer, method, kwargs)
-    from raytrainer.driver.launch import launch
+        output = _run_local(trainer, method, kwargs, registry)
+    else:
+        from raytrainer.driver.launch import launch
 
-    payload = launch(trainer, spec, method, kwargs)
-    return _absorb(trainer, method, payload)
+        payload = launch(trainer, spec, method, kwargs, registry)
+        output = _absorb(trainer, method, payload)
+    if method == "train" and trainer.args.load_best_model_at_end:
+        _load_best_model(trainer)
+    return output
 
 
-def _run_local(trainer, method: str, kwargs: dict):
+def _run_local(trainer, method: str, kwargs: dict, registry: CheckpointRegistry):
     ctx = local_context(trainer.args.use_gpu)
+    trainer._checkpoint_sink = registry.add
     try:
         return run_rank(trainer, ctx, None, method, kwargs)["output"]
     finally:
-        trainer._ctx = trainer._strategy = None
+        trainer._ctx = trainer._strategy = trainer._writer = trainer._checkpoint_sink = None
         trainer.model_wrapped = trainer.model
+
+
+def _load_best_model(trainer) -> None:
+    """load_best_model_at_end: the best committed checkpoint's weights go into ``trainer.model``."""
+    best = trainer.state.best_model_checkpoint
+    if not best:
+        logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the final weights.")
+        return
+    reader = CheckpointReader(best)
+    load_weights_into(trainer.model, model_weights(reader), best)
+    logger.info("loaded the best model from %s (%s = %s)", best, trainer.args.metric_for_best_model,
+                trainer.state.best_metric)
 
 
 def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> dict:
@@ -38,6 +62,8 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank)
     trainer._ctx = ctx
     if channel is not None:
+        trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
+        kwargs = _after_restart(ctx, channel, method, kwargs)
         # Display callbacks run on the driver; rank 0 relays the events they need.
         for cb in [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]:
             trainer.callback_handler.remove_callback(cb)
@@ -51,6 +77,17 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     if not ctx.is_world_zero:
         return {"global_step": trainer.state.global_step}
     return {"output": output, "state": trainer.state.to_dict(), "weights": weights}
+
+
+def _after_restart(ctx, channel, method: str, kwargs: dict) -> dict:
+    """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
+    latest checkpoint this run committed, if any."""
+    attempt, latest = channel.begin_attempt() if ctx.is_world_zero else (0, None)
+    attempt, latest = ctx.broadcast_object((attempt, latest))
+    if method == "train" and attempt > 0 and latest:
+        logging.getLogger(__name__).warning("restart %d: resuming from %s", attempt, latest)
+        return {**kwargs, "resume_from_checkpoint": latest}
+    return kwargs
 
 
 def _absorb(trainer, method: str, payload: dict):

@@ -26,16 +26,20 @@ import torch
 from raytrainer.callbacks import TrainerControl, TrainerState
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, set_seed, speed_metrics
+from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 
 _FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
 
-def sync_control(control: TrainerControl, ctx) -> TrainerControl:
-    """A decision taken on any rank becomes every rank's decision, in the same step."""
-    values = ctx.any_flags([getattr(control, f) for f in _FLAGS])
+def sync_control(control: TrainerControl, ctx, busy: bool = False) -> bool:
+    """A decision taken on any rank becomes every rank's decision, in the same step.
+
+    ``busy`` rides along (a rank still writing its checkpoint part); returns whether any rank is.
+    """
+    values = ctx.any_flags([getattr(control, f) for f in _FLAGS] + [busy])
     for name, value in zip(_FLAGS, values):
         setattr(control, name, value)
-    return control
+    return values[-1]
 
 
 class _Schedule:
@@ -63,11 +67,13 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     args, ctx = trainer.args, trainer._ctx
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
-    start_time = time.time()
     set_seed(args.seed)
     if trainer.model_init is not None:
         trainer.model = trainer.call_model_init(trial)
         trainer.optimizer = trainer.lr_scheduler = None
+    resume = Resume(resume_from_checkpoint, ctx.rank) if resume_from_checkpoint else None
+    if resume is not None:
+        resume.load_model(trainer.model)
 
     strategy = trainer._strategy = select_strategy(args, ctx)
     train_dataloader = trainer.get_train_dataloader()
@@ -78,17 +84,27 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     trainer.model = strategy.unwrap(model)
     trainer.create_optimizer_and_scheduler(num_training_steps=schedule.max_steps)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+    if resume is not None:
+        resume.load_optimizer_and_scheduler(optimizer, scheduler)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     state = trainer.state = TrainerState(
         is_local_process_zero=trainer.is_local_process_zero(),
         is_world_process_zero=trainer.is_world_process_zero(),
         train_batch_size=args.train_batch_size,
-        stateful_callbacks=[cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "state")],
     )
     state.compute_steps(args, schedule.max_steps)
     state.max_steps, state.num_train_epochs = schedule.max_steps, schedule.num_epochs
     handler = trainer.callback_handler
+    epochs_trained, skip_updates = 0, 0
+    if resume is not None:
+        _restore_state(state, resume.state)
+        resume.restore_callbacks(handler.callbacks)
+        epochs_trained, skip_updates = divmod(state.global_step, schedule.updates_per_epoch)
+        if args.ignore_data_skip:
+            skip_updates = 0
+    start_step = state.global_step
+    writer = trainer._writer = CheckpointWriter(trainer, getattr(trainer, "_checkpoint_sink", None))
     handler.model, handler.optimizer, handler.lr_scheduler = trainer.model, optimizer, scheduler
     handler.train_dataloader = train_dataloader
 
@@ -99,22 +115,34 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     ga = args.gradient_accumulation_steps
     samples_seen = 0
     normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(model)
+    # Flags need an all-reduce only if some callback may decide differently on different ranks.
+    must_sync = ctx.distributed and not all(
+        getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
+    start_time = time.time()  # as HF: after model, optimizer and state are set up
 
-    for epoch in range(schedule.num_epochs):
+    for epoch in range(epochs_trained, schedule.num_epochs):
         sampler = getattr(train_dataloader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         elif hasattr(train_dataloader.dataset, "set_epoch"):
             train_dataloader.dataset.set_epoch(epoch)
+        first_resumed_epoch = resume is not None and epoch == epochs_trained
+        if first_resumed_epoch and skip_updates == 0:
+            resume.restore_rng()  # before the epoch's iterator draws its seed, as at save time
         control = trainer.control = handler.on_epoch_begin(args, state, control)
         batches = iter(train_dataloader)
         updates_this_epoch = schedule.updates_per_epoch
         exhausted = False
-        for update in range(updates_this_epoch):
+        start_update = skip_updates if first_resumed_epoch else 0
+        if start_update:
+            _take(batches, start_update * ga)  # fast-forward to where the checkpoint was taken
+        for update in range(start_update, updates_this_epoch):
             micro = _take(batches, ga)
             if not micro:
                 exhausted = True
                 break
+            if first_resumed_epoch and update == start_update and start_update:
+                resume.restore_rng()  # after the skipped batches: the next step draws what it drew
             control = trainer.control = handler.on_step_begin(args, state, control)
             trainer._micro_steps = len(micro)
             num_items = _num_items_in_batch(micro, args, ctx, normalised_loss)
@@ -142,7 +170,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             state.global_step += 1
             state.epoch = epoch + (update + 1) / updates_this_epoch
             control = trainer.control = handler.on_step_end(args, state, control)
-            sync_control(control, ctx)
+            if must_sync or writer.pending:
+                any_busy = sync_control(control, ctx, busy=writer.busy())
+                if writer.pending and not any_busy:
+                    writer.commit()  # every rank's part is written: commit in this same step
             tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
             control = trainer.control
             if control.should_epoch_stop or control.should_training_stop:
@@ -150,14 +181,16 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         if exhausted and schedule.num_epochs == sys.maxsize and state.global_step == 0:
             raise ValueError("the training dataset yielded no batch; check train_dataset and batch size")
         control = trainer.control = handler.on_epoch_end(args, state, control)
-        sync_control(control, ctx)
+        if must_sync:
+            sync_control(control, ctx)
         tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
         control = trainer.control
         if control.should_training_stop or state.global_step >= schedule.max_steps:
             break
 
+    writer.commit()  # the end of training waits for the last save
     total_loss = loop.total_loss + _mean_across_ranks(tr_loss, ctx)
-    train_loss = total_loss / max(state.global_step, 1)
+    train_loss = total_loss / max(state.global_step - start_step, 1)
     num_samples = int(ctx.sum([float(samples_seen)])[0])
     metrics = speed_metrics("train", start_time, num_samples=num_samples, num_steps=state.global_step)
     metrics["total_flos"] = int(ctx.sum([state.total_flos])[0])
@@ -192,32 +225,45 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
     metrics = None
     if trainer.control.should_evaluate:
         metrics = trainer.evaluate(ignore_keys=ignore_keys)
-        _update_best(trainer, metrics)
+        new_best = _update_best(trainer, metrics)
+        if getattr(args.save_strategy, "value", args.save_strategy) == "best":
+            trainer.control.should_save = new_best
         if isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             key = args.metric_for_best_model or "loss"
             key = key if key.startswith("eval_") else f"eval_{key}"
             trainer.lr_scheduler.step(metrics[key])
 
     if trainer.control.should_save:
-        trainer._save_checkpoint(trainer.model_wrapped, trial)
+        trainer._save_checkpoint(trainer.model_wrapped, trial, metrics=metrics)
         trainer.control = trainer.callback_handler.on_save(args, state, trainer.control)
     return tr_loss
 
 
-def _update_best(trainer, metrics: dict) -> None:
+def _update_best(trainer, metrics: dict) -> bool:
     """Track ``state.best_metric`` / ``best_global_step`` for metric_for_best_model (HF's rule)."""
     args, state = trainer.args, trainer.state
     if not args.metric_for_best_model:
-        return
+        return False
     key = args.metric_for_best_model
     key = key if key.startswith("eval_") else f"eval_{key}"
     if key not in metrics:
-        return
+        raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r}: evaluation returned no "
+                       f"{key!r} (it returned {sorted(metrics)}); set metric_for_best_model to one of them.")
     value = metrics[key]
     better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
     if state.best_metric is None or better(value, state.best_metric):
         state.best_metric = value
         state.best_global_step = state.global_step
+        return True
+    return False
+
+
+def _restore_state(state: TrainerState, saved: TrainerState) -> None:
+    """Take the saved run's progress; keep what belongs to this run (ranks, steps plan)."""
+    for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step",
+                 "best_model_checkpoint", "total_flos", "num_input_tokens_seen", "stateful_callbacks",
+                 "trial_name", "trial_params"):
+        setattr(state, name, getattr(saved, name))
 
 
 def _num_items_in_batch(micro: list, args, ctx, global_count: bool) -> int | None:

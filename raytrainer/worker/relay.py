@@ -15,6 +15,8 @@ _STATE_FIELDS = ("global_step", "max_steps", "epoch", "num_train_epochs", "best_
 
 
 class RelayCallback(TrainerCallback):
+    same_on_every_rank = True  # it only reports
+
     def __init__(self, channel, interval: float = 0.25):
         self.channel = channel
         self.interval = interval

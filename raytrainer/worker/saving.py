@@ -1,4 +1,4 @@
-"""Writing model files and ``checkpoint-<step>`` folders from a rank.
+"""Writing a model's files: what ``save_model()`` and every checkpoint hold.
 
 ``save_model_files`` writes consolidated weights: through ``save_pretrained`` when the model has it,
 else ``model.safetensors`` (shared tensors are written once each, so tied weights load back).
@@ -6,7 +6,6 @@ else ``model.safetensors`` (shared tensors are written once each, so tied weight
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -42,18 +41,3 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
         processing_class.save_pretrained(output_dir)
     with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
         f.write(args.to_json_string())
-
-
-def save_checkpoint(trainer, trial=None) -> str:
-    """Write ``output_dir/checkpoint-<global_step>``: weights, optimizer, scheduler, trainer state."""
-    args, state = trainer.args, trainer.state
-    folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-    trainer.save_model(folder, _internal_call=True)
-    if trainer.is_world_process_zero():
-        if not args.save_only_model:
-            torch.save(trainer.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
-            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
-        state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
-        with open(os.path.join(folder, TRAINING_ARGS_NAME), "w") as f:
-            json.dump(args.to_dict(), f, indent=2, sort_keys=True)
-    return folder

@@ -57,3 +57,11 @@ class LoggingTrainer(Trainer):
             log.warning("warning from rank %d", self.args.process_index)
             log.error("compute_loss override running on rank %d", self.args.process_index)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class DropoutRegressor(Regressor):
+    """With dropout: exact resume needs every rank's RNG state back."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.net.insert(2, torch.nn.Dropout(0.3))

@@ -1,0 +1,239 @@
+"""The checkpoint format: ``checkpoint-<step>/`` folders, committed by a manifest written last.
+
+A checkpoint folder holds (HF's layout)::
+
+    model.safetensors            consolidated weights (or the model's save_pretrained files)
+    optimizer.pt  scheduler.pt   state dicts, loaded with torch.load(weights_only=True)
+    rng_state_<rank>.safetensors python / numpy / torch CPU / CUDA generator states of each rank
+    trainer_state.json           TrainerState: log_history, best_metric, callback states, ...
+    training_args.json           the arguments, tokens hidden
+    manifest.json                every file above with its size and sha256 -- written last, atomically
+
+A folder without a readable manifest, or whose files do not match it, is partial: resume and best-model
+loading skip it with a warning that names it. Nothing here unpickles arbitrary objects: tensors come
+from safetensors, optimizer/scheduler state from ``torch.load(weights_only=True)``, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import re
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from raytrainer.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "raytrainer-checkpoint/1"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or used; the message names it and what is wrong."""
+
+
+def step_of(name: str) -> int | None:
+    match = _CHECKPOINT_RE.match(os.path.basename(name.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
+# -- manifest ------------------------------------------------------------------------------------------
+def digest_files(folder: str, names: list[str]) -> dict[str, dict]:
+    """Size and sha256 of the given files of a local folder (one rank's part of the manifest)."""
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(os.path.join(folder, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        out[name] = {"size": os.path.getsize(os.path.join(folder, name)), "sha256": h.hexdigest()}
+    return out
+
+
+def write_manifest(storage: Storage, name: str, parts: list[dict], step: int) -> None:
+    files: dict[str, dict] = {}
+    for part in parts:
+        files.update(part)
+    body = {"format": FORMAT, "global_step": step, "files": dict(sorted(files.items()))}
+    storage.write_atomic(storage.path(name, MANIFEST), json.dumps(body, indent=1).encode())
+
+
+def read_manifest(storage: Storage, folder: str) -> dict | None:
+    path = storage.path(folder, MANIFEST) if not folder.startswith(storage.root) else f"{folder}/{MANIFEST}"
+    if not storage.exists(path):
+        return None
+    try:
+        body = json.loads(storage.read_bytes(path))
+    except ValueError:
+        return None
+    return body if body.get("format") == FORMAT and isinstance(body.get("files"), dict) else None
+
+
+def problems(storage: Storage, folder: str, manifest: dict) -> list[str]:
+    """Files the manifest lists that are missing or of the wrong size (a cheap check, no reading)."""
+    present = storage.list_files(folder)
+    out = []
+    for name, meta in manifest["files"].items():
+        if name not in present:
+            out.append(f"{name} is missing")
+        elif present[name] != meta["size"]:
+            out.append(f"{name} has {present[name]} bytes, the manifest says {meta['size']}")
+    return out
+
+
+def committed_checkpoints(storage: Storage, warn: bool = True) -> list[tuple[int, str]]:
+    """(step, folder path) of every committed checkpoint under the storage root, oldest first."""
+    out = []
+    for name in storage.list_dirs():
+        step = step_of(name)
+        if step is None:
+            continue
+        folder = storage.path(name)
+        manifest = read_manifest(storage, folder)
+        issues = ["it has no manifest"] if manifest is None else problems(storage, folder, manifest)
+        if issues:
+            if warn:
+                logger.warning("skipping partial checkpoint %s: %s", storage.uri_of(name), "; ".join(issues))
+            continue
+        out.append((step, folder))
+    return sorted(out)
+
+
+def resolve_resume(storage: Storage, resume_from_checkpoint) -> str | None:
+    """The folder URI to resume from: the latest committed one for True, else the one given (checked)."""
+    if resume_from_checkpoint in (None, False):
+        return None
+    if resume_from_checkpoint is True:
+        found = committed_checkpoints(storage)
+        if not found:
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but {storage.uri} holds no committed checkpoint "
+                "(checkpoint-<step> folder with a manifest). Train without resuming, or give a path."
+            )
+        return storage.uri_of(os.path.basename(found[-1][1]))
+    target = Storage.from_uri(str(resume_from_checkpoint))
+    if not target.is_dir(target.root):
+        raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r} does not exist.")
+    manifest = read_manifest(target, target.root)
+    if manifest is None:
+        kind = "a partial checkpoint (its manifest.json is missing: the save did not finish)"
+        if step_of(target.root) is None and not target.exists(target.path("trainer_state.json")):
+            kind = "not a raytrainer checkpoint (no manifest.json, no trainer_state.json)"
+        raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r} is {kind}.")
+    issues = problems(target, target.root, manifest)
+    if issues:
+        raise CheckpointError(
+            f"resume_from_checkpoint={resume_from_checkpoint!r} is damaged: {'; '.join(issues)}")
+    return target.uri
+
+
+# -- reading files of a committed checkpoint, verified ----------------------------------------------------
+class CheckpointReader:
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.storage = Storage.from_uri(uri)
+        manifest = read_manifest(self.storage, self.storage.root)
+        if manifest is None:
+            raise CheckpointError(f"{uri} has no manifest: it is not a committed raytrainer checkpoint.")
+        self.files = manifest["files"]
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> bytes:
+        if name not in self.files:
+            raise CheckpointError(f"{self.uri} does not hold {name}.")
+        data = self.storage.read_bytes(self.storage.path(name))
+        if hashlib.sha256(data).hexdigest() != self.files[name]["sha256"]:
+            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+        return data
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return load_safetensors(self.read(name))
+
+    def torch_state(self, name: str):
+        """A state dict saved with torch.save, loaded without running any pickled code."""
+        try:
+            return torch.load(io.BytesIO(self.read(name)), weights_only=True, map_location="cpu")
+        except Exception as exc:  # UnpicklingError for any global outside torch's allowlist
+            raise CheckpointError(
+                f"{self.uri}/{name} holds objects other than tensors and plain containers; raytrainer "
+                f"refuses to unpickle it (nothing in it was run). Details: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def json(self, name: str):
+        return json.loads(self.read(name))
+
+
+def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+    if not names:
+        raise CheckpointError(f"{reader.uri} holds no model weights (*.safetensors).")
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        weights.update(reader.tensors(name))
+    return weights
+
+
+def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
+    own = model.state_dict()
+    for name, mine in own.items():  # in the model's order: the first mismatch is the earliest layer
+        if name in weights and weights[name].shape != mine.shape:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)} in the checkpoint but "
+                f"{tuple(mine.shape)} in the model: the checkpoint is from another model shape."
+            )
+    missing = [k for k in own if k not in weights]
+    shared = {id(v.untyped_storage()) for k, v in own.items() if k in weights}
+    missing = [k for k in missing if id(own[k].untyped_storage()) not in shared]  # tied weights
+    unexpected = [k for k in weights if k not in own]
+    if missing or unexpected:
+        first = missing[0] if missing else unexpected[0]
+        raise CheckpointError(
+            f"{source} does not fit the model: first mismatching tensor {first!r} "
+            f"({len(missing)} missing from the checkpoint, {len(unexpected)} unexpected)."
+        )
+    model.load_state_dict(weights, strict=False)
+
+
+# -- RNG states, without pickle ---------------------------------------------------------------------------
+def rng_state_bytes() -> bytes:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = state
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    metadata = {
+        "python": json.dumps([version, list(internal), gauss]),
+        "numpy": json.dumps([kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]),
+    }
+    return save_safetensors(tensors, metadata=metadata)
+
+
+def restore_rng_state(data: bytes) -> None:
+    from safetensors import safe_open  # noqa: F401  (metadata is read through the file header below)
+
+    tensors = load_safetensors(data)
+    header_len = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    version, internal, gauss = json.loads(metadata["python"])
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = json.loads(metadata["numpy"])
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(t for t in tensors if t.startswith("cuda_"))]
+        if states:
+            torch.cuda.set_rng_state_all(states)

@@ -1,0 +1,49 @@
+"""The driver's record of committed checkpoints: latest, best, and rotation. Only the driver deletes.
+
+Rotation keeps the ``save_total_limit`` newest committed checkpoints, plus the best one
+(``best_model_checkpoint``) when it is older; the newest committed checkpoint -- the one a resume
+would use -- is always among those kept. Partial folders (no manifest) are never deleted here: they
+are skipped, with a warning, by whoever reads checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from raytrainer.checkpoint import committed_checkpoints
+from raytrainer.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointRegistry:
+    def __init__(self, args):
+        self.storage = Storage.from_uri(args.storage_path or args.output_dir)
+        self.limit = args.save_total_limit
+        self.latest: str | None = None
+        self.best: str | None = None
+        self.committed: list[str] = []
+
+    def add(self, info: dict) -> None:
+        """A checkpoint was committed (called with rank 0's report, in commit order)."""
+        self.latest = info["uri"]
+        self.committed.append(info["uri"])
+        if info.get("best_model_checkpoint"):
+            self.best = info["best_model_checkpoint"]
+        logger.info("checkpoint committed: %s", info["uri"])
+        self.rotate()
+
+    def rotate(self) -> list[str]:
+        if not self.limit:
+            return []
+        names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
+        protected = {os.path.basename(u.rstrip("/")) for u in (self.latest, self.best) if u}
+        keep = set(names[-self.limit:]) | protected
+        deleted = []
+        for name in names:
+            if name not in keep:
+                self.storage.delete_dir(self.storage.path(name))
+                deleted.append(name)
+                logger.info("deleted %s (save_total_limit=%d)", self.storage.uri_of(name), self.limit)
+        return deleted

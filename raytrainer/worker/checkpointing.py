@@ -1,0 +1,197 @@
+"""Saving checkpoints from the ranks and resuming from one.
+
+A save is two phases, so the training loop only waits for serialisation:
+
+1. ``CheckpointWriter.save`` (all ranks, blocking): each rank writes its part -- rank 0 the weights,
+   optimizer, scheduler, trainer state and arguments; every rank its RNG state -- straight into the
+   checkpoint folder when storage is local, else into a local staging folder. A background thread then
+   hashes the files and, for remote storage, uploads them through pyarrow and deletes the staging copy.
+2. ``CheckpointWriter.commit`` (all ranks, in the same step): once every rank's thread is done, rank 0
+   writes ``manifest.json`` from all ranks' parts (the commit), the checkpoint is handed to Ray Train
+   with ``ray.train.report(..., checkpoint_upload_mode=NO_UPLOAD)``, and the driver is told, so it can
+   track best / latest and rotate. The loop commits as soon as every rank reports done (checked with
+   the per-step control flags, no extra collective); the next save and the end of training wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+
+import torch
+
+from raytrainer.callbacks import ExportableState, TrainerState
+from raytrainer.checkpoint import (
+    CheckpointReader,
+    digest_files,
+    load_weights_into,
+    model_weights,
+    restore_rng_state,
+    rng_state_bytes,
+    write_manifest,
+)
+from raytrainer.storage import Storage
+from raytrainer.worker.saving import TRAINER_STATE_NAME, TRAINING_ARGS_NAME, save_model_files
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.safetensors"
+
+
+class _Upload(threading.Thread):
+    """Hashes a rank's files and, for remote storage, uploads and removes the staging folder."""
+
+    def __init__(self, stage: str, files: list[str], storage: Storage, name: str, remote: bool):
+        super().__init__(daemon=True, name=f"raytrainer-save-{name}")
+        self.stage, self.files, self.storage, self.name, self.remote = stage, files, storage, name, remote
+        self.part: dict = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.part = digest_files(self.stage, self.files)
+            if self.remote:
+                self.storage.upload_dir(self.stage, self.storage.path(self.name))
+        except BaseException as exc:  # reported by commit() in the training thread
+            self.error = exc
+        finally:
+            if self.remote:
+                shutil.rmtree(self.stage, ignore_errors=True)
+
+
+class CheckpointWriter:
+    def __init__(self, trainer, notify=None):
+        self.trainer = trainer
+        args = trainer.args
+        self.storage = Storage.from_uri(args.storage_path or args.output_dir)
+        self.notify = notify  # called on rank 0 with each committed checkpoint
+        self._pending: tuple[_Upload, int, dict] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def busy(self) -> bool:
+        return self._pending is not None and self._pending[0].is_alive()
+
+    # -- phase 1 ---------------------------------------------------------------------------------------
+    def save(self, metrics: dict | None = None) -> str:
+        self.commit()  # one save in flight at a time
+        t, args = self.trainer, self.trainer.args
+        ctx, state = t._ctx, t.state
+        name = f"checkpoint-{state.global_step}"
+        remote = not self.storage.is_local
+        stage = tempfile.mkdtemp(prefix=f"raytrainer-{name}-") if remote else self.storage.path(name)
+        if not remote and ctx.is_world_zero and self.storage.exists(stage):
+            self.storage.delete_dir(stage)  # a partial leftover, or an older run's: rewritten whole
+        ctx.barrier()
+        os.makedirs(stage, exist_ok=True)
+
+        weights = t._strategy.full_state_dict(t.model_wrapped)  # a collective for sharded strategies
+        files = []
+        writes_shared_files = ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero)
+        if writes_shared_files:
+            before = set(_walk(stage)) if remote else set()
+            save_model_files(t.model, stage, weights, t.processing_class, args)
+            if not args.save_only_model:
+                torch.save(t.optimizer.state_dict(), os.path.join(stage, "optimizer.pt"))
+                torch.save(t.lr_scheduler.state_dict(), os.path.join(stage, "scheduler.pt"))
+            if state.best_global_step == state.global_step:
+                state.best_model_checkpoint = self.storage.uri_of(name)
+            state.stateful_callbacks = TrainerState._export_callbacks(
+                [cb for cb in t.callback_handler.callbacks if isinstance(cb, ExportableState)])
+            state.save_to_json(os.path.join(stage, TRAINER_STATE_NAME))
+            written = set(_walk(stage)) - before - {rng_file(r) for r in range(ctx.world_size)}
+            files += sorted(written | {TRAINER_STATE_NAME, TRAINING_ARGS_NAME})
+        if not args.save_only_model:
+            with open(os.path.join(stage, rng_file(ctx.rank)), "wb") as f:
+                f.write(rng_state_bytes())
+            files.append(rng_file(ctx.rank))
+        job = _Upload(stage, sorted(set(files)), self.storage, name, remote)
+        job.start()
+        self._pending = (job, state.global_step, dict(metrics or {}))
+        return self.storage.uri_of(name)
+
+    # -- phase 2 ---------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        if self._pending is None:
+            return
+        job, step, metrics = self._pending
+        self._pending = None
+        job.join()
+        ctx = self.trainer._ctx
+        failed = ctx.gather_object(repr(job.error) if job.error else None)
+        if ctx.is_world_zero:
+            errors = [f"rank {r}: {e}" for r, e in enumerate(failed) if e]
+            if errors:
+                raise RuntimeError(
+                    f"writing checkpoint {self.storage.uri_of(job.name)} failed, so it is not committed "
+                    f"(files {job.files}): {'; '.join(errors)}")
+        elif job.error:
+            where = self.storage.uri_of(job.name)
+            raise RuntimeError(f"writing {job.files} to {where} failed") from job.error
+        parts = ctx.gather_object(job.part)
+        if ctx.is_world_zero:
+            write_manifest(self.storage, job.name, parts, step)
+        ctx.barrier()
+        if ctx.on_ray:
+            import ray.train
+
+            checkpoint = ray.train.Checkpoint(path=self.storage.path(job.name), filesystem=self.storage.fs)
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=job.name,
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        if ctx.is_world_zero and self.notify is not None:
+            state = self.trainer.state
+            self.notify({"name": job.name, "step": step, "uri": self.storage.uri_of(job.name),
+                         "best_model_checkpoint": state.best_model_checkpoint,
+                         "best_metric": state.best_metric})
+
+
+def _walk(folder: str) -> list[str]:
+    out = []
+    for root, _dirs, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return out
+
+
+# -- resume ------------------------------------------------------------------------------------------
+class Resume:
+    """What a rank restores from a committed checkpoint, in the order the loop needs it."""
+
+    def __init__(self, uri: str, rank: int):
+        self.reader = CheckpointReader(uri)
+        self.rank = rank
+        self.state = TrainerState.from_dict(self.reader.json(TRAINER_STATE_NAME))
+
+    def load_model(self, model: torch.nn.Module) -> None:
+        load_weights_into(model, model_weights(self.reader), self.reader.uri)
+
+    def load_optimizer_and_scheduler(self, optimizer, scheduler) -> None:
+        if self.reader.has("optimizer.pt"):
+            optimizer.load_state_dict(self.reader.torch_state("optimizer.pt"))
+        if self.reader.has("scheduler.pt"):
+            scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
+
+    def restore_callbacks(self, callbacks) -> None:
+        stored = self.state.stateful_callbacks or {}
+        for cb in callbacks:
+            if isinstance(cb, ExportableState) and type(cb).__name__ in stored:
+                entry = stored[type(cb).__name__]
+                entry = entry[0] if isinstance(entry, list) else entry
+                for key, value in entry.get("attributes", {}).items():
+                    setattr(cb, key, value)
+
+    def restore_rng(self) -> None:
+        name = rng_file(self.rank)
+        if not self.reader.has(name):  # a different number of ranks than at save time
+            name = rng_file(0)
+        if self.reader.has(name):
+            restore_rng_state(self.reader.read(name))
+
+
+def describe(resume: Resume) -> str:
+    s = resume.state
+    return json.dumps({"checkpoint": resume.reader.uri, "global_step": s.global_step, "epoch": s.epoch})

@@ -1,0 +1,210 @@
+"""Checkpoints in-process: layout, manifest commit, bitwise resume, rotation, best model, safety, URIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from raytrainer import Trainer, TrainingArguments
+from raytrainer.checkpoint import CheckpointError, committed_checkpoints
+from raytrainer.storage import Storage
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def data(n=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [{"x": x[i], "labels": int(y[i])} for i in range(n)]
+
+
+def args(out, **kw):
+    base = {"output_dir": str(out), "num_workers": 0, "per_device_train_batch_size": 4,
+            "num_train_epochs": 3, "learning_rate": 0.01, "save_strategy": "steps", "save_steps": 4,
+            "disable_tqdm": True, "report_to": "none", "logging_steps": 5, "optim": "adamw_torch"}
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_layout_and_manifest(tmp_path):
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=4, logging_steps=2),
+                      train_dataset=data())
+    trainer.train()
+    folder = tmp_path / "checkpoint-4"
+    names = sorted(os.listdir(folder))
+    assert names == ["manifest.json", "model.safetensors", "optimizer.pt", "rng_state_0.safetensors",
+                     "scheduler.pt", "trainer_state.json", "training_args.json"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["global_step"] == 4
+    assert set(manifest["files"]) == set(names) - {"manifest.json"}
+    for name, meta in manifest["files"].items():
+        assert meta["size"] == os.path.getsize(folder / name) and len(meta["sha256"]) == 64
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["log_history"]
+
+
+@pytest.mark.parametrize("stop_at", [4, 12])  # mid-epoch (10 steps per epoch), and in the 2nd epoch
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, stop_at):
+    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full"), train_dataset=data())
+    full.train()
+    resumed = Trainer(model=DropoutNet(), args=args(tmp_path / "resumed"), train_dataset=data())
+    out = resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{stop_at}"))
+    assert out.global_step == full.state.global_step == 30
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    # the resumed run's log history continues the saved one
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == \
+           [h["step"] for h in full.state.log_history if "loss" in h]
+
+
+def test_resume_true_takes_the_latest_committed_and_skips_a_partial_one(tmp_path, caplog):
+    full = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=10), train_dataset=data())
+    full.train()  # saves 4, 8 and 10; the uninterrupted reference
+    os.remove(tmp_path / "checkpoint-10" / "manifest.json")  # as if the last save never finished
+    storage = Storage.from_uri(str(tmp_path))
+    with caplog.at_level("WARNING", logger="raytrainer"):
+        found = committed_checkpoints(storage)
+    assert [step for step, _ in found] == [4, 8]
+    assert "skipping partial checkpoint" in caplog.text and "checkpoint-10" in caplog.text
+
+    again = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=10), train_dataset=data())
+    out = again.train(resume_from_checkpoint=True)  # from checkpoint-8
+    assert out.global_step == 10
+    assert [h["step"] for h in again.state.log_history if "loss" in h] == [5, 10]
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+
+
+def test_bad_resume_targets_are_named(tmp_path):
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data())
+    trainer.train()
+    fresh = Trainer(model=DropoutNet(), args=args(tmp_path / "b", max_steps=4), train_dataset=data())
+    before = weights(fresh.model)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        fresh.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="not a raytrainer checkpoint"):
+        fresh.train(resume_from_checkpoint=str(tmp_path / "foreign"))
+    os.remove(tmp_path / "a" / "checkpoint-4" / "manifest.json")
+    with pytest.raises(CheckpointError, match="partial checkpoint"):
+        fresh.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    with pytest.raises(CheckpointError, match="holds no committed checkpoint"):
+        fresh.train(resume_from_checkpoint=True)
+    assert all(torch.equal(before[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def test_checkpoint_of_another_model_shape_names_the_tensor(tmp_path):
+    Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data()).train()
+
+    class Wider(DropoutNet):
+        def __init__(self):
+            super().__init__()
+            self.net[0] = nn.Linear(6, 64)
+            self.net[3] = nn.Linear(64, 3)
+
+    with pytest.raises(CheckpointError, match=r"tensor 'net\.0\.weight' has shape \(32, 6\)"):
+        Trainer(model=Wider(), args=args(tmp_path / "b", max_steps=8), train_dataset=data()).train(
+            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+
+
+class _Planted:
+    def __reduce__(self):
+        return (open, ("/tmp/raytrainer-planted-payload-ran", "w"))
+
+
+def test_a_pickle_payload_is_refused_and_never_runs(tmp_path):
+    marker = "/tmp/raytrainer-planted-payload-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data()).train()
+    folder = tmp_path / "a" / "checkpoint-4"
+    optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer_state["payload"] = _Planted()
+    with open(folder / "optimizer.pt", "wb") as f:
+        pickle.dump(optimizer_state, f)
+    # keep the manifest consistent, so the refusal comes from the loader, not the checksum
+    manifest = json.loads((folder / "manifest.json").read_text())
+    from raytrainer.checkpoint import digest_files
+
+    manifest["files"].update(digest_files(str(folder), ["optimizer.pt"]))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="refuses to unpickle"):
+        Trainer(model=DropoutNet(), args=args(tmp_path / "b", max_steps=8), train_dataset=data()).train(
+            resume_from_checkpoint=str(folder))
+    assert not os.path.exists(marker)
+
+
+def test_rotation_keeps_the_limit_plus_the_protected_best(tmp_path):
+    class WorsensAfterFirstEval(Trainer):
+        calls = 0
+
+        def evaluate(self, *a, **kw):
+            metrics = super().evaluate(*a, **kw)
+            WorsensAfterFirstEval.calls += 1
+            metrics["eval_loss"] = float(WorsensAfterFirstEval.calls)  # the first eval is the best
+            return metrics
+
+    trainer = WorsensAfterFirstEval(
+        model=DropoutNet(), train_dataset=data(), eval_dataset=data(12, seed=3),
+        args=args(tmp_path, max_steps=20, save_total_limit=2, eval_strategy="steps", eval_steps=4,
+                  metric_for_best_model="loss", load_best_model_at_end=True))
+    trainer.train()
+    kept = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
+    assert kept == [4, 16, 20]  # the 2 newest + the best (step 4)
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
+    # load_best_model_at_end: trainer.model holds checkpoint-4's weights
+    from safetensors.torch import load_file
+
+    best = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in best.items())
+    final = load_file(str(tmp_path / "checkpoint-20" / "model.safetensors"))
+    assert not all(torch.equal(final[k], v) for k, v in best.items())
+
+
+def test_storage_path_uri_round_trips(tmp_path):
+    uri = f"file://{tmp_path}/remote"
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "out", max_steps=12, storage_path=uri),
+                      train_dataset=data())
+    trainer.train()
+    assert sorted(os.listdir(tmp_path / "remote")) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path / "out"))
+    again = Trainer(model=DropoutNet(), args=args(tmp_path / "out2", max_steps=12), train_dataset=data())
+    again.train(resume_from_checkpoint=f"{uri}/checkpoint-8")
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+
+
+def test_unwritable_storage_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "o", storage_path=str(blocker / "x")),
+                      train_dataset=data())
+    before = weights(trainer.model)
+    with pytest.raises(ValueError, match="cannot be written"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_save_total_limit_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="save_total_limit"):
+        args(tmp_path, save_total_limit=0)
