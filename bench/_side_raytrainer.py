@@ -1,0 +1,26 @@
+"""Sides (b), (c), (d), (d_warm): raytrainer with num_workers 0, 1, 2 (and 2 on a running Ray instance)."""
+
+import sys
+
+from _common import Recorder, build_dataset, build_model, collate, load_config, trainer_kwargs
+
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+
+class BenchCallback(Recorder, TrainerCallback):
+    pass
+
+
+def main() -> None:
+    cfg = load_config(sys.argv)
+    args = TrainingArguments(output_dir=cfg["output_dir"], report_to="none", num_workers=cfg["num_workers"],
+                             ray_address=cfg.get("ray_address"), **trainer_kwargs(cfg))
+    recorder = BenchCallback()
+    trainer = Trainer(model=build_model(cfg), args=args, train_dataset=build_dataset(cfg),
+                      data_collator=collate, callbacks=[recorder])
+    recorder.mark("train_called")
+    trainer.train()  # like a user's script: Ray (when it started one) stops at interpreter exit
+
+
+if __name__ == "__main__":
+    main()
