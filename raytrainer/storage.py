@@ -29,7 +29,9 @@ class Storage:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, pafs.LocalFileSystem)
+        """A plain local path: ranks write checkpoint files in place. Any URI -- file:// included --
+        goes through pyarrow: staged locally, then uploaded in the background."""
+        return "://" not in self.uri and isinstance(self.fs, pafs.LocalFileSystem)
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)

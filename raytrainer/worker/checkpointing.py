@@ -1,11 +1,13 @@
 """Saving checkpoints from the ranks and resuming from one.
 
-A save is two phases, so the training loop only waits for serialisation:
+A save is two phases, so the training loop only waits for an in-memory copy of the state:
 
-1. ``CheckpointWriter.save`` (all ranks, blocking): each rank writes its part -- rank 0 the weights,
-   optimizer, scheduler, trainer state and arguments; every rank its RNG state -- straight into the
-   checkpoint folder when storage is local, else into a local staging folder. A background thread then
-   hashes the files and, for remote storage, uploads them through pyarrow and deletes the staging copy.
+1. ``CheckpointWriter.save`` (all ranks, blocking): each rank snapshots its part in memory -- rank 0 the
+   weights, optimizer and scheduler state and trainer state; every rank its RNG state. A background
+   thread then serialises the snapshot (safetensors, torch.save, JSON) straight into the checkpoint
+   folder when storage is a local path, else into a local staging folder; hashes the files; and for a
+   URI (s3://, gs://, file://, ...) uploads them through pyarrow and deletes the staging copy. The
+   snapshot costs one extra copy of the weights and optimizer state in host memory while it is written.
 2. ``CheckpointWriter.commit`` (all ranks, in the same step): once every rank's thread is done, rank 0
    writes ``manifest.json`` from all ranks' parts (the commit), the checkpoint is handed to Ray Train
    with ``ray.train.report(..., checkpoint_upload_mode=NO_UPLOAD)``, and the driver is told, so it can
@@ -15,6 +17,7 @@ A save is two phases, so the training loop only waits for serialisation:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -34,32 +37,78 @@ from raytrainer.checkpoint import (
     write_manifest,
 )
 from raytrainer.storage import Storage
-from raytrainer.worker.saving import TRAINER_STATE_NAME, TRAINING_ARGS_NAME, save_model_files
+from raytrainer.worker.saving import TRAINER_STATE_NAME, save_model_files
 
 
 def rng_file(rank: int) -> str:
     return f"rng_state_{rank}.safetensors"
 
 
-class _Upload(threading.Thread):
-    """Hashes a rank's files and, for remote storage, uploads and removes the staging folder."""
+class _Snapshot:
+    """What one rank saves, copied in memory on the training thread (so training may go on)."""
 
-    def __init__(self, stage: str, files: list[str], storage: Storage, name: str, remote: bool):
+    def __init__(self):
+        self.weights: dict | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.trainer_state: str | None = None
+        self.rng: bytes | None = None
+        self.rng_name: str | None = None
+
+
+def _copy_tensors(obj):
+    """A deep copy of a state dict's tensors on the CPU (the optimizer keeps updating the originals)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copy_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_tensors(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _Writer(threading.Thread):
+    """Serialises a rank's snapshot, hashes the files, and for remote storage uploads them and removes
+    the staging folder -- all off the training thread."""
+
+    def __init__(self, snapshot: _Snapshot, stage: str, storage: Storage, name: str, remote: bool,
+                 model, args):
         super().__init__(daemon=True, name=f"raytrainer-save-{name}")
-        self.stage, self.files, self.storage, self.name, self.remote = stage, files, storage, name, remote
+        self.snapshot, self.stage, self.storage, self.name = snapshot, stage, storage, name
+        self.remote, self.model, self.args = remote, model, args
+        self.files: list[str] = []
         self.part: dict = {}
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
+            self.files = self._write()
             self.part = digest_files(self.stage, self.files)
             if self.remote:
                 self.storage.upload_dir(self.stage, self.storage.path(self.name))
         except BaseException as exc:  # reported by commit() in the training thread
             self.error = exc
         finally:
+            self.snapshot = None  # free the in-memory copy
             if self.remote:
                 shutil.rmtree(self.stage, ignore_errors=True)
+
+    def _write(self) -> list[str]:
+        snap, stage = self.snapshot, self.stage
+        files = []
+        if snap.weights is not None:  # the folder is fresh: what is in it now is this checkpoint's
+            save_model_files(self.model, stage, snap.weights, None, self.args)
+            if snap.optimizer is not None:
+                torch.save(snap.optimizer, os.path.join(stage, "optimizer.pt"))
+                torch.save(snap.scheduler, os.path.join(stage, "scheduler.pt"))
+            with open(os.path.join(stage, TRAINER_STATE_NAME), "w") as f:
+                f.write(snap.trainer_state)
+            files += sorted(n for n in _walk(stage) if not n.startswith("rng_state_"))
+        if snap.rng is not None:
+            with open(os.path.join(stage, snap.rng_name), "wb") as f:
+                f.write(snap.rng)
+            files.append(snap.rng_name)
+        return sorted(set(files))
 
 
 class CheckpointWriter:
@@ -68,7 +117,7 @@ class CheckpointWriter:
         args = trainer.args
         self.storage = Storage.from_uri(args.storage_path or args.output_dir)
         self.notify = notify  # called on rank 0 with each committed checkpoint
-        self._pending: tuple[_Upload, int, dict] | None = None
+        self._pending: tuple[_Writer, int, dict] | None = None
 
     @property
     def pending(self) -> bool:
@@ -91,26 +140,22 @@ class CheckpointWriter:
         os.makedirs(stage, exist_ok=True)
 
         weights = t._strategy.full_state_dict(t.model_wrapped)  # a collective for sharded strategies
-        files = []
-        writes_shared_files = ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero)
-        if writes_shared_files:
-            before = set(_walk(stage)) if remote else set()
-            save_model_files(t.model, stage, weights, t.processing_class, args)
+        snap = _Snapshot()
+        if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero):
+            snap.weights = _copy_tensors(weights)
             if not args.save_only_model:
-                torch.save(t.optimizer.state_dict(), os.path.join(stage, "optimizer.pt"))
-                torch.save(t.lr_scheduler.state_dict(), os.path.join(stage, "scheduler.pt"))
+                snap.optimizer = _copy_tensors(t.optimizer.state_dict())
+                snap.scheduler = copy.deepcopy(t.lr_scheduler.state_dict())
             if state.best_global_step == state.global_step:
                 state.best_model_checkpoint = self.storage.uri_of(name)
             state.stateful_callbacks = TrainerState._export_callbacks(
                 [cb for cb in t.callback_handler.callbacks if isinstance(cb, ExportableState)])
-            state.save_to_json(os.path.join(stage, TRAINER_STATE_NAME))
-            written = set(_walk(stage)) - before - {rng_file(r) for r in range(ctx.world_size)}
-            files += sorted(written | {TRAINER_STATE_NAME, TRAINING_ARGS_NAME})
+            snap.trainer_state = state.to_json_string()
+            if t.processing_class is not None and hasattr(t.processing_class, "save_pretrained"):
+                t.processing_class.save_pretrained(stage)  # rare and small: written right away
         if not args.save_only_model:
-            with open(os.path.join(stage, rng_file(ctx.rank)), "wb") as f:
-                f.write(rng_state_bytes())
-            files.append(rng_file(ctx.rank))
-        job = _Upload(stage, sorted(set(files)), self.storage, name, remote)
+            snap.rng, snap.rng_name = rng_state_bytes(), rng_file(ctx.rank)
+        job = _Writer(snap, stage, self.storage, name, remote, t.model, args)
         job.start()
         self._pending = (job, state.global_step, dict(metrics or {}))
         return self.storage.uri_of(name)

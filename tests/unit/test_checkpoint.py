@@ -208,3 +208,51 @@ def test_unwritable_storage_fails_before_training(tmp_path):
 def test_save_total_limit_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="save_total_limit"):
         args(tmp_path, save_total_limit=0)
+
+
+def test_save_model_writes_consolidated_safetensors_loadable_alone(tmp_path):
+    from safetensors.torch import load_file
+
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=3, save_strategy="no"),
+                      train_dataset=data())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert set(loaded) == set(trainer.model.state_dict())
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in loaded.items())
+
+
+def test_a_failed_upload_is_an_error_naming_files_and_destination(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "checkpoint-4").write_text("a file where the checkpoint folder must go")
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "o", max_steps=8,
+                                                    storage_path=f"file://{remote}"), train_dataset=data())
+    with pytest.raises(RuntimeError, match=r"checkpoint-4 failed.*model\.safetensors"):
+        trainer.train()
+    assert not (remote / "checkpoint-8").exists()  # nothing after the failed save was committed
+
+
+def test_early_stopping_state_survives_resume(tmp_path):
+    from raytrainer import EarlyStoppingCallback
+
+    def run(out, **kw):
+        calls = {"n": 0}
+
+        def worsening(pred):  # each evaluation scores worse than the one before (lower is better)
+            calls["n"] += 1
+            return {"score": float(calls["n"])}
+
+        trainer = Trainer(model=DropoutNet(), train_dataset=data(), eval_dataset=data(8, seed=2),
+                          compute_metrics=worsening,
+                          callbacks=[EarlyStoppingCallback(early_stopping_patience=3)],
+                          args=args(out, eval_strategy="steps", eval_steps=2, save_steps=2,
+                                    metric_for_best_model="score", greater_is_better=False,
+                                    load_best_model_at_end=True))
+        return trainer.train(**kw)
+
+    assert run(tmp_path / "full").global_step == 8  # best at 2, then 3 evaluations without improvement
+    # resumed at 6 with the callback's counter (2) and best score (1.0) restored: the next evaluation
+    # (scoring 1.0 again, no improvement) is the third without improvement -> stop at 8, not 12
+    resumed = run(tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    assert resumed.global_step == 8
