@@ -77,6 +77,16 @@ def signature_columns(model: torch.nn.Module, label_names: list[str]) -> set[str
     return set(params) | set(label_names) | set(LABEL_KEYS)
 
 
+def first_keys_within(dataset, keep: set[str]) -> bool:
+    """Whether a map-style dataset's first and last examples hold only columns in ``keep``; examples
+    are then taken as uniform and column removal is skipped (no per-batch filtering)."""
+    try:
+        ends = [dataset[0], dataset[len(dataset) - 1]]
+    except Exception:  # iterable, or not indexable by position: filter every batch
+        return False
+    return all(isinstance(e, Mapping) and set(e) <= keep for e in ends)
+
+
 class RemoveColumnsCollator:
     """Drop the keys the model's forward does not take, then collate (HF's ``RemoveColumnsCollator``)."""
 

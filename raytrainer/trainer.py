@@ -228,8 +228,8 @@ class Trainer:
         if not self.args.remove_unused_columns:
             return self.data_collator
         keep = rdata.signature_columns(self.model, self.label_names)
-        if keep is None:
-            return self.data_collator
+        if keep is None or rdata.first_keys_within(dataset, keep):
+            return self.data_collator  # nothing to remove: no per-batch filtering
         return rdata.RemoveColumnsCollator(self.data_collator, keep)
 
     def _loader_kwargs(self) -> dict[str, Any]:
@@ -391,12 +391,17 @@ class Trainer:
             loss = self.compute_loss(model, inputs)
         normalised = num_items_in_batch is not None and (
             self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
-        if not normalised:  # a mean per micro-batch: average over the accumulation window
-            loss = loss / getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        micro_steps = getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        if not normalised and micro_steps > 1:  # a mean per micro-batch: average over the window
+            loss = loss / micro_steps
         elif self.args.average_tokens_across_devices and self._ctx.world_size > 1:
             loss = loss * self._ctx.world_size  # divided by the global count; DDP averages gradients
         self._strategy.backward(loss)
         return loss.detach()
+
+    def _overrides(self, name: str) -> bool:
+        """Whether a subclass replaced the method ``name``."""
+        return getattr(type(self), name) is not getattr(Trainer, name)
 
     def _model_accepts_loss_kwargs(self, model) -> bool:
         """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""

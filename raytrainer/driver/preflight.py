@@ -75,7 +75,7 @@ def _check_train(trainer) -> None:
     example = _check_examples(trainer, dataset, "train_dataset")
     if example is None:
         return
-    if not _overrides(trainer, "compute_loss") and trainer.compute_loss_func is None:
+    if not trainer._overrides("compute_loss") and trainer.compute_loss_func is None:
         _check_labels(trainer, example, "train_dataset")
         _check_returns_loss(trainer, dataset)
 
@@ -90,12 +90,6 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
     kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
     if getattr(args.save_strategy, "value", args.save_strategy) != "no":
         storage.check_writable()
-
-
-def _overrides(trainer, name: str) -> bool:
-    from raytrainer.trainer import Trainer
-
-    return getattr(type(trainer), name) is not getattr(Trainer, name)
 
 
 def _first_examples(dataset, n: int) -> list:

@@ -115,6 +115,9 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     ga = args.gradient_accumulation_steps
     samples_seen = 0
     normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(model)
+    # Count label tokens only when something uses the count (HF's loss normalisation, or an override).
+    count_items = normalised_loss or (trainer._overrides("compute_loss")
+                                      and trainer._compute_loss_takes_num_items())
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
     must_sync = ctx.distributed and not all(
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
@@ -145,7 +148,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 resume.restore_rng()  # after the skipped batches: the next step draws what it drew
             control = trainer.control = handler.on_step_begin(args, state, control)
             trainer._micro_steps = len(micro)
-            num_items = _num_items_in_batch(micro, args, ctx, normalised_loss)
+            num_items = _num_items_in_batch(micro, args, ctx, normalised_loss) if count_items else None
             for i, inputs in enumerate(micro):
                 last = i == len(micro) - 1
                 with strategy.no_sync(model, sync=last):
