@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -483,32 +481,9 @@ def _ratio(value, ref) -> str:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    from _machine import machine_info as common
 
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "raytrainer"],
-                           capture_output=True, text=True).stdout.strip()
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": platform.node(), "cpu": cpu, "logical_cpus": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-        "torch": version("torch"), "ray": version("ray"), "transformers": version("transformers"),
-        "raytrainer_commit": commit + ("+dirty" if dirty else ""),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return common(REPO)
 
 
 def markdown(summary: dict, info: dict, opts, configs: dict) -> str:

@@ -35,11 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -329,16 +326,8 @@ def run_side(side: str, repeat: int, opts, workdir: str) -> dict:
 
 
 def machine_info(workdir: str) -> dict:
-    cpu, mem_kb = platform.machine(), None
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_kb = int(line.split()[1])
+    from _machine import machine_info as common
+
     fs = None
     with contextlib.suppress(OSError), open("/proc/mounts") as f:
         best = ""
@@ -347,26 +336,7 @@ def machine_info(workdir: str) -> dict:
             dev, mnt, fstype = line.split()[:3]
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, fs = mnt, f"{fstype} on {dev} ({mnt})"
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "raytrainer"],
-                           capture_output=True, text=True).stdout.strip()
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": cpu, "nproc": len(os.sched_getaffinity(0)),
-        "memory_gib": round(mem_kb / 2**20, 1) if mem_kb else None, "workdir_filesystem": fs,
-        "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-        **{d: version(d) for d in ("torch", "transformers", "pyarrow", "safetensors", "ray")},
-        "raytrainer_commit": commit + ("+dirty" if dirty else ""),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return {**common(REPO), "workdir_filesystem": fs}
 
 
 def summarize(runs: list[dict]) -> dict:

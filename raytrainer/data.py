@@ -69,6 +69,15 @@ def default_data_collator(features: list, return_tensors: str = "pt") -> dict[st
     return batch
 
 
+def batch_size_of(inputs, default: int = 1) -> int:
+    """The number of examples in a batch: the first dimension of its first non-scalar tensor."""
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return v.shape[0]
+    return default
+
+
 def signature_columns(model: torch.nn.Module, label_names: list[str]) -> set[str] | None:
     """Input names ``model.forward`` accepts, plus label columns; None when it takes ``**kwargs``."""
     params = inspect.signature(model.forward).parameters

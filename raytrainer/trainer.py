@@ -450,7 +450,7 @@ class Trainer:
         if hasattr(self.model, "floating_point_ops"):
             return self.model.floating_point_ops(inputs)
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
-        tokens = ids.numel() if isinstance(ids, torch.Tensor) else _batch_size(inputs)
+        tokens = ids.numel() if isinstance(ids, torch.Tensor) else rdata.batch_size_of(inputs)
         cached = self.__dict__.get("_num_params")
         if cached is None or cached[0] is not self.model:
             cached = self._num_params = (self.model, sum(p.numel() for p in self.model.parameters()))
@@ -558,13 +558,6 @@ def _to_device(obj, device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v, device) for v in obj)
     return obj
-
-
-def _batch_size(inputs) -> int:
-    for v in (inputs.values() if isinstance(inputs, Mapping) else inputs):
-        if isinstance(v, torch.Tensor) and v.ndim > 0:
-            return v.shape[0]
-    return 1
 
 
 def _loss_from_outputs(outputs, model) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from raytrainer.data import unshard
+from raytrainer.data import batch_size_of, unshard
 from raytrainer.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 PAD = -100
@@ -113,7 +113,7 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     for step, inputs in enumerate(dataloader):
         batch_inputs = inputs.get("input_ids") if "inputs" in include else None
         loss, logits, label_ids = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        batch_size = _observed_batch_size(inputs)
+        batch_size = batch_size_of(inputs)
         if loss is not None:
             losses.add(loss.detach().reshape(1).repeat(batch_size), step)
         if logits is not None and trainer.preprocess_logits_for_metrics is not None:
@@ -152,13 +152,6 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     metrics = ctx.broadcast_object(metrics)
     return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics,
                           num_samples=num_examples)
-
-
-def _observed_batch_size(inputs) -> int:
-    for v in inputs.values():
-        if isinstance(v, torch.Tensor) and v.ndim > 0:
-            return v.shape[0]
-    return 1
 
 
 def _num_real_examples(dataloader) -> int:

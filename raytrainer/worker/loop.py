@@ -24,6 +24,7 @@ import time
 import torch
 
 from raytrainer.callbacks import TrainerControl, TrainerState
+from raytrainer.data import batch_size_of
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, set_seed, speed_metrics
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
@@ -157,7 +158,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                     loss = tr_loss / (1 + state.global_step - loop.last_logged)  # keep the running mean
                 tr_loss = tr_loss + loss
                 state.total_flos += float(trainer.floating_point_ops(inputs))
-                samples_seen += _num_samples(inputs)
+                samples_seen += batch_size_of(inputs, default=0)
                 if not last:
                     control = trainer.control = handler.on_substep_end(args, state, control)
 
@@ -292,13 +293,6 @@ def _take(iterator, n: int) -> list:
         except StopIteration:
             break
     return out
-
-
-def _num_samples(inputs) -> int:
-    for v in inputs.values():
-        if isinstance(v, torch.Tensor) and v.ndim > 0:
-            return v.shape[0]
-    return 0
 
 
 def _has_len(dataloader) -> bool:
