@@ -26,6 +26,30 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+from raytrainer.arg_types import (
+    _DICT_FIELDS,
+    _PASSIVE_MAIN_LEVEL,
+    _PASSIVE_REPLICA_LEVEL,
+    DDP_BACKENDS,
+    INCLUDE_FOR_METRICS,
+    LOG_LEVELS,
+    PLACEMENT_STRATEGIES,
+    HubStrategy,
+    IntervalStrategy,
+    OptimizerNames,
+    SaveStrategy,
+    SchedulerType,
+    _check_one_of,
+    _check_positive_int,
+    _error,
+    _is_int,
+    _is_number,
+    _normalize_report_to,
+    _normalize_steps,
+    _parse_dict,
+    _to_enum,
+)
+
 __all__ = [
     "HubStrategy",
     "IntervalStrategy",
@@ -36,152 +60,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class _ValueEnum(str, Enum):
-    """A string enum that compares equal to, and prints as, its value."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def values(cls) -> list[str]:
-        return [member.value for member in cls]
-
-
-class IntervalStrategy(_ValueEnum):
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-
-
-class SaveStrategy(_ValueEnum):
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-    BEST = "best"
-
-
-class HubStrategy(_ValueEnum):
-    END = "end"
-    EVERY_SAVE = "every_save"
-    CHECKPOINT = "checkpoint"
-    ALL_CHECKPOINTS = "all_checkpoints"
-
-
-class SchedulerType(_ValueEnum):
-    LINEAR = "linear"
-    COSINE = "cosine"
-    COSINE_WITH_RESTARTS = "cosine_with_restarts"
-    POLYNOMIAL = "polynomial"
-    CONSTANT = "constant"
-    CONSTANT_WITH_WARMUP = "constant_with_warmup"
-    INVERSE_SQRT = "inverse_sqrt"
-    REDUCE_ON_PLATEAU = "reduce_lr_on_plateau"
-    COSINE_WITH_MIN_LR = "cosine_with_min_lr"
-    WARMUP_STABLE_DECAY = "warmup_stable_decay"
-
-
-class OptimizerNames(_ValueEnum):
-    ADAMW_TORCH = "adamw_torch"
-    ADAMW_TORCH_FUSED = "adamw_torch_fused"
-    SGD = "sgd"
-    ADAGRAD = "adagrad"
-    RMSPROP = "rmsprop"
-
-
-# "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
-LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-    "passive": -1,
-}
-_PASSIVE_MAIN_LEVEL = logging.INFO
-_PASSIVE_REPLICA_LEVEL = logging.WARNING
-
-DDP_BACKENDS = (None, "gloo", "nccl", "mpi", "ccl", "hccl")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-INCLUDE_FOR_METRICS = ("inputs", "loss")
-_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Small validation helpers. Every error reads "<field>=<value>: <what is wrong>; <how to fix it>".
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _error(name: str, value: Any, problem: str, fix: str) -> ValueError:
-    return ValueError(f"{name}={value!r}: {problem}; {fix}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_positive_int(name: str, value: Any, example: int) -> None:
-    if not (_is_int(value) and value > 0):
-        raise _error(name, value, "must be a positive integer", f"pass e.g. --{name} {example}")
-
-
-def _to_enum(name: str, value: Any, enum_cls: type[_ValueEnum]) -> _ValueEnum:
-    try:
-        return enum_cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(v) for v in enum_cls.values())
-        example = f"pass e.g. --{name} {enum_cls.values()[0]}"
-        raise _error(name, value, f"unknown value, must be one of {allowed}", example) from None
-
-
-def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        shown = ", ".join(repr(v) for v in allowed)
-        example = next(v for v in allowed if v is not None)
-        raise _error(name, value, f"must be one of {shown}", f"pass e.g. --{name} {example}")
-
-
-def _parse_dict(name: str, value: Any) -> dict | None:
-    """A dict field given as a dict, None, or a JSON object string (as the command line gives it)."""
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        if not value.strip():
-            return {}
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _error(
-                name,
-                value,
-                f"is not valid JSON ({exc.msg})",
-                f"""pass a JSON object, e.g. --{name} '{{"key": 1}}'""",
-            ) from None
-        if isinstance(parsed, dict):
-            return parsed
-    raise _error(
-        name, value, "must be a dict or a JSON object string", f"""pass e.g. --{name} '{{"key": 1}}'"""
-    )
-
-
-def _normalize_steps(name: str, value: Any, strategy: str) -> int | float:
-    """An interval in steps: an integer >= 1, or a float in (0, 1) meaning a ratio of the total steps."""
-    fix = f"pass e.g. --{name} 500 (or a ratio in (0, 1) of the total steps), or change --{strategy}"
-    if not _is_number(value) or value <= 0:
-        raise _error(name, value, f"must be a positive number when {strategy} is 'steps'", fix)
-    if value >= 1:
-        if value != int(value):
-            raise _error(name, value, "must be an integer when it is 1 or more", fix)
-        return int(value)
-    return value
 
 
 @dataclass
@@ -837,19 +715,6 @@ class TrainingArguments:
         return f"{type(self).__name__}(\n{lines})"
 
     __str__ = __repr__
-
-
-def _normalize_report_to(value: Any) -> list[str]:
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(v, str) for v in items):
-        raise _error(
-            "report_to", value, "must be a string or a list of strings", "pass e.g. --report_to none"
-        )
-    if items == ["none"]:
-        return []
-    return items
 
 
 def _initialized_distributed():
