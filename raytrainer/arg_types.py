@@ -79,7 +79,19 @@ _PASSIVE_REPLICA_LEVEL = logging.WARNING
 DDP_BACKENDS = (None, "gloo", "nccl", "mpi", "ccl", "hccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INCLUDE_FOR_METRICS = ("inputs", "loss")
-_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker")
+_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker", "fsdp_config")
+FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "offload",
+                "auto_wrap")
+
+
+def _normalize_fsdp(value: Any) -> list[str]:
+    """HF's forms: a space-separated string, a list, True (= full_shard), or empty/False/None."""
+    if value is True:
+        return ["full_shard"]
+    if not value:
+        return []
+    items = value.split() if isinstance(value, str) else list(value)
+    return [str(v).strip().lower() for v in items if str(v).strip()]
 
 
 # ---------------------------------------------------------------------------------------------------------

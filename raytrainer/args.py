@@ -31,6 +31,7 @@ from raytrainer.arg_types import (
     _PASSIVE_MAIN_LEVEL,
     _PASSIVE_REPLICA_LEVEL,
     DDP_BACKENDS,
+    FSDP_OPTIONS,
     INCLUDE_FOR_METRICS,
     LOG_LEVELS,
     PLACEMENT_STRATEGIES,
@@ -44,6 +45,7 @@ from raytrainer.arg_types import (
     _error,
     _is_int,
     _is_number,
+    _normalize_fsdp,
     _normalize_report_to,
     _normalize_steps,
     _parse_dict,
@@ -305,6 +307,16 @@ class TrainingArguments:
     hub_token: str | None = field(default=None, metadata={"help": "The token used to push to the Hub."})
 
     # --- Distributed ---
+    fsdp: str | list[str] | bool = field(
+        default="",
+        metadata={"help": "FSDP options, space-separated: full_shard, shard_grad_op, hybrid_shard, "
+                          "hybrid_shard_zero2, no_shard, offload, auto_wrap (e.g. 'full_shard auto_wrap')."},
+    )
+    fsdp_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "FSDP settings (a dict or JSON): transformer_layer_cls_to_wrap, min_num_params, "
+                          "activation_checkpointing."},
+    )
     ddp_backend: str | None = field(
         default=None,
         metadata={
@@ -408,6 +420,7 @@ class TrainingArguments:
         self.optim = _to_enum("optim", self.optim, OptimizerNames)
         for name in _DICT_FIELDS:
             setattr(self, name, _parse_dict(name, getattr(self, name)))
+        self.fsdp = _normalize_fsdp(self.fsdp)
         if self.lr_scheduler_kwargs is None:
             self.lr_scheduler_kwargs = {}
         if isinstance(self.placement_strategy, str):
@@ -467,7 +480,26 @@ class TrainingArguments:
             _check_one_of("include_for_metrics", item, INCLUDE_FOR_METRICS)
         self._check_ray_values()
 
+    def _check_fsdp(self) -> None:
+        unknown = [o for o in self.fsdp if o not in FSDP_OPTIONS]
+        if unknown:
+            raise _error("fsdp", " ".join(self.fsdp), f"unknown FSDP option {unknown[0]!r}",
+                         f"use options from {', '.join(FSDP_OPTIONS)}, e.g. --fsdp 'full_shard auto_wrap'")
+        sharding = [o for o in self.fsdp if o not in ("offload", "auto_wrap")]
+        if self.fsdp and len(sharding) != 1:
+            raise _error("fsdp", " ".join(self.fsdp), "needs exactly one sharding mode",
+                         "pick one of full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard")
+        if sharding and sharding[0] != "no_shard" and self.num_workers == 0:
+            raise _error("fsdp", " ".join(self.fsdp), "shards across Ray workers, but num_workers=0",
+                         "pass --num_workers 2 (or more), or drop --fsdp")
+        allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing"}
+        extra = sorted(set(self.fsdp_config or {}) - allowed)
+        if extra:
+            raise _error("fsdp_config", self.fsdp_config, f"unknown key {extra[0]!r}",
+                         f"use keys from {', '.join(sorted(allowed))}")
+
     def _check_ray_values(self) -> None:
+        self._check_fsdp()
         if not (_is_int(self.num_workers) and self.num_workers >= 0):
             raise _error(
                 "num_workers",

@@ -392,8 +392,9 @@ class Trainer:
         normalised = num_items_in_batch is not None and (
             self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
         micro_steps = getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
-        if not normalised and micro_steps > 1:  # a mean per micro-batch: average over the window
-            loss = loss / micro_steps
+        if not normalised:
+            if micro_steps > 1:  # a mean per micro-batch: average over the accumulation window
+                loss = loss / micro_steps
         elif self.args.average_tokens_across_devices and self._ctx.world_size > 1:
             loss = loss * self._ctx.world_size  # divided by the global count; DDP averages gradients
         self._strategy.backward(loss)

@@ -44,7 +44,14 @@ class Strategy:
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
-    # -- weights -----------------------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Consolidated CPU weights, complete on rank 0 (other ranks may return an empty dict)."""
+        """Consolidated CPU weights, complete on rank 0 (a collective: every rank calls it)."""
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def optimizer_state_dict(self, model: torch.nn.Module, optimizer) -> dict:
+        """The optimizer state a checkpoint holds, complete on rank 0 (a collective)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)

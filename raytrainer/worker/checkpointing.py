@@ -139,12 +139,14 @@ class CheckpointWriter:
         ctx.barrier()
         os.makedirs(stage, exist_ok=True)
 
-        weights = t._strategy.full_state_dict(t.model_wrapped)  # a collective for sharded strategies
+        weights = t._strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
+        optim_state = None if args.save_only_model else t._strategy.optimizer_state_dict(
+            t.model_wrapped, t.optimizer)
         snap = _Snapshot()
         if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero):
             snap.weights = _copy_tensors(weights)
             if not args.save_only_model:
-                snap.optimizer = _copy_tensors(t.optimizer.state_dict())
+                snap.optimizer = _copy_tensors(optim_state)
                 snap.scheduler = copy.deepcopy(t.lr_scheduler.state_dict())
             if state.best_global_step == state.global_step:
                 state.best_model_checkpoint = self.storage.uri_of(name)
@@ -214,9 +216,9 @@ class Resume:
     def load_model(self, model: torch.nn.Module) -> None:
         load_weights_into(model, model_weights(self.reader), self.reader.uri)
 
-    def load_optimizer_and_scheduler(self, optimizer, scheduler) -> None:
+    def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler) -> None:
         if self.reader.has("optimizer.pt"):
-            optimizer.load_state_dict(self.reader.torch_state("optimizer.pt"))
+            strategy.load_optimizer_state_dict(model, optimizer, self.reader.torch_state("optimizer.pt"))
         if self.reader.has("scheduler.pt"):
             scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
 

@@ -86,7 +86,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     trainer.create_optimizer_and_scheduler(num_training_steps=schedule.max_steps)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
     if resume is not None:
-        resume.load_optimizer_and_scheduler(optimizer, scheduler)
+        resume.load_optimizer_and_scheduler(strategy, model, optimizer, scheduler)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     state = trainer.state = TrainerState(

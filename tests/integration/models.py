@@ -65,3 +65,16 @@ class DropoutRegressor(Regressor):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
         self.net.insert(2, torch.nn.Dropout(0.3))
+
+
+class ReportSharding(TrainerCallback):
+    """Says, on every rank, what the model is and how much of each weight this rank holds."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        weight = model.net[0].weight
+        local = weight.to_local().numel() if isinstance(weight, DTensor) else weight.numel()
+        log.error("rank %d: FSDPModule=%s DTensor=%s local=%d of %d", args.process_index,
+                  isinstance(model, FSDPModule), isinstance(weight, DTensor), local, weight.numel())

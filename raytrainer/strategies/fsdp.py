@@ -1,0 +1,123 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state sharded.
+
+Chosen the HF way, with ``fsdp="full_shard auto_wrap offload"``-style options and ``fsdp_config``:
+
+- ``full_shard``: reshard parameters after forward (ZeRO-3); ``shard_grad_op``: keep them gathered until
+  backward (ZeRO-2); ``hybrid_shard`` / ``hybrid_shard_zero2``: shard within a node, replicate across
+  nodes (a 2-D mesh); ``offload``: parameters and optimizer state on the CPU; ``auto_wrap``: shard each
+  ``fsdp_config["transformer_layer_cls_to_wrap"]`` module (or each module with at least
+  ``fsdp_config["min_num_params"]`` parameters) as its own unit, then the root.
+- ``fsdp_config["activation_checkpointing"]``: recompute the wrapped layers' activations in backward.
+
+The module is sharded in place (its class becomes an ``FSDPModule``); evaluation runs through it, so every
+rank takes part in each forward -- raytrainer's evaluation sharding gives every rank the same number of
+batches for that reason. Consolidated weights and optimizer state (for the driver, ``save_model`` and
+checkpoints) come from ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from raytrainer.strategies.base import Strategy
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+
+    def _mesh(self, options: set[str]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ctx = self.ctx
+        device_type = ctx.device.type
+        if options & {"hybrid_shard", "hybrid_shard_zero2"}:
+            nodes = ctx.world_size // ctx.local_world_size
+            return init_device_mesh(device_type, (nodes, ctx.local_world_size),
+                                    mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (ctx.world_size,))
+
+    def _units(self, model: torch.nn.Module, config: dict) -> list[torch.nn.Module]:
+        """The submodules sharded as their own units (auto_wrap), innermost first."""
+        names = set(config.get("transformer_layer_cls_to_wrap") or [])
+        names |= set(getattr(model, "_no_split_modules", None) or []) if not names else set()
+        min_params = config.get("min_num_params")
+        units = []
+        for module in reversed(list(model.modules())):  # children before parents
+            if module is model:
+                continue
+            if type(module).__name__ in names or (
+                    min_params and not names and sum(p.numel() for p in module.parameters()) >= min_params):
+                units.append(module)
+        return units
+
+    def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        options = set(self.args.fsdp)
+        config = self.args.fsdp_config or {}
+        kwargs = {"mesh": self._mesh(options),
+                  "reshard_after_forward": not options & {"shard_grad_op", "hybrid_shard_zero2"}}
+        if "offload" in options:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        else:
+            model = model.to(self.ctx.device)
+        units = self._units(model, config) if "auto_wrap" in options else []
+        if config.get("activation_checkpointing"):
+            _checkpoint_activations(model, units or self._units(model, config))
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # sharded parameters are gathered in forward: every rank must run it
+
+    def no_sync(self, model: torch.nn.Module, sync: bool):
+        if sync:
+            return contextlib.nullcontext()
+        return _gradient_sync_off(model)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_full_options())
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(model, optimizer, options=_full_options())
+        return {"fsdp_full_optimizer_state": state}
+
+    def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if "fsdp_full_optimizer_state" not in state:
+            raise ValueError(
+                "this checkpoint's optimizer state was not saved by the FSDP strategy: resume it with the "
+                "strategy that saved it (model weights alone load under any strategy).")
+        set_optimizer_state_dict(model, optimizer, state["fsdp_full_optimizer_state"],
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _checkpoint_activations(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    targets = {id(u) for u in units}
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in targets and m is not model)
