@@ -306,6 +306,12 @@ class TrainingArguments:
     )
     hub_token: str | None = field(default=None, metadata={"help": "The token used to push to the Hub."})
 
+    neftune_noise_alpha: float | None = field(
+        default=None,
+        metadata={"help": "NEFTune: add uniform noise scaled by alpha/sqrt(seq_len*dim) to the input "
+                          "embeddings while training (e.g. 5)."},
+    )
+
     # --- Distributed ---
     fsdp: str | list[str] | bool = field(
         default="",
@@ -480,6 +486,12 @@ class TrainingArguments:
             _check_one_of("include_for_metrics", item, INCLUDE_FOR_METRICS)
         self._check_ray_values()
 
+    def _check_neftune(self) -> None:
+        alpha = self.neftune_noise_alpha
+        if alpha is not None and not (_is_number(alpha) and alpha > 0):
+            raise _error("neftune_noise_alpha", alpha, "must be a positive number",
+                         "pass e.g. --neftune_noise_alpha 5, or leave it unset")
+
     def _check_fsdp(self) -> None:
         unknown = [o for o in self.fsdp if o not in FSDP_OPTIONS]
         if unknown:
@@ -489,6 +501,9 @@ class TrainingArguments:
         if self.fsdp and len(sharding) != 1:
             raise _error("fsdp", " ".join(self.fsdp), "needs exactly one sharding mode",
                          "pick one of full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard")
+        if sharding and sharding[0] != "no_shard" and self.fp16:
+            raise _error("fp16", True, "is not supported with FSDP sharding (gradients are sharded)",
+                         "use --bf16 with FSDP, or DDP for fp16")
         if sharding and sharding[0] != "no_shard" and self.num_workers == 0:
             raise _error("fsdp", " ".join(self.fsdp), "shards across Ray workers, but num_workers=0",
                          "pass --num_workers 2 (or more), or drop --fsdp")
@@ -500,6 +515,7 @@ class TrainingArguments:
 
     def _check_ray_values(self) -> None:
         self._check_fsdp()
+        self._check_neftune()
         if not (_is_int(self.num_workers) and self.num_workers >= 0):
             raise _error(
                 "num_workers",

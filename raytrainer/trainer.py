@@ -8,6 +8,7 @@ plain methods here: a subclass's override is what runs on the workers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -385,10 +386,11 @@ class Trainer:
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
-        if self._compute_loss_takes_num_items():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        else:
-            loss = self.compute_loss(model, inputs)
+        with self.compute_loss_context_manager():
+            if self._compute_loss_takes_num_items():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            else:
+                loss = self.compute_loss(model, inputs)
         normalised = num_items_in_batch is not None and (
             self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
         micro_steps = getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
@@ -399,6 +401,10 @@ class Trainer:
             loss = loss * self._ctx.world_size  # divided by the global count; DDP averages gradients
         self._strategy.backward(loss)
         return loss.detach()
+
+    def compute_loss_context_manager(self):
+        """The context forward and loss run in: autocast for bf16 / fp16 (HF's name)."""
+        return self._strategy.precision.autocast() if self._strategy else contextlib.nullcontext()
 
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name``."""
@@ -434,7 +440,7 @@ class Trainer:
         if has_labels:
             labels = tuple(inputs.get(n).detach() for n in self.label_names)
             labels = labels[0] if len(labels) == 1 else labels
-        with torch.no_grad():
+        with torch.no_grad(), self.compute_loss_context_manager():
             if has_labels or loss_without_labels:
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
                 loss = loss.mean().detach()

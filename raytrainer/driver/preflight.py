@@ -28,6 +28,7 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
         ensure_ray(args)
     if method == "train":
         _check_train(trainer)
+        _check_neftune(trainer)
         _check_checkpointing(trainer, kwargs)
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
@@ -78,6 +79,13 @@ def _check_train(trainer) -> None:
     if not trainer._overrides("compute_loss") and trainer.compute_loss_func is None:
         _check_labels(trainer, example, "train_dataset")
         _check_returns_loss(trainer, dataset)
+
+
+def _check_neftune(trainer) -> None:
+    if trainer.args.neftune_noise_alpha:
+        from raytrainer.worker.neftune import input_embeddings
+
+        input_embeddings(trainer.model)  # raises, naming the fix, when there is none to hook
 
 
 def _check_checkpointing(trainer, kwargs: dict) -> None:

@@ -18,8 +18,11 @@ class Strategy:
     name = "single"
 
     def __init__(self, ctx: RankContext, args):
+        from raytrainer.strategies.precision import select_precision
+
         self.ctx = ctx
         self.args = args
+        self.precision = select_precision(args, ctx.device)
 
     # -- setup ---------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -39,7 +42,7 @@ class Strategy:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.precision.backward(loss)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -51,6 +51,7 @@ class _Snapshot:
         self.weights: dict | None = None
         self.optimizer = None
         self.scheduler = None
+        self.scaler: dict | None = None
         self.trainer_state: str | None = None
         self.rng: bytes | None = None
         self.rng_name: str | None = None
@@ -101,6 +102,8 @@ class _Writer(threading.Thread):
             if snap.optimizer is not None:
                 torch.save(snap.optimizer, os.path.join(stage, "optimizer.pt"))
                 torch.save(snap.scheduler, os.path.join(stage, "scheduler.pt"))
+            if snap.scaler is not None:
+                torch.save(snap.scaler, os.path.join(stage, "scaler.pt"))
             with open(os.path.join(stage, TRAINER_STATE_NAME), "w") as f:
                 f.write(snap.trainer_state)
             files += sorted(n for n in _walk(stage) if not n.startswith("rng_state_"))
@@ -148,6 +151,7 @@ class CheckpointWriter:
             if not args.save_only_model:
                 snap.optimizer = _copy_tensors(optim_state)
                 snap.scheduler = copy.deepcopy(t.lr_scheduler.state_dict())
+                snap.scaler = _copy_tensors(t._strategy.precision.state_dict()) or None
             if state.best_global_step == state.global_step:
                 state.best_model_checkpoint = self.storage.uri_of(name)
             state.stateful_callbacks = TrainerState._export_callbacks(
@@ -221,6 +225,8 @@ class Resume:
             strategy.load_optimizer_state_dict(model, optimizer, self.reader.torch_state("optimizer.pt"))
         if self.reader.has("scheduler.pt"):
             scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
+        if self.reader.has("scaler.pt"):
+            strategy.precision.load_state_dict(self.reader.torch_state("scaler.pt"))
 
     def restore_callbacks(self, callbacks) -> None:
         stored = self.state.stateful_callbacks or {}

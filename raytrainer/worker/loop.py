@@ -28,6 +28,7 @@ from raytrainer.data import batch_size_of
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, set_seed, speed_metrics
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
+from raytrainer.worker.neftune import NEFTune
 
 _FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
@@ -75,6 +76,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     resume = Resume(resume_from_checkpoint, ctx.rank) if resume_from_checkpoint else None
     if resume is not None:
         resume.load_model(trainer.model)
+    neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
 
     strategy = trainer._strategy = select_strategy(args, ctx)
     train_dataloader = trainer.get_train_dataloader()
@@ -163,9 +165,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                     control = trainer.control = handler.on_substep_end(args, state, control)
 
             if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                strategy.precision.unscale(optimizer)
                 loop.grad_norm = strategy.clip_grad_norm(model, args.max_grad_norm)
             control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
-            optimizer.step()
+            strategy.precision.optimizer_step(optimizer)
             control = trainer.control = handler.on_optimizer_step(args, state, control)
             if not plateau:
                 scheduler.step()
@@ -193,6 +196,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             break
 
     writer.commit()  # the end of training waits for the last save
+    if neftune is not None:
+        neftune.remove()
     total_loss = loop.total_loss + _mean_across_ranks(tr_loss, ctx)
     train_loss = total_loss / max(state.global_step - start_step, 1)
     num_samples = int(ctx.sum([float(samples_seen)])[0])

@@ -1,0 +1,75 @@
+"""Precision plugins, composed into every strategy: how the forward runs and how gradients step.
+
+``Precision`` is full precision and does nothing special. ``AutocastPrecision`` runs forward (and the
+loss) under ``torch.autocast`` in bf16; ``Fp16Precision`` adds dynamic loss scaling (``GradScaler``):
+the loss is scaled before backward, gradients are unscaled before clipping, and a step whose gradients
+hold inf/NaN is skipped while the scale shrinks. Both work on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Precision:
+    name = "fp32"
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer) -> None:
+        """Bring gradients to their true scale (before clipping them)."""
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class AutocastPrecision(Precision):
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type, self.dtype = device_type, dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+class Fp16Precision(AutocastPrecision):
+    def __init__(self, device_type: str):
+        super().__init__(device_type, torch.float16)
+        self.scaler = torch.amp.GradScaler(device_type)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer) -> None:
+        self.scaler.step(optimizer)  # skipped when the gradients hold inf/NaN
+        self.scaler.update()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
+
+
+def select_precision(args, device: torch.device) -> Precision:
+    if args.fp16:
+        return Fp16Precision(device.type)
+    if args.bf16:
+        return AutocastPrecision(device.type, torch.bfloat16)
+    return Precision()

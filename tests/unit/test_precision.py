@@ -1,0 +1,79 @@
+"""Mixed precision in-process on CPU: bf16 autocast, fp16 autocast with dynamic loss scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+def data(n=64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    return [{"x": x[i], "labels": int(x[i, 0] > 0) + int(x[i, 1] > 0)} for i in range(n)]
+
+
+class Recording(Trainer):
+    """Records the dtype the forward produced and can plant an inf loss at one update."""
+
+    plant_inf_at: int | None = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        self.seen_dtypes = getattr(self, "seen_dtypes", set()) | {outputs["logits"].dtype}
+        if model.training and self.state.global_step == self.plant_inf_at:
+            loss = loss * float("inf")
+        return (loss, outputs) if return_outputs else loss
+
+
+class Weights(TrainerCallback):
+    def __init__(self):
+        self.by_step = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.by_step[state.global_step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def args(tmp_path, **kw):
+    return TrainingArguments(output_dir=str(tmp_path), num_workers=0, per_device_train_batch_size=8,
+                             num_train_epochs=3, learning_rate=0.05, optim="adamw_torch", save_strategy="no",
+                             disable_tqdm=True, logging_steps=4, report_to="none", **kw)
+
+
+@pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_forward_in_low_precision_weights_stay_fp32(tmp_path, flag, dtype):
+    trainer = Recording(model=Net(), args=args(tmp_path, **{flag: True}), train_dataset=data())
+    trainer.train()
+    assert trainer.seen_dtypes == {dtype}
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+
+
+def test_fp16_skips_a_step_with_inf_gradients_and_lowers_the_scale(tmp_path):
+    weights = Weights()
+    trainer = Recording(model=Net(), args=args(tmp_path, fp16=True, max_steps=5), train_dataset=data(),
+                        callbacks=[weights])
+    trainer.plant_inf_at = 2  # the update that ends at global_step 3
+    trainer.train()
+    same = all(torch.equal(weights.by_step[3][k], weights.by_step[2][k]) for k in weights.by_step[2])
+    moved = any(not torch.equal(weights.by_step[4][k], weights.by_step[3][k]) for k in weights.by_step[3])
+    assert same and moved
+
+
+def test_fp16_with_fsdp_is_refused_with_a_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"fp16=True: is not supported with FSDP sharding.*--bf16"):
+        TrainingArguments(output_dir=str(tmp_path), num_workers=2, fsdp="full_shard", fp16=True)
