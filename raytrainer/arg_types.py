@@ -62,6 +62,7 @@ class OptimizerNames(_ValueEnum):
     SGD = "sgd"
     ADAGRAD = "adagrad"
     RMSPROP = "rmsprop"
+    ADAFACTOR = "adafactor"
 
 
 # "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
@@ -79,7 +80,8 @@ _PASSIVE_REPLICA_LEVEL = logging.WARNING
 DDP_BACKENDS = (None, "gloo", "nccl", "mpi", "ccl", "hccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INCLUDE_FOR_METRICS = ("inputs", "loss")
-_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker", "fsdp_config")
+_DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker", "fsdp_config",
+                "gradient_checkpointing_kwargs")
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "offload",
                 "auto_wrap")
 

@@ -306,6 +306,24 @@ class TrainingArguments:
     )
     hub_token: str | None = field(default=None, metadata={"help": "The token used to push to the Hub."})
 
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute activations in backward to save memory (models with "
+                          "gradient_checkpointing_enable(), e.g. transformers models)."},
+    )
+    gradient_checkpointing_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for gradient_checkpointing_enable (a dict or JSON)."},
+    )
+    torch_compile: bool = field(
+        default=False, metadata={"help": "Train through torch.compile (set too by a backend or a mode)."}
+    )
+    torch_compile_backend: str | None = field(
+        default=None, metadata={"help": "torch.compile backend, e.g. inductor (default) or eager."}
+    )
+    torch_compile_mode: str | None = field(
+        default=None, metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune, ..."}
+    )
     neftune_noise_alpha: float | None = field(
         default=None,
         metadata={"help": "NEFTune: add uniform noise scaled by alpha/sqrt(seq_len*dim) to the input "
@@ -427,6 +445,8 @@ class TrainingArguments:
         for name in _DICT_FIELDS:
             setattr(self, name, _parse_dict(name, getattr(self, name)))
         self.fsdp = _normalize_fsdp(self.fsdp)
+        if self.torch_compile_backend or self.torch_compile_mode:
+            self.torch_compile = True  # as HF: naming a backend or a mode turns compilation on
         if self.lr_scheduler_kwargs is None:
             self.lr_scheduler_kwargs = {}
         if isinstance(self.placement_strategy, str):

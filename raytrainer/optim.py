@@ -452,6 +452,7 @@ _OPTIMIZERS: dict[str, tuple[type[Optimizer], dict[str, Any], bool]] = {
     "sgd": (torch.optim.SGD, {}, False),
     "adagrad": (torch.optim.Adagrad, {}, False),
     "rmsprop": (torch.optim.RMSprop, {}, False),
+    "adafactor": (torch.optim.Adafactor, {}, False),  # torch's Adafactor (factored second moments)
 }
 
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(_OPTIMIZERS)

@@ -412,7 +412,8 @@ class Trainer:
 
     def _model_accepts_loss_kwargs(self, model) -> bool:
         """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""
-        module = getattr(model, "module", model)
+        module = getattr(model, "_orig_mod", model)  # through torch.compile
+        module = getattr(module, "module", module)  # and DDP
         cached = self.__dict__.get("_loss_kwargs_cache")
         if cached is None or cached[0] is not module:
             params = inspect.signature(module.forward).parameters.values()

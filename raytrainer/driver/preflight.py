@@ -29,6 +29,7 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
     if method == "train":
         _check_train(trainer)
         _check_neftune(trainer)
+        _check_gradient_checkpointing(trainer)
         _check_checkpointing(trainer, kwargs)
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
@@ -79,6 +80,16 @@ def _check_train(trainer) -> None:
     if not trainer._overrides("compute_loss") and trainer.compute_loss_func is None:
         _check_labels(trainer, example, "train_dataset")
         _check_returns_loss(trainer, dataset)
+
+
+def _check_gradient_checkpointing(trainer) -> None:
+    if trainer.args.gradient_checkpointing and not hasattr(trainer.model, "gradient_checkpointing_enable"):
+        raise ValueError(
+            f"gradient_checkpointing=True, but {type(trainer.model).__name__} has no "
+            "gradient_checkpointing_enable() (transformers models do). For another model use "
+            "torch.utils.checkpoint in its forward, or fsdp_config={'activation_checkpointing': True} "
+            "with FSDP."
+        )
 
 
 def _check_neftune(trainer) -> None:

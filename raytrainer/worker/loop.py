@@ -77,18 +77,23 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     if resume is not None:
         resume.load_model(trainer.model)
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
+    if args.gradient_checkpointing:
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
 
     strategy = trainer._strategy = select_strategy(args, ctx)
     train_dataloader = trainer.get_train_dataloader()
     len_dataloader = len(train_dataloader) if _has_len(train_dataloader) else None
     schedule = _Schedule(args, len_dataloader)
 
-    model = trainer.model_wrapped = strategy.setup_model(trainer.model)
-    trainer.model = strategy.unwrap(model)
+    wrapped = trainer.model_wrapped = strategy.setup_model(trainer.model)
+    trainer.model = strategy.unwrap(wrapped)
+    # The training forward may go through torch.compile; state, syncing and clipping use ``wrapped``.
+    model = _compiled(wrapped, args) if args.torch_compile else wrapped
     trainer.create_optimizer_and_scheduler(num_training_steps=schedule.max_steps)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
     if resume is not None:
-        resume.load_optimizer_and_scheduler(strategy, model, optimizer, scheduler)
+        resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     state = trainer.state = TrainerState(
@@ -114,10 +119,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     control = trainer.control = handler.on_train_begin(args, state, TrainerControl())
     tr_loss = torch.zeros((), device=ctx.device)
     loop = _LogState(total_loss=0.0, last_logged=0, grad_norm=None)
-    model.zero_grad(set_to_none=True)
+    wrapped.zero_grad(set_to_none=True)
     ga = args.gradient_accumulation_steps
     samples_seen = 0
-    normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(model)
+    normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(wrapped)
     # Count label tokens only when something uses the count (HF's loss normalisation, or an override).
     count_items = normalised_loss or (trainer._overrides("compute_loss")
                                       and trainer._compute_loss_takes_num_items())
@@ -154,7 +159,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             num_items = _num_items_in_batch(micro, args, ctx, normalised_loss) if count_items else None
             for i, inputs in enumerate(micro):
                 last = i == len(micro) - 1
-                with strategy.no_sync(model, sync=last):
+                with strategy.no_sync(wrapped, sync=last):
                     loss = trainer.training_step(model, inputs, num_items)
                 if args.logging_nan_inf_filter and not torch.isfinite(loss):
                     loss = tr_loss / (1 + state.global_step - loop.last_logged)  # keep the running mean
@@ -166,13 +171,13 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
 
             if args.max_grad_norm is not None and args.max_grad_norm > 0:
                 strategy.precision.unscale(optimizer)
-                loop.grad_norm = strategy.clip_grad_norm(model, args.max_grad_norm)
+                loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
             control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
             strategy.precision.optimizer_step(optimizer)
             control = trainer.control = handler.on_optimizer_step(args, state, control)
             if not plateau:
                 scheduler.step()
-            model.zero_grad(set_to_none=True)
+            wrapped.zero_grad(set_to_none=True)
 
             state.global_step += 1
             state.epoch = epoch + (update + 1) / updates_this_epoch
@@ -284,6 +289,13 @@ def _num_items_in_batch(micro: list, args, ctx, global_count: bool) -> int | Non
     if global_count and args.average_tokens_across_devices and ctx.world_size > 1:
         count = int(ctx.sum([float(count)])[0])
     return count
+
+
+def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:
+    kwargs = {"backend": args.torch_compile_backend or "inductor"}
+    if args.torch_compile_mode:
+        kwargs["mode"] = args.torch_compile_mode
+    return torch.compile(model, **kwargs)
 
 
 def _mean_across_ranks(t: torch.Tensor, ctx) -> float:
