@@ -331,6 +331,11 @@ class TrainingArguments:
     )
 
     # --- Distributed ---
+    accelerate_config: str | None = field(
+        default=None,
+        metadata={"help": "An accelerate config YAML (from `accelerate config`): sets num_workers, the "
+                          "strategy (DDP / FSDP with its options) and mixed precision."},
+    )
     fsdp: str | list[str] | bool = field(
         default="",
         metadata={"help": "FSDP options, space-separated: full_shard, shard_grad_op, hybrid_shard, "
@@ -398,6 +403,11 @@ class TrainingArguments:
     # -----------------------------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
+        if self.accelerate_config:
+            from raytrainer.accelerate_config import values_from_accelerate_config
+
+            for name, value in values_from_accelerate_config(self.accelerate_config).items():
+                setattr(self, name, value)  # the file decides how the run is laid out
         self._fill_defaults()
         self._convert_types()
         self._check_values()

@@ -45,3 +45,17 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     saved = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
     assert restored[:3] == saved[:3]  # steps 3, 6, 9 come back from the checkpoint's trainer state
     assert [s for s, _ in restored] == [3, 6, 9, 12, 15, 18]
+
+
+def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
+    import os
+
+    yaml = os.path.join(os.path.dirname(__file__), "data", "accelerate_fsdp.yaml")
+    args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=yaml, max_steps=3,
+                             per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=DropoutRegressor(), args=args, train_dataset=make_data(32),
+                      callbacks=[ReportSharding()])
+    assert trainer.train().global_step == 3
+    console = "".join(capfd.readouterr())
+    for rank in (0, 1):
+        assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console

@@ -1,0 +1,54 @@
+"""accelerate config files -> TrainingArguments, read with accelerate's own loader."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrainer import TrainingArguments
+
+BASE = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: {kind}
+machine_rank: 0
+main_training_function: main
+mixed_precision: {precision}
+num_machines: 1
+num_processes: {processes}
+use_cpu: {use_cpu}
+"""
+
+
+def write(tmp_path, extra: str = "", **kw) -> str:
+    fields = {"kind": "MULTI_GPU", "precision": "'no'", "processes": 4, "use_cpu": "false", **kw}
+    path = tmp_path / "config.yaml"
+    path.write_text(BASE.format(**fields) + extra)
+    return str(path)
+
+
+def test_multi_gpu_bf16(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, precision="bf16"))
+    assert (args.num_workers, args.use_gpu, args.bf16, args.fp16, args.fsdp) == (4, True, True, False, [])
+
+
+def test_fsdp_v1_size_based_offload_activation_checkpointing(tmp_path):
+    extra = ("fsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_offload_params: true\n"
+             "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1000\n"
+             "  fsdp_activation_checkpointing: true\n")
+    args = TrainingArguments(output_dir=str(tmp_path),
+                             accelerate_config=write(tmp_path, extra, kind="FSDP", use_cpu="true"))
+    assert args.fsdp == ["shard_grad_op", "offload", "auto_wrap"]
+    assert args.fsdp_config == {"min_num_params": 1000, "activation_checkpointing": True}
+    assert args.use_gpu is False and args.num_workers == 4
+
+
+def test_fsdp_v2_reshard_after_forward(tmp_path):
+    extra = "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"
+    args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, extra, kind="FSDP"))
+    assert args.fsdp == ["shard_grad_op"]
+
+
+def test_deepspeed_and_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="asks for DeepSpeed"):
+        TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, kind="DEEPSPEED"))
+    with pytest.raises(ValueError, match="no such file"):
+        TrainingArguments(output_dir=str(tmp_path), accelerate_config=str(tmp_path / "nope.yaml"))
