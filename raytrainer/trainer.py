@@ -38,12 +38,10 @@ from raytrainer.trainer_utils import (
     seed_worker,
     speed_metrics,
 )
+from raytrainer.worker.saving import TRAINER_STATE_NAME
 
 logger = logging.getLogger(__name__)
 
-TRAINING_ARGS_NAME = "training_args.json"
-TRAINER_STATE_NAME = "trainer_state.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class Trainer:
