@@ -26,7 +26,7 @@ def _worker_main(config: dict) -> None:
     from raytrainer.driver.runner import run_rank
     from raytrainer.worker.context import ray_train_context
 
-    trainer = cloudpickle.loads(config["spec"])
+    trainer = cloudpickle.loads(config.pop("spec"))  # drop the bytes: the model is in `trainer` now
     ctx = ray_train_context(trainer.args.use_gpu)
     client = ChannelClient(config["channel"], ctx.rank)
     payload = run_rank(trainer, ctx, client, config["method"], config["kwargs"])

@@ -47,7 +47,8 @@ class FSDPStrategy(Strategy):
     def _units(self, model: torch.nn.Module, config: dict) -> list[torch.nn.Module]:
         """The submodules sharded as their own units (auto_wrap), innermost first."""
         names = set(config.get("transformer_layer_cls_to_wrap") or [])
-        names |= set(getattr(model, "_no_split_modules", None) or []) if not names else set()
+        if not names:  # transformers models name their layers
+            names = set(getattr(model, "_no_split_modules", None) or [])
         min_params = config.get("min_num_params")
         units = []
         for module in reversed(list(model.modules())):  # children before parents
