@@ -180,3 +180,33 @@ def _normalize_report_to(value: Any) -> list[str]:
     if items == ["none"]:
         return []
     return items
+
+
+# -- checks that read several fields (called from TrainingArguments.__post_init__) --------------------
+def check_neftune(args) -> None:
+    alpha = args.neftune_noise_alpha
+    if alpha is not None and not (_is_number(alpha) and alpha > 0):
+        raise _error("neftune_noise_alpha", alpha, "must be a positive number",
+                     "pass e.g. --neftune_noise_alpha 5, or leave it unset")
+
+
+def check_fsdp(args) -> None:
+    unknown = [o for o in args.fsdp if o not in FSDP_OPTIONS]
+    if unknown:
+        raise _error("fsdp", " ".join(args.fsdp), f"unknown FSDP option {unknown[0]!r}",
+                     f"use options from {', '.join(FSDP_OPTIONS)}, e.g. --fsdp 'full_shard auto_wrap'")
+    sharding = [o for o in args.fsdp if o not in ("offload", "auto_wrap")]
+    if args.fsdp and len(sharding) != 1:
+        raise _error("fsdp", " ".join(args.fsdp), "needs exactly one sharding mode",
+                     "pick one of full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard")
+    if sharding and sharding[0] != "no_shard" and args.fp16:
+        raise _error("fp16", True, "is not supported with FSDP sharding (gradients are sharded)",
+                     "use --bf16 with FSDP, or DDP for fp16")
+    if sharding and sharding[0] != "no_shard" and args.num_workers == 0:
+        raise _error("fsdp", " ".join(args.fsdp), "shards across Ray workers, but num_workers=0",
+                     "pass --num_workers 2 (or more), or drop --fsdp")
+    allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing"}
+    extra = sorted(set(args.fsdp_config or {}) - allowed)
+    if extra:
+        raise _error("fsdp_config", args.fsdp_config, f"unknown key {extra[0]!r}",
+                     f"use keys from {', '.join(sorted(allowed))}")

@@ -31,7 +31,6 @@ from raytrainer.arg_types import (
     _PASSIVE_MAIN_LEVEL,
     _PASSIVE_REPLICA_LEVEL,
     DDP_BACKENDS,
-    FSDP_OPTIONS,
     INCLUDE_FOR_METRICS,
     LOG_LEVELS,
     PLACEMENT_STRATEGIES,
@@ -50,6 +49,8 @@ from raytrainer.arg_types import (
     _normalize_steps,
     _parse_dict,
     _to_enum,
+    check_fsdp,
+    check_neftune,
 )
 
 __all__ = [
@@ -516,36 +517,9 @@ class TrainingArguments:
             _check_one_of("include_for_metrics", item, INCLUDE_FOR_METRICS)
         self._check_ray_values()
 
-    def _check_neftune(self) -> None:
-        alpha = self.neftune_noise_alpha
-        if alpha is not None and not (_is_number(alpha) and alpha > 0):
-            raise _error("neftune_noise_alpha", alpha, "must be a positive number",
-                         "pass e.g. --neftune_noise_alpha 5, or leave it unset")
-
-    def _check_fsdp(self) -> None:
-        unknown = [o for o in self.fsdp if o not in FSDP_OPTIONS]
-        if unknown:
-            raise _error("fsdp", " ".join(self.fsdp), f"unknown FSDP option {unknown[0]!r}",
-                         f"use options from {', '.join(FSDP_OPTIONS)}, e.g. --fsdp 'full_shard auto_wrap'")
-        sharding = [o for o in self.fsdp if o not in ("offload", "auto_wrap")]
-        if self.fsdp and len(sharding) != 1:
-            raise _error("fsdp", " ".join(self.fsdp), "needs exactly one sharding mode",
-                         "pick one of full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2, no_shard")
-        if sharding and sharding[0] != "no_shard" and self.fp16:
-            raise _error("fp16", True, "is not supported with FSDP sharding (gradients are sharded)",
-                         "use --bf16 with FSDP, or DDP for fp16")
-        if sharding and sharding[0] != "no_shard" and self.num_workers == 0:
-            raise _error("fsdp", " ".join(self.fsdp), "shards across Ray workers, but num_workers=0",
-                         "pass --num_workers 2 (or more), or drop --fsdp")
-        allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing"}
-        extra = sorted(set(self.fsdp_config or {}) - allowed)
-        if extra:
-            raise _error("fsdp_config", self.fsdp_config, f"unknown key {extra[0]!r}",
-                         f"use keys from {', '.join(sorted(allowed))}")
-
     def _check_ray_values(self) -> None:
-        self._check_fsdp()
-        self._check_neftune()
+        check_fsdp(self)
+        check_neftune(self)
         if not (_is_int(self.num_workers) and self.num_workers >= 0):
             raise _error(
                 "num_workers",
