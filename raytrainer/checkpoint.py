@@ -69,7 +69,8 @@ def write_manifest(storage: Storage, name: str, parts: list[dict], step: int) ->
 
 
 def read_manifest(storage: Storage, folder: str) -> dict | None:
-    path = storage.path(folder, MANIFEST) if not folder.startswith(storage.root) else f"{folder}/{MANIFEST}"
+    """The manifest of ``folder`` (a path on ``storage.fs``), or None when it is missing or unreadable."""
+    path = f"{folder.rstrip('/')}/{MANIFEST}"
     if not storage.exists(path):
         return None
     try:
@@ -223,8 +224,6 @@ def rng_state_bytes() -> bytes:
 
 
 def restore_rng_state(data: bytes) -> None:
-    from safetensors import safe_open  # noqa: F401  (metadata is read through the file header below)
-
     tensors = load_safetensors(data)
     header_len = int.from_bytes(data[:8], "little")
     metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})

@@ -42,10 +42,6 @@ if not _workers.handlers:
     _workers.setLevel(logging.DEBUG)
 
 
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)
-
-
 def emit_worker_record(payload: dict) -> None:
     """Print one record a worker forwarded (its level was checked on the worker)."""
     record = logging.makeLogRecord(

@@ -222,7 +222,7 @@ class Trainer:
             self.model = self._strategy.unwrap(self.model_wrapped)
 
     # -- data ----------------------------------------------------------------------------------------
-    def _collator_for(self, dataset, description: str):
+    def _collator_for(self, dataset):
         """The data collator, wrapped to drop columns forward() does not take (remove_unused_columns)."""
         if not self.args.remove_unused_columns:
             return self.data_collator
@@ -277,7 +277,7 @@ class Trainer:
             keep = rdata.signature_columns(self.model, self.label_names)
             if keep is not None:
                 dataset = dataset.remove_columns([c for c in dataset.column_names if c not in keep])
-        collator = self._collator_for(dataset, "training" if train else "evaluation")
+        collator = self._collator_for(dataset)
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
             shard = rdata.IterableShard(dataset, batch_size, ctx.world_size, ctx.rank,
                                         drop_last=a.dataloader_drop_last and train, pad_rounds=train)

@@ -117,12 +117,10 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrainer.driver.ray_runtime import parse_resources
-
     scaling = ScalingConfig(
         num_workers=args.num_workers,
         use_gpu=bool(args.use_gpu),
-        resources_per_worker=parse_resources(args.resources_per_worker),
+        resources_per_worker=args.resources_per_worker,  # a dict: TrainingArguments parsed it
         placement_strategy=args.placement_strategy,
     )
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)

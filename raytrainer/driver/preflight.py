@@ -166,7 +166,7 @@ def _check_returns_loss(trainer, dataset) -> None:
 
     model = trainer.model
     examples = _first_examples(dataset, 2)
-    batch = trainer._collator_for(dataset, "training")(examples)
+    batch = trainer._collator_for(dataset)(examples)
     device = next(model.parameters(), torch.empty(0)).device
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     was_training = model.training

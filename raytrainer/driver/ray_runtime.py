@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -42,9 +41,3 @@ def ensure_ray(args) -> None:
     # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,
              logging_level=logging.WARNING, configure_logging=True)
-
-
-def parse_resources(value) -> dict | None:
-    if value is None or isinstance(value, dict):
-        return value
-    return json.loads(value)

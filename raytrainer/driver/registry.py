@@ -23,12 +23,10 @@ class CheckpointRegistry:
         self.limit = args.save_total_limit
         self.latest: str | None = None
         self.best: str | None = None
-        self.committed: list[str] = []
 
     def add(self, info: dict) -> None:
         """A checkpoint was committed (called with rank 0's report, in commit order)."""
         self.latest = info["uri"]
-        self.committed.append(info["uri"])
         if info.get("best_model_checkpoint"):
             self.best = info["best_model_checkpoint"]
         logger.info("checkpoint committed: %s", info["uri"])

@@ -18,7 +18,6 @@ A save is two phases, so the training loop only waits for an in-memory copy of t
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import tempfile
@@ -243,8 +242,3 @@ class Resume:
             name = rng_file(0)
         if self.reader.has(name):
             restore_rng_state(self.reader.read(name))
-
-
-def describe(resume: Resume) -> str:
-    s = resume.state
-    return json.dumps({"checkpoint": resume.reader.uri, "global_step": s.global_step, "epoch": s.epoch})

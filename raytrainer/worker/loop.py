@@ -26,7 +26,7 @@ import torch
 from raytrainer.callbacks import TrainerControl, TrainerState
 from raytrainer.data import batch_size_of
 from raytrainer.strategies import select_strategy
-from raytrainer.trainer_utils import MemoryTracker, TrainOutput, set_seed, speed_metrics
+from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.neftune import NEFTune
 
@@ -83,7 +83,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
 
     strategy = trainer._strategy = select_strategy(args, ctx)
     train_dataloader = trainer.get_train_dataloader()
-    len_dataloader = len(train_dataloader) if _has_len(train_dataloader) else None
+    len_dataloader = len(train_dataloader) if has_length(train_dataloader) else None
     schedule = _Schedule(args, len_dataloader)
 
     wrapped = trainer.model_wrapped = strategy.setup_model(trainer.model)
@@ -310,11 +310,3 @@ def _take(iterator, n: int) -> list:
         except StopIteration:
             break
     return out
-
-
-def _has_len(dataloader) -> bool:
-    try:
-        len(dataloader)
-        return True
-    except TypeError:
-        return False
