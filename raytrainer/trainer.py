@@ -103,8 +103,11 @@ class Trainer:
 
         user_callbacks = callbacks if callbacks is not None else (callback or [])
         display = PrinterCallback if args.disable_tqdm else ProgressCallback
+        from raytrainer.integrations import get_reporting_integration_callbacks
+
+        reporting = get_reporting_integration_callbacks(args.report_to)  # they run on the driver
         self.callback_handler = CallbackHandler(
-            [DefaultFlowCallback, *user_callbacks, display], self.model, self.processing_class,
+            [DefaultFlowCallback, *reporting, *user_callbacks, display], self.model, self.processing_class,
             self.optimizer, self.lr_scheduler,
         )
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
@@ -114,12 +117,13 @@ class Trainer:
         self._channel = None
         self._writer = None  # the rank's CheckpointWriter during train()
         self._checkpoint_sink = None  # told of each committed checkpoint (the driver's registry)
+        self._hub = None  # the driver's hub pusher (raytrainer.hub), when pushing
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # -- picklable for the workers ----------------------------------------------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
-        for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
+        for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
             state[name] = None
         for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params"):
             state.pop(name, None)  # caches: recomputed where the object lands
