@@ -203,6 +203,16 @@ class Trainer:
         return evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys,
                                metric_key_prefix)
 
+    def hyperparameter_search(self, hp_space: Callable | None = None,
+                              compute_objective: Callable | None = None, n_trials: int = 20,
+                              direction: str | list[str] = "minimize", backend=None,
+                              hp_name: Callable | None = None, **kwargs):
+        """HF's hyperparameter search; each trial is a full run on its own Ray workers (raytrainer/search)."""
+        from raytrainer.search import hyperparameter_search
+
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend,
+                                     hp_name, **kwargs)
+
     # -- model -------------------------------------------------------------------------------------
     def call_model_init(self, trial=None) -> torch.nn.Module:
         n_args = len(inspect.signature(self.model_init).parameters)

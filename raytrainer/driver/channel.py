@@ -20,6 +20,7 @@ class Channel:
         self._results: dict = {}
         self._attempts = 0
         self._latest_checkpoint: str | None = None
+        self._stop = False
 
     def put(self, events: list) -> None:
         self._events.extend(events)
@@ -31,6 +32,13 @@ class Channel:
         """Called once per worker-group start: (attempt number, latest checkpoint committed so far)."""
         self._attempts += 1
         return self._attempts - 1, self._latest_checkpoint
+
+    def request_stop(self) -> None:
+        """The driver asks the run to stop (a driver-side callback set ``should_training_stop``)."""
+        self._stop = True
+
+    def stop_requested(self) -> bool:
+        return self._stop
 
     def drain(self) -> list:
         events, self._events = self._events, []

@@ -72,6 +72,7 @@ class _Pump(threading.Thread):
         super().__init__(daemon=True, name="raytrainer-events")
         self.channel, self.display, self.registry, self.period = channel, display, registry, period
         self._stop_event = threading.Event()
+        self._stop_sent = False
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
@@ -95,6 +96,10 @@ class _Pump(threading.Thread):
                     self.registry.add(payload)
             except Exception:
                 logger.exception("while showing a worker event")
+        if self.display.control.should_training_stop and not self._stop_sent:
+            # A driver-side callback asked to stop (e.g. a pruned search trial): tell the workers.
+            self._stop_sent = True
+            self.channel.request_stop.remote()
 
     def stop(self) -> None:
         self._stop_event.set()

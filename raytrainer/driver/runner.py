@@ -65,8 +65,13 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
         trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
         kwargs = _after_restart(ctx, channel, method, kwargs)
         # Display callbacks run on the driver; rank 0 relays the events they need.
-        for cb in [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]:
+        driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+        for cb in driver_side:
             trainer.callback_handler.remove_callback(cb)
+        if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
+            from raytrainer.worker.stop import DriverStopCallback
+
+            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle))  # on every rank
         if ctx.is_world_zero:
             trainer.callback_handler.add_callback(RelayCallback(channel))
     with rank_logging(trainer.args, ctx.rank, channel):

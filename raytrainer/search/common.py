@@ -1,0 +1,299 @@
+"""What both search backends share: ``BestRun``, the default search spaces and objective, turning a trial's
+hyperparameters into TrainingArguments, the picklability preflight, and running one trial.
+
+A trial is a copy of the user's Trainer with the trial's arguments (``output_dir/run-<trial id>``) and the
+model ``model_init(trial)`` built in the process that holds the trial (the search driver for Optuna, the
+Tune trial actor for Ray Tune), so ``model_init`` runs once per trial with the live trial object. The
+copy's ``train()`` is an ordinary raytrainer run on fresh Ray workers. A driver-side ``TrialReporter``
+(``on_driver = True``) sees each evaluation's metrics, reports the objective to the backend and, when
+the backend prunes the trial, asks the workers to stop (``may_stop_training``, see worker/stop.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import inspect
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import cloudpickle
+
+from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_NAME = "trial_summary.json"
+_MODEL_INIT_LOCK = threading.Lock()  # seeding + model_init touch global RNGs: one trial at a time
+
+
+class BestRun(NamedTuple):
+    """HF's ``BestRun``: the best trial's id, objective, hyperparameters, and a summary of its run."""
+
+    run_id: str
+    objective: float | list[float]
+    hyperparameters: dict[str, Any]
+    run_summary: Any = None
+
+
+@dataclasses.dataclass
+class TrialSummary:
+    """One trial's run: where it wrote, its best committed checkpoint, what its evaluations said."""
+
+    trial_id: str
+    output_dir: str
+    hyperparameters: dict[str, Any]
+    objective: float | list[float] | None = None
+    best_checkpoint: str | None = None  # state.best_model_checkpoint, else the latest committed one
+    checkpoints: list[str] = dataclasses.field(default_factory=list)
+    evaluations: list[dict] = dataclasses.field(default_factory=list)  # each: step, objective, metrics
+    global_step: int = 0
+    pruned: bool = False
+
+    def save(self) -> None:
+        os.makedirs(self.output_dir, exist_ok=True)
+        with open(os.path.join(self.output_dir, SUMMARY_NAME), "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2, default=str)
+
+    @classmethod
+    def load(cls, output_dir: str) -> TrialSummary | None:
+        path = os.path.join(output_dir, SUMMARY_NAME)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+# -- HF defaults ---------------------------------------------------------------------------------------
+def default_hp_space_optuna(trial) -> dict[str, Any]:
+    return {
+        "learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
+        "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
+        "seed": trial.suggest_int("seed", 1, 40),
+        "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size",
+                                                                 [4, 8, 16, 32, 64]),
+    }
+
+
+def default_hp_space_ray(trial) -> dict[str, Any]:
+    from ray import tune
+
+    return {
+        "learning_rate": tune.loguniform(1e-6, 1e-4),
+        "num_train_epochs": tune.choice(list(range(1, 6))),
+        "seed": tune.randint(1, 41),
+        "per_device_train_batch_size": tune.choice([4, 8, 16, 32, 64]),
+    }
+
+
+def default_compute_objective(metrics: dict[str, float]) -> float:
+    """HF's default: the evaluation loss when there are no other metrics, else the sum of the metrics."""
+    metrics = dict(metrics)
+    loss = metrics.pop("eval_loss", None)
+    metrics.pop("epoch", None)
+    for key in [k for k in metrics if k.endswith(("_runtime", "_per_second", "_compilation_time"))]:
+        metrics.pop(key)
+    return loss if len(metrics) == 0 else sum(metrics.values())
+
+
+def pick_backend(backend: str | None) -> str:
+    if backend is None:
+        try:
+            import optuna  # noqa: F401
+
+            return "optuna"
+        except ImportError:
+            return "ray"
+    name = getattr(backend, "value", backend)
+    if name not in ("optuna", "ray"):
+        raise ValueError(f"backend={backend!r}: raytrainer searches with backend='optuna' or 'ray'.")
+    return name
+
+
+# -- checks on the driver --------------------------------------------------------------------------------
+def check_search(trainer, direction) -> None:
+    if trainer.model_init is None:
+        raise RuntimeError(
+            "hyperparameter_search needs a model_init: pass `model_init=` (a function returning a fresh "
+            "model, taking no argument or the trial) to Trainer instead of `model=`.")
+    if trainer.optimizer is not None or trainer.lr_scheduler is not None:
+        raise RuntimeError("hyperparameter_search cannot reuse `optimizers=`: each trial builds its own "
+                           "optimizer for its own model. Use optimizer_cls_and_kwargs or override "
+                           "create_optimizer.")
+    for d in direction if isinstance(direction, list) else [direction]:
+        if d not in ("minimize", "maximize"):
+            raise ValueError(f"direction={d!r}: use 'minimize' or 'maximize' (or a list of them).")
+
+
+def check_picklable(trainer, **extra) -> None:
+    """Everything a trial ships to Ray must pickle; the error names the first object that does not."""
+    objects = {"model_init": trainer.model_init, "compute_metrics": trainer.compute_metrics,
+               "train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
+               "data_collator": trainer.data_collator, "compute_loss_func": trainer.compute_loss_func,
+               "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics, **extra}
+    for cb in trainer.callback_handler.callbacks:
+        objects[f"callback {type(cb).__name__}"] = cb
+    for name, value in objects.items():
+        if value is None:
+            continue
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            described = getattr(value, "__qualname__", None) or type(value).__name__
+            raise ValueError(
+                f"hyperparameter_search: {name} ({described}) cannot be pickled, so it cannot reach the "
+                f"trials' Ray workers ({type(exc).__name__}: {exc}). Define it at module level and keep "
+                "locks, open files, sockets and generators out of it (build them inside model_init)."
+            ) from exc
+
+
+# -- hyperparameters -> arguments ---------------------------------------------------------------------------
+def model_init_takes_trial(trainer) -> bool:
+    return len(inspect.signature(trainer.model_init).parameters) == 1
+
+
+def split_hyperparameters(trainer, params: dict[str, Any], warn: bool = True):
+    """(TrainingArguments values, the other hyperparameters). The others reach model_init through the
+    trial and are reported; names that nothing can use get a warning that names them."""
+    fields = {f.name for f in dataclasses.fields(trainer.args) if f.init}
+    arg_values = {k: v for k, v in params.items() if k in fields}
+    others = {k: v for k, v in params.items() if k not in fields}
+    if warn and others:
+        hints = {k: difflib.get_close_matches(k, sorted(fields), n=1, cutoff=0.8) for k in others}
+        hinted = ", ".join(f"{k!r} (did you mean {m[0]!r}?)" for k, m in hints.items() if m)
+        if not model_init_takes_trial(trainer):
+            logger.warning(
+                "hyperparameters %s are not TrainingArguments fields and model_init takes no trial "
+                "argument, so nothing uses them; give model_init a `trial` parameter to read them.%s",
+                sorted(others), f" Possible typos: {hinted}." if hinted else "")
+        elif hinted:
+            logger.warning("hyperparameters %s go to model_init (they are not TrainingArguments fields); "
+                           "possible typos: %s.", sorted(others), hinted)
+    return arg_values, others
+
+
+def trial_args(args, values: dict[str, Any], trial_id: str):
+    """The trial's TrainingArguments: the trial's values (cast to each field's type, as HF does), output
+    under ``output_dir/run-<trial id>`` (and ``storage_path/run-<trial id>``), validated again."""
+    cast = {}
+    for key, value in values.items():
+        old = getattr(args, key)
+        if isinstance(old, bool) or old is None or value is None:
+            cast[key] = value
+        elif isinstance(old, (int, float, str)):
+            cast[key] = type(old)(value)
+        else:
+            cast[key] = value
+    name = f"run-{trial_id}"
+    cast["output_dir"] = os.path.join(os.path.abspath(args.output_dir), name)
+    if args.storage_path:
+        cast["storage_path"] = args.storage_path.rstrip("/") + "/" + name
+    return dataclasses.replace(args, **cast)
+
+
+# -- one trial ----------------------------------------------------------------------------------------------
+class TrialReporter(TrainerCallback):
+    """Runs on the driver of a trial's run: each evaluation's objective goes to ``report(step, objective,
+    metrics)``; when that returns True (prune), training stops on every worker within a few steps."""
+
+    on_driver = True
+    may_stop_training = True
+    same_on_every_rank = True
+
+    def __init__(self, compute_objective: Callable, report: Callable | None):
+        self.compute_objective, self.report = compute_objective, report
+        self.evaluations: list[dict] = []
+        self.pruned = False
+
+    def __getstate__(self):  # workers get a hollow copy (they drop driver-side callbacks anyway)
+        return {"compute_objective": None, "report": None, "evaluations": [], "pruned": False}
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
+        objective = self.compute_objective(dict(metrics))
+        self.evaluations.append({"step": state.global_step, "objective": objective, "metrics": metrics})
+        if self.report is not None and not self.pruned and self.report(state.global_step, objective, metrics):
+            self.pruned = True
+            control.should_training_stop = True
+
+
+def build_model(trainer, trial, seed: int):
+    """model_init(trial) under the trial's seed (HF seeds before model_init), without disturbing the
+    caller's random state."""
+    import torch
+
+    from raytrainer.trainer_utils import set_seed
+
+    with _MODEL_INIT_LOCK, torch.random.fork_rng():
+        set_seed(seed)
+        return trainer.call_model_init(trial)
+
+
+def trial_trainer(trainer, args, model, reporter: TrialReporter):
+    """A copy of ``trainer`` for one trial: its arguments, its model, its own callbacks and state."""
+    from raytrainer import data as rdata
+
+    t = copy.copy(trainer)
+    t.args = args
+    t.model = t.model_wrapped = model
+    t.model_init = None  # the model is built already, with the trial; the workers must not rebuild it
+    t.optimizer = t.lr_scheduler = None
+    t.label_names = args.label_names or rdata.default_label_names(model)
+    t.can_return_loss = t.label_names == [] or "return_loss" in inspect.signature(model.forward).parameters
+    callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, TrialReporter)]
+    t.callback_handler = CallbackHandler([*copy.deepcopy(callbacks), reporter], model, t.processing_class)
+    t.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+    t.control = TrainerControl()
+    for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
+        setattr(t, name, None)
+    for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params"):
+        t.__dict__.pop(name, None)
+    return t
+
+
+def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_objective: Callable,
+              report: Callable | None = None) -> TrialSummary:
+    """Train one trial on its own Ray workers; the objective is the last evaluation's (HF's rule), from
+    an extra evaluate() when training never evaluated."""
+    arg_values, _ = split_hyperparameters(trainer, params, warn=False)
+    args = trial_args(trainer.args, arg_values, trial_id)
+    model = build_model(trainer, trial, args.seed)
+    reporter = TrialReporter(compute_objective, report)
+    t = trial_trainer(trainer, args, model, reporter)
+    logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
+    t.train()
+    if not reporter.evaluations and not reporter.pruned:
+        t.evaluate()
+    last = reporter.evaluations[-1] if reporter.evaluations else None
+    summary = TrialSummary(
+        trial_id=str(trial_id), output_dir=args.output_dir, hyperparameters=_plain(params),
+        objective=last["objective"] if last else None, evaluations=reporter.evaluations,
+        global_step=t.state.global_step, pruned=reporter.pruned)
+    fill_checkpoints(summary, args, t.state.best_model_checkpoint)
+    summary.save()
+    return summary
+
+
+def fill_checkpoints(summary: TrialSummary, args, best: str | None = None) -> None:
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.storage import Storage
+
+    storage = Storage.from_uri(args.storage_path or args.output_dir)
+    summary.checkpoints = [path for _, path in committed_checkpoints(storage, warn=False)]
+    if best and any(os.path.basename(best.rstrip("/")) == os.path.basename(p) for p in summary.checkpoints):
+        summary.best_checkpoint = best
+    elif summary.checkpoints:
+        summary.best_checkpoint = summary.checkpoints[-1]
+
+
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    """Hyperparameter values as plain Python numbers/strings (numpy scalars from Ray Tune included)."""
+    out = {}
+    for k, v in params.items():
+        out[k] = v.item() if hasattr(v, "item") and not isinstance(v, (list, dict)) else v
+    return out

@@ -1,0 +1,120 @@
+"""The Ray Tune backend: a ``ray.tune.Tuner`` whose trainable runs one raytrainer trial.
+
+Each Tune trial's trainable (a light actor, 0 CPUs by default) builds the model with ``model_init(config)``
+and calls the trial Trainer's ``train()``, which launches its own Ray Train v2 run: the workers are
+gang-scheduled in that run's placement group (all of them or none), so concurrent trials queue instead
+of deadlocking half-placed. Each evaluation reaches Tune through ``ray.tune.report`` from the trial's
+driver-side ``TrialReporter`` (Ray Train v2 keeps only checkpoint reports, so the Train -> Tune callback
+of Ray would see too little); when a scheduler such as ASHA stops a trial, Tune ends the trainable's
+actor, and the Train controller and workers it owns end with it.
+
+kwargs: ``search_alg``, ``scheduler``, ``max_concurrent_trials``, ``resources_per_trial``, any other
+``tune.TuneConfig`` field (``time_budget_s``, ``reuse_actors``, ...) and ``tune.RunConfig`` field
+(``name``, ``storage_path``, ``stop``, ``callbacks``, ``verbose``, ...). Tune's own records go to
+``output_dir/tune`` unless ``storage_path`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Callable
+
+from raytrainer.search.common import BestRun, TrialSummary, fill_checkpoints, run_trial, split_hyperparameters
+
+logger = logging.getLogger(__name__)
+
+METRIC = "objective"
+
+
+def _trainable(config: dict, trainer=None, compute_objective=None, hp_name=None):
+    """One Tune trial: a raytrainer run; every evaluation is a Tune result."""
+    from ray import tune
+
+    trial_id = hp_name(config) if hp_name is not None else tune.get_context().get_trial_id()
+
+    def report(step, objective, metrics) -> bool:
+        result = {**metrics, METRIC: objective, "global_step": step, "trial_id": str(trial_id)}
+        tune.report(result)
+        return False  # stopping is Tune's: it ends this actor
+
+    run_trial(trainer, config, str(trial_id), dict(config), compute_objective, report)
+
+
+def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_trials: int, direction,
+                 hp_name: Callable | None = None, **kwargs) -> BestRun:
+    from ray import tune
+
+    from raytrainer.driver.ray_runtime import ensure_ray
+
+    if isinstance(direction, list):
+        raise ValueError("backend='ray' optimises one objective; for a list of directions use "
+                         "backend='optuna'.")
+    mode = "min" if direction == "minimize" else "max"
+    args = trainer.args
+    ensure_ray(args)
+    param_space = hp_space(None)
+    split_hyperparameters(trainer, _sample_names(param_space))
+
+    resources = kwargs.pop("resources_per_trial", None)
+    if resources is None:  # the trainable only drives; a run with workers reserves its own resources
+        resources = {"cpu": 0} if args.num_workers > 0 else {"cpu": 1}
+    tune_fields = {f.name for f in dataclasses.fields(tune.TuneConfig)}
+    run_fields = {f.name for f in dataclasses.fields(tune.RunConfig)}
+    unknown = set(kwargs) - tune_fields - run_fields
+    if unknown:
+        raise TypeError(f"hyperparameter_search(backend='ray') got unknown arguments {sorted(unknown)}; it "
+                        "takes resources_per_trial and the fields of tune.TuneConfig and tune.RunConfig.")
+    tune_kwargs = {k: v for k, v in kwargs.items() if k in tune_fields}
+    run_kwargs = {k: v for k, v in kwargs.items() if k in run_fields}
+    tune_kwargs.setdefault("max_concurrent_trials", _default_concurrency(args))
+    preset = any(getattr(x, "_metric", None) or getattr(x, "metric", None)
+                 for x in (tune_kwargs.get("search_alg"), tune_kwargs.get("scheduler")) if x is not None)
+    if not preset:
+        tune_kwargs.setdefault("metric", METRIC)
+        tune_kwargs.setdefault("mode", mode)
+    run_kwargs.setdefault("storage_path", os.path.abspath(args.output_dir))
+    run_kwargs.setdefault("name", "tune")
+    run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
+
+    trainable = tune.with_parameters(_trainable, trainer=trainer, compute_objective=compute_objective,
+                                     hp_name=hp_name)
+    tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
+                       tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
+                       run_config=tune.RunConfig(**run_kwargs))
+    results = tuner.fit()
+    best = results.get_best_result(metric=METRIC, mode=mode, scope="last", filter_nan_and_inf=True)
+    trial_id = str(best.metrics.get("trial_id"))
+    hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
+    summary = _summary(trainer, trial_id, hyperparameters, best)
+    return BestRun(trial_id, best.metrics[METRIC], hyperparameters, summary)
+
+
+def _summary(trainer, trial_id: str, hyperparameters: dict, best) -> TrialSummary:
+    """The trial's own summary file; for a trial Tune stopped early (no file), one made from its folder."""
+    from raytrainer.search.common import trial_args
+
+    args = trial_args(trainer.args, {}, trial_id)
+    summary = TrialSummary.load(args.output_dir)
+    if summary is None:
+        summary = TrialSummary(trial_id, args.output_dir, hyperparameters, objective=best.metrics[METRIC],
+                               global_step=int(best.metrics.get("global_step", 0)), pruned=True)
+        fill_checkpoints(summary, args)
+    return summary
+
+
+def _sample_names(param_space: dict) -> dict:
+    return dict.fromkeys(param_space)
+
+
+def _default_concurrency(args) -> int:
+    """As many trials at once as the cluster's CPUs hold workers (at least one)."""
+    import ray
+
+    from raytrainer.driver.ray_runtime import cpus_needed
+
+    total = ray.cluster_resources().get("CPU", 1)
+    per_trial = max(cpus_needed(args), 1)
+    return max(math.floor(total / per_trial), 1)
