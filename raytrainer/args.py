@@ -306,6 +306,16 @@ class TrainingArguments:
         metadata={"help": "What and when to push: 'end', 'every_save', 'checkpoint' or 'all_checkpoints'."},
     )
     hub_token: str | None = field(default=None, metadata={"help": "The token used to push to the Hub."})
+    hub_private_repo: bool | None = field(
+        default=None, metadata={"help": "Create the Hub repository as private (no effect if it exists)."}
+    )
+    hub_revision: str | None = field(
+        default=None, metadata={"help": "The branch (revision) to push to; the default branch when unset."}
+    )
+    hub_always_push: bool = field(
+        default=False,
+        metadata={"help": "Push every save, even while the previous push is running (else it is skipped)."},
+    )
 
     gradient_checkpointing: bool = field(
         default=False,

@@ -555,6 +555,20 @@ class Trainer:
         state_dict = self._strategy.full_state_dict(self.model_wrapped) if self._strategy else None
         if self.is_world_process_zero():
             save_model_files(self.model, output_dir, state_dict, self.processing_class, self.args)
+        if self.args.push_to_hub and not _internal_call and not self._on_rank:  # HF: a save pushes
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **kwargs):
+        """Save the model and a model card to ``output_dir`` and push them to ``hub_model_id`` (the driver
+        pushes; waits for the current checkpoint push first). ``kwargs`` go to the model card (``license``,
+        ``tags``, ``finetuned_from``, ``dataset``, ``language``, ``model_name``). See raytrainer/hub."""
+        if self._on_rank:
+            raise RuntimeError("push_to_hub() runs on the driver: call it after train(), not in a worker.")
+        from raytrainer import hub
+
+        return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
         """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""

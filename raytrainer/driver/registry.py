@@ -23,6 +23,8 @@ class CheckpointRegistry:
         self.limit = args.save_total_limit
         self.latest: str | None = None
         self.best: str | None = None
+        self.listeners: list = []  # called with each committed checkpoint's info (e.g. the hub pusher)
+        self.pinned: set[str] = set()  # checkpoint names rotation keeps for now (a push is reading them)
 
     def add(self, info: dict) -> None:
         """A checkpoint was committed (called with rank 0's report, in commit order)."""
@@ -30,13 +32,15 @@ class CheckpointRegistry:
         if info.get("best_model_checkpoint"):
             self.best = info["best_model_checkpoint"]
         logger.info("checkpoint committed: %s", info["uri"])
+        for listener in self.listeners:
+            listener(info)
         self.rotate()
 
     def rotate(self) -> list[str]:
         if not self.limit:
             return []
         names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
-        protected = {os.path.basename(u.rstrip("/")) for u in (self.latest, self.best) if u}
+        protected = {os.path.basename(u.rstrip("/")) for u in (self.latest, self.best) if u} | self.pinned
         keep = set(names[-self.limit:]) | protected
         deleted = []
         for name in names:

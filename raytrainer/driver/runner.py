@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from raytrainer import hub
 from raytrainer.callbacks import TrainerState
 from raytrainer.checkpoint import CheckpointReader, load_weights_into, model_weights
 from raytrainer.driver import preflight
@@ -19,15 +20,20 @@ logger = logging.getLogger(__name__)
 
 def run(trainer, method: str, kwargs: dict):
     """Validate on the driver, run ``method`` on every rank, return rank 0's answer."""
-    spec = preflight.check(trainer, method, kwargs)
+    with hub.token_withheld(trainer.args):  # the Trainer the workers get never holds the hub token
+        spec = preflight.check(trainer, method, kwargs)
     registry = CheckpointRegistry(trainer.args)
-    if trainer.args.num_workers == 0:
-        output = _run_local(trainer, method, kwargs, registry)
-    else:
-        from raytrainer.driver.launch import launch
+    pusher = hub.for_training(trainer, registry) if method == "train" else None  # checked before launch
+    try:
+        if trainer.args.num_workers == 0:
+            output = _run_local(trainer, method, kwargs, registry)
+        else:
+            from raytrainer.driver.launch import launch
 
-        payload = launch(trainer, spec, method, kwargs, registry)
-        output = _absorb(trainer, method, payload)
+            payload = launch(trainer, spec, method, kwargs, registry)
+            output = _absorb(trainer, method, payload)
+    finally:
+        hub.finish_training(pusher, registry)  # pending pushes end before train() returns
     if method == "train" and trainer.args.load_best_model_at_end:
         _load_best_model(trainer)
     return output

@@ -1,0 +1,262 @@
+"""Hub pushes from the driver, in-process (num_workers=0): a real file:// repository for every
+hub_strategy, the Hugging Face path at the HfApi call boundary (the network calls replaced, nothing
+else), the skip / queue rules of the background pusher, failed pushes, the model card and token hygiene."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytrainer import Trainer
+from raytrainer.hub import FilesystemTarget, HubPusher
+from raytrainer.hub.model_card import model_card, parse_log_history
+
+TOKEN = "hf_unit_secret_token_9f8e7d"
+
+
+def _trainer(make_args, make_classifier, make_examples, max_steps=8, model_seed=0, **overrides):
+    train, _, _ = make_examples(64)
+    evaluation, _, _ = make_examples(16, seed=1)
+    kwargs = dict(per_device_train_batch_size=8, max_steps=max_steps, save_strategy="steps", save_steps=4,
+                  logging_steps=2, learning_rate=0.1, eval_strategy="steps", eval_steps=4, push_to_hub=True,
+                  hub_always_push=True)
+    kwargs.update(overrides)
+    return Trainer(model=make_classifier(seed=model_seed), args=make_args(**kwargs), train_dataset=train,
+                   eval_dataset=evaluation)
+
+
+def _files(folder) -> set[str]:
+    return {os.path.relpath(os.path.join(r, n), folder) for r, _, ns in os.walk(folder) for n in ns}
+
+
+def _assert_weights(path, model):
+    loaded = load_file(path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_every_save_pushes_model_files_at_each_committed_checkpoint(tmp_path, make_args, make_classifier,
+                                                                     make_examples):
+    repo = tmp_path / "hub" / "tiny"
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                       hub_strategy="every_save")
+    trainer.train()
+    assert _files(repo / "main") == {"model.safetensors", "training_args.json"}  # no training state
+    _assert_weights(repo / "main" / "model.safetensors", trainer.model)  # step 8 = the final model
+    commits = FilesystemTarget(f"file://{repo}").commits()
+    assert [c["message"] for c in commits] == ["Training in progress, step 4", "Training in progress, step 8"]
+    assert {c["revision"] for c in commits} == {"main"}
+
+
+def test_checkpoint_strategy_keeps_a_resumable_last_checkpoint(tmp_path, make_args, make_classifier,
+                                                              make_examples, weights):
+    repo = tmp_path / "hub" / "tiny"
+    first = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                     hub_strategy="checkpoint", lr_scheduler_type="constant")
+    first.train()
+    last = repo / "main" / "last-checkpoint"
+    assert {"manifest.json", "optimizer.pt", "trainer_state.json", "model.safetensors"} <= _files(last)
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == 8
+    messages = [c["message"] for c in FilesystemTarget(f"file://{repo}").commits()]
+    assert messages[-1] == "Training in progress, step 8, checkpoint"
+
+    # Resume from the hub's last-checkpoint (a file:// URI) to step 12, in another output_dir, from other
+    # initial weights (replaced by the checkpoint's): bitwise the weights of an uninterrupted 12-step run.
+    resumed = _trainer(make_args, make_classifier, make_examples, max_steps=12, push_to_hub=False,
+                       model_seed=7, output_dir=str(tmp_path / "resumed"), lr_scheduler_type="constant")
+    resumed.train(resume_from_checkpoint=f"file://{last}")
+    straight = _trainer(make_args, make_classifier, make_examples, max_steps=12, push_to_hub=False,
+                        output_dir=str(tmp_path / "straight"), lr_scheduler_type="constant")
+    straight.train()
+    assert resumed.state.global_step == 12
+    weights.assert_same(weights.copy(resumed.model), weights.copy(straight.model))
+
+
+def test_all_checkpoints_on_a_revision(tmp_path, make_args, make_classifier, make_examples):
+    repo = tmp_path / "hub" / "tiny"
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                       hub_strategy="all_checkpoints", hub_revision="v1", save_total_limit=1)
+    trainer.train()
+    assert sorted(os.listdir(repo)) == ["commits.json", "v1"]
+    assert {"checkpoint-4", "checkpoint-8", "model.safetensors"} <= set(os.listdir(repo / "v1"))
+    for name in ("checkpoint-4", "checkpoint-8"):
+        assert "manifest.json" in os.listdir(repo / "v1" / name)
+    # rotation (save_total_limit=1) deleted checkpoint-4 locally only after its push had finished
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("checkpoint-")) == ["checkpoint-8"]
+
+
+def test_push_to_hub_writes_the_model_card_and_the_final_model(tmp_path, make_args, make_classifier,
+                                                              make_examples):
+    repo = tmp_path / "hub" / "tiny"
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                       hub_strategy="end")
+    trainer.train()
+    assert not repo.joinpath("main").exists()  # hub_strategy="end": nothing pushed during training
+    result = trainer.push_to_hub(license="apache-2.0")
+    assert result == f"file://{repo}/main"
+    pushed = _files(repo / "main")
+    assert {"README.md", "model.safetensors", "training_args.json"} <= pushed
+    assert not any(p.startswith(("checkpoint-", "logs")) for p in pushed)
+    _assert_weights(repo / "main" / "model.safetensors", trainer.model)
+    card = (repo / "main" / "README.md").read_text()
+    assert "license: \"apache-2.0\"" in card and "# tiny" in card
+    assert "- learning_rate: 0.1" in card and "- training_steps: 8" in card
+    final_eval = [e for e in trainer.state.log_history if "eval_loss" in e][-1]["eval_loss"]
+    assert f"- Loss: {final_eval:.4f}" in card  # the final metrics
+    assert "| Training Loss | Epoch | Step | Validation Loss |" in card
+    assert card.count("\n| ") == 1 + 2  # the header and one row per evaluation (steps 4 and 8)
+    assert FilesystemTarget(f"file://{repo}").commits()[-1]["message"] == "End of training"
+
+
+def test_parse_log_history_rows():
+    history = [{"loss": 2.0, "step": 1, "epoch": 0.5}, {"eval_loss": 1.5, "eval_accuracy": 0.5,
+               "eval_runtime": 0.1, "step": 1, "epoch": 0.5}, {"loss": 1.0, "step": 2, "epoch": 1.0},
+               {"eval_loss": 0.5, "eval_accuracy": 0.9, "step": 2, "epoch": 1.0}]
+    rows, last = parse_log_history(history)
+    assert rows == [{"Training Loss": 2.0, "Epoch": 0.5, "Step": 1, "Validation Loss": 1.5, "Accuracy": 0.5},
+                    {"Training Loss": 1.0, "Epoch": 1.0, "Step": 2, "Validation Loss": 0.5, "Accuracy": 0.9}]
+    assert last == {"Loss": 0.5, "Accuracy": 0.9}
+
+
+class _GatedTarget(FilesystemTarget):
+    """A real filesystem target whose uploads wait for a gate: a push that is 'still running'."""
+
+    def __init__(self, uri):
+        super().__init__(uri)
+        self.gate = threading.Event()
+
+    def upload(self, *args, **kwargs):
+        self.gate.wait(30)
+        return super().upload(*args, **kwargs)
+
+
+@pytest.mark.parametrize("always_push", [False, True])
+def test_a_push_is_skipped_while_the_previous_runs_unless_hub_always_push(tmp_path, make_args, always_push):
+    args = make_args(push_to_hub=True, hub_always_push=always_push)
+    target = _GatedTarget(f"file://{tmp_path}/repo")
+    pusher = HubPusher(target, args)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"w")
+    first = pusher.submit("first", target.upload, str(folder), "", "one", None)
+    second = pusher.submit("second", target.upload, str(folder), "", "two", None)
+    assert first is not None and (second is not None) == always_push
+    target.gate.set()
+    assert pusher.wait() == []
+    assert [c["message"] for c in target.commits()] == (["one", "two"] if always_push else ["one"])
+
+
+def test_a_failed_push_keeps_the_checkpoint_and_says_what_failed(tmp_path, make_args, make_classifier,
+                                                                make_examples, caplog):
+    repo = tmp_path / "hub" / "tiny"
+    repo.mkdir(parents=True)
+    (repo / "main").write_text("a file where the revision folder should be")  # every push fails
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                       hub_strategy="every_save")
+    with caplog.at_level(logging.WARNING, logger="raytrainer.hub"):
+        trainer.train()
+    assert trainer.state.global_step == 8  # training did not stop
+    assert trainer._hub.failures and trainer._hub.failures[0].startswith("checkpoint-4: ")
+    assert os.path.isfile(tmp_path / "checkpoint-8" / "manifest.json")
+    assert "2 push(es) to file://" in caplog.text and "the checkpoints are kept in storage" in caplog.text
+    with pytest.raises(RuntimeError, match=r"pushing the model in .* failed"):
+        trainer.push_to_hub()  # an explicit, blocking push raises
+
+
+def test_no_token_is_an_error_before_training(tmp_path, monkeypatch, make_args, make_classifier,
+                                              make_examples):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored login either
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id="someone/tiny")
+    with pytest.raises(ValueError, match="needs a token: set HF_TOKEN, pass hub_token"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not list(tmp_path.glob("checkpoint-*"))
+
+
+class _HubRecorder:
+    """Replaces HfApi's network calls (create_repo, create_branch, upload_folder) and records them, with
+    a snapshot of each uploaded folder taken at call time."""
+
+    def __init__(self, monkeypatch):
+        import huggingface_hub
+
+        self.calls = []
+        recorder = self
+
+        def create_repo(api, repo_id, token=None, private=None, exist_ok=False, **kw):
+            recorder.calls.append(("create_repo", {"repo_id": repo_id, "token": token, "private": private}))
+            return huggingface_hub.RepoUrl(f"https://huggingface.co/someone/{repo_id.split('/')[-1]}")
+
+        def create_branch(api, repo_id, branch, token=None, exist_ok=False, **kw):
+            recorder.calls.append(("create_branch", {"repo_id": repo_id, "branch": branch, "token": token}))
+
+        def upload_folder(api, repo_id, folder_path, path_in_repo=None, commit_message=None, token=None,
+                          revision=None, ignore_patterns=None, **kw):
+            from raytrainer.hub.targets import local_files
+
+            files = {f: open(os.path.join(folder_path, f), "rb").read()  # noqa: SIM115
+                     for f in local_files(folder_path, ignore_patterns)}
+            recorder.calls.append(("upload_folder", {"repo_id": repo_id, "path_in_repo": path_in_repo,
+                                                     "message": commit_message, "token": token,
+                                                     "revision": revision, "files": files}))
+            return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/abc",
+                                              commit_message=commit_message, commit_description="",
+                                              oid="abc", pr_url=None)
+
+        for name, fn in (("create_repo", create_repo), ("create_branch", create_branch),
+                         ("upload_folder", upload_folder)):
+            monkeypatch.setattr(huggingface_hub.HfApi, name, fn)
+
+    def uploads(self):
+        return [c for name, c in self.calls if name == "upload_folder"]
+
+
+def test_huggingface_hub_pushes_through_hfapi_and_never_leaks_the_token(tmp_path, monkeypatch, make_args,
+                                                                        make_classifier, make_examples,
+                                                                        caplog, capsys):
+    hub = _HubRecorder(monkeypatch)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id="tiny", hub_token=TOKEN,
+                       hub_strategy="checkpoint", hub_private_repo=True, hub_revision="dev",
+                       disable_tqdm=False)
+    with caplog.at_level(logging.DEBUG):
+        trainer.train()
+        commit = trainer.push_to_hub(tags="digits")
+    assert hub.calls[0] == ("create_repo", {"repo_id": "tiny", "token": TOKEN, "private": True})
+    assert hub.calls[1] == ("create_branch", {"repo_id": "someone/tiny", "branch": "dev", "token": TOKEN})
+    uploads = hub.uploads()
+    step = "Training in progress, step"
+    assert [(u["path_in_repo"], u["message"]) for u in uploads] == [
+        (None, f"{step} 4"), ("last-checkpoint", f"{step} 4, checkpoint"),
+        (None, f"{step} 8"), ("last-checkpoint", f"{step} 8, checkpoint"), (None, "End of training")]
+    assert all(u["repo_id"] == "someone/tiny" and u["revision"] == "dev" and u["token"] == TOKEN
+               for u in uploads)
+    assert "manifest.json" in uploads[3]["files"] and "manifest.json" not in uploads[2]["files"]
+    final = uploads[4]["files"]
+    assert "README.md" in final and not any(f.startswith(("checkpoint-", "logs/")) for f in final)
+    assert commit.oid == "abc"
+    # the token is in no log record, no console output, no file written, nothing uploaded
+    out = capsys.readouterr()
+    assert caplog.records and TOKEN not in caplog.text and TOKEN not in out.out + out.err
+    for root, _, names in os.walk(tmp_path):
+        for name in names:
+            assert TOKEN.encode() not in open(os.path.join(root, name), "rb").read(), name  # noqa: SIM115
+    assert all(TOKEN.encode() not in data for u in uploads for data in u["files"].values())
+    assert json.loads(uploads[4]["files"]["training_args.json"])["hub_token"] == "<HUB_TOKEN>"
+    assert trainer.args.hub_token == TOKEN  # the driver keeps it for later pushes
+
+
+def test_model_card_without_evaluation_lists_training_losses(make_args, make_classifier, make_examples):
+    trainer = _trainer(make_args, make_classifier, make_examples, eval_strategy="no", push_to_hub=False,
+                       save_strategy="no")
+    trainer.train()
+    card = model_card(trainer, "tiny")
+    assert "| Training Loss | Epoch | Step |" in card and card.count("\n| ") == 1 + 4
+    assert "achieves the following results" not in card
