@@ -1,12 +1,12 @@
 """The Ray Tune backend: a ``ray.tune.Tuner`` whose trainable runs one raytrainer trial.
 
-Each Tune trial's trainable (a light actor, 0 CPUs by default) builds the model with ``model_init(config)``
-and calls the trial Trainer's ``train()``, which launches its own Ray Train v2 run: the workers are
-gang-scheduled in that run's placement group (all of them or none), so concurrent trials queue instead
-of deadlocking half-placed. Each evaluation reaches Tune through ``ray.tune.report`` from the trial's
-driver-side ``TrialReporter`` (Ray Train v2 keeps only checkpoint reports, so the Train -> Tune callback
-of Ray would see too little); when a scheduler such as ASHA stops a trial, Tune ends the trainable's
-actor, and the Train controller and workers it owns end with it.
+Each Tune trial's trainable (a light actor: 0 CPUs and 256 MiB by default) builds the model with
+``model_init(config)`` and calls the trial Trainer's ``train()``, which launches its own Ray Train v2
+run. Its workers are gang-scheduled in that run's placement group (all of them or none), so concurrent
+trials queue instead of deadlocking half-placed. Each evaluation reaches Tune through ``ray.tune.report``
+from the trial's driver-side ``TrialReporter`` (Ray Train v2 keeps only checkpoint reports, so Ray's
+Train -> Tune callback would see too little); when a scheduler such as ASHA stops a trial, Tune ends the
+trainable's actor, and the Train controller and workers it owns end with it.
 
 kwargs: ``search_alg``, ``scheduler``, ``max_concurrent_trials``, ``resources_per_trial``, any other
 ``tune.TuneConfig`` field (``time_budget_s``, ``reuse_actors``, ...) and ``tune.RunConfig`` field
@@ -22,16 +22,24 @@ import math
 import os
 from collections.abc import Callable
 
+import cloudpickle
+
 from raytrainer.search.common import BestRun, TrialSummary, fill_checkpoints, run_trial, split_hyperparameters
 
 logger = logging.getLogger(__name__)
 
 METRIC = "objective"
+# What a trial's trainable reserves when it only drives a run: no CPU (Tune needs some resource, and a CPU
+# here would be one the trial's own workers cannot have), a nominal 256 MiB of memory.
+_DRIVER_MEMORY = 256 * 2**20
 
 
-def _trainable(config: dict, trainer=None, compute_objective=None, hp_name=None):
+def _trainable(config: dict, spec: bytes = b"", compute_objective=None, hp_name=None):
     """One Tune trial: a raytrainer run; every evaluation is a Tune result."""
+    import cloudpickle
     from ray import tune
+
+    trainer = cloudpickle.loads(spec)  # cloudpickle, not Ray's copy: it honours register_pickle_by_value
 
     trial_id = hp_name(config) if hp_name is not None else tune.get_context().get_trial_id()
 
@@ -59,8 +67,8 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     split_hyperparameters(trainer, _sample_names(param_space))
 
     resources = kwargs.pop("resources_per_trial", None)
-    if resources is None:  # the trainable only drives; a run with workers reserves its own resources
-        resources = {"cpu": 0} if args.num_workers > 0 else {"cpu": 1}
+    if resources is None:  # the trainable only drives: its run's workers reserve their own CPUs/GPUs
+        resources = {"cpu": 0, "memory": _DRIVER_MEMORY} if args.num_workers > 0 else {"cpu": 1}
     tune_fields = {f.name for f in dataclasses.fields(tune.TuneConfig)}
     run_fields = {f.name for f in dataclasses.fields(tune.RunConfig)}
     unknown = set(kwargs) - tune_fields - run_fields
@@ -79,12 +87,17 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     run_kwargs.setdefault("name", "tune")
     run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
 
-    trainable = tune.with_parameters(_trainable, trainer=trainer, compute_objective=compute_objective,
-                                     hp_name=hp_name)
+    trainable = tune.with_parameters(_trainable, spec=cloudpickle.dumps(trainer),
+                                     compute_objective=compute_objective, hp_name=hp_name)
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
                        run_config=tune.RunConfig(**run_kwargs))
     results = tuner.fit()
+    if not any(METRIC in (r.metrics or {}) for r in results):
+        errors = [e for e in results.errors if e is not None]
+        if errors:
+            raise errors[0]
+        raise RuntimeError("hyperparameter_search: no Tune trial reported an objective.")
     best = results.get_best_result(metric=METRIC, mode=mode, scope="last", filter_nan_and_inf=True)
     trial_id = str(best.metrics.get("trial_id"))
     hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
