@@ -1,0 +1,217 @@
+"""Hyperparameter-search benchmark: transformers.Trainer's optuna search against raytrainer's searches.
+
+The digits MLP (bench/_common.py), 8 trials x 2 epochs, the same 8 learning rates on every side (drawn
+once from log-uniform(1e-5, 1e-1) with optuna's RandomSampler(seed=42) and enqueued in each study), seed
+42, batch 32, AdamW (torch, not fused) on every side, objective = eval accuracy on a held-out 20%.
+
+Sides, each in its own fresh process:
+  hf        transformers.Trainer.hyperparameter_search(backend="optuna"), one process, trials in turn
+  rt        raytrainer, backend="optuna", 2 Ray workers (DDP) per trial, n_jobs=2 (2 trials at a time)
+  rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
+            per trial (every quarter epoch; grace 1, reduction factor 2)
+
+Prints a Markdown table and writes the raw numbers as JSON. Not a test: nothing asserts.
+
+    python bench/bench_hpo.py --out /tmp/bench-hpo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N_TRIALS, EPOCHS, BATCH, SEED = 8, 2, 32, 42
+
+
+def learning_rates() -> list[float]:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=SEED))
+    return [study.ask().suggest_float("learning_rate", 1e-5, 1e-1, log=True) for _ in range(N_TRIALS)]
+
+
+# -- what runs inside a side's process ---------------------------------------------------------------------
+def _data(cfg):
+    import numpy as np
+    import torch
+    from _common import DictDataset
+
+    d = np.load(cfg["digits_path"])
+    perm = np.random.default_rng(SEED).permutation(len(d["y"]))
+    x, y = torch.from_numpy(d["x"][perm]), torch.from_numpy(d["y"][perm])
+    cut = int(0.8 * len(y))
+    return DictDataset(x=x[:cut], labels=y[:cut]), DictDataset(x=x[cut:], labels=y[cut:])
+
+
+def model_init(trial=None):
+    import torch
+    from _common import MLPClassifier
+
+    torch.manual_seed(SEED)
+    return MLPClassifier()
+
+
+def accuracy(pred):
+    import numpy as np
+
+    return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
+
+
+def objective(metrics):
+    return metrics["eval_accuracy"]
+
+
+def _study(cfg, name):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{cfg['workdir']}/{name}.db"
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize")
+    for lr in cfg["learning_rates"]:
+        study.enqueue_trial({"learning_rate": lr})
+    return {"storage": storage, "study_name": name, "load_if_exists": True}
+
+
+def _common_args(cfg, out):
+    from _common import collate  # noqa: F401  (the same collator on every side, via default_collate)
+
+    return dict(output_dir=out, per_device_train_batch_size=BATCH, per_device_eval_batch_size=128,
+                num_train_epochs=EPOCHS, optim="adamw_torch", lr_scheduler_type="linear", weight_decay=0.0,
+                save_strategy="no", logging_steps=50, disable_tqdm=True, report_to="none", seed=SEED,
+                dataloader_drop_last=True, remove_unused_columns=False)
+
+
+def space_optuna(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-5, 1e-1, log=True)}
+
+
+def side_hf(cfg) -> dict:
+    from _common import collate
+    from transformers import Trainer, TrainingArguments
+
+    train, test = _data(cfg)
+    args = TrainingArguments(eval_strategy="epoch", use_cpu=True, **_common_args(cfg, cfg["workdir"] + "/hf"))
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
+                      data_collator=collate, compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
+                                         n_trials=N_TRIALS, direction="maximize", backend="optuna",
+                                         **_study(cfg, "hf"))
+    return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
+            "total_steps": N_TRIALS * EPOCHS * (len(train) // BATCH)}
+
+
+def side_rt(cfg) -> dict:
+    import optuna
+    from _common import collate
+
+    from raytrainer import Trainer, TrainingArguments
+
+    train, test = _data(cfg)
+    args = TrainingArguments(eval_strategy="epoch", num_workers=2,
+                             **_common_args(cfg, cfg["workdir"] + "/rt"))
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
+                      data_collator=collate, compute_metrics=accuracy)
+    kw = _study(cfg, "rt")
+    best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
+                                         n_trials=N_TRIALS, direction="maximize", backend="optuna",
+                                         n_jobs=2, **kw)
+    study = optuna.load_study(study_name=kw["study_name"], storage=kw["storage"])
+    finals = [t.value for t in study.trials]
+    return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
+            "trial_objectives": finals, "total_steps": N_TRIALS * EPOCHS * (len(train) // (2 * BATCH))}
+
+
+def side_rt_asha(cfg) -> dict:
+    from _common import collate
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytrainer import Trainer, TrainingArguments
+
+    train, test = _data(cfg)
+    per_epoch = len(train) // (2 * BATCH)  # 2 workers x batch 32 per optimizer step
+    args = TrainingArguments(eval_strategy="steps", eval_steps=max(per_epoch // 4, 1), num_workers=2,
+                             **_common_args(cfg, cfg["workdir"] + "/rt_asha"))
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
+                      data_collator=collate, compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(
+        hp_space=lambda _: {"learning_rate": tune.grid_search(cfg["learning_rates"])}, n_trials=1,
+        compute_objective=objective, direction="maximize", backend="ray", max_concurrent_trials=2,
+        scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1, reduction_factor=2))
+    analysis = tune.ExperimentAnalysis(cfg["workdir"] + "/rt_asha/tune")
+    steps = {str(df["trial_id"].iloc[-1]): int(df["global_step"].iloc[-1])
+             for df in analysis.trial_dataframes.values() if len(df)}
+    return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
+            "steps_per_trial": steps, "total_steps": sum(steps.values()),
+            "full_steps": N_TRIALS * EPOCHS * per_epoch}
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def run_side(side: str, cfg: dict, timeout: float) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": HERE}
+    out = os.path.join(cfg["workdir"], f"{side}.json")
+    start = time.time()
+    command = [sys.executable, __file__, "--side", side, "--cfg", json.dumps(cfg), "--side-out", out]
+    proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        return {"side": side, "error": proc.returncode, "wall_s": wall}
+    with open(out) as f:
+        return {"side": side, "wall_s": round(wall, 1), **json.load(f)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--side")
+    p.add_argument("--cfg")
+    p.add_argument("--side-out")
+    p.add_argument("--sides", default="hf,rt,rt_asha")
+    p.add_argument("--out", default=None)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--workdir", default=None)
+    a = p.parse_args()
+    if a.side:
+        sys.path.insert(0, HERE)
+        result = globals()[f"side_{a.side}"](json.loads(a.cfg))
+        with open(a.side_out, "w") as f:
+            json.dump(result, f)
+        return
+
+    sys.path.insert(0, HERE)
+    from _common import write_digits
+    from _machine import machine_info
+
+    workdir = a.workdir or tempfile.mkdtemp(prefix="bench-hpo-")
+    digits = os.path.join(workdir, "digits.npz")
+    write_digits(digits)
+    cfg = {"workdir": workdir, "digits_path": digits, "learning_rates": learning_rates()}
+    machine = machine_info(os.path.dirname(HERE))
+    load_start = os.getloadavg()
+    results = [run_side(side, cfg, a.timeout) for side in a.sides.split(",")]
+    record = {"machine": machine, "load_start": load_start, "load_end": os.getloadavg(), "config": cfg,
+              "results": results}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(record, f, indent=2)
+    print(f"machine: {machine.get('cpu')}, {machine.get('nproc')} cores; load {load_start} -> "
+          f"{record['load_end']}")
+    print("| side | wall (s) | total training steps | best eval accuracy | best learning rate |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['side']} | failed ({r['error']}) after {r['wall_s']:.0f} s | | | |")
+            continue
+        print(f"| {r['side']} | {r['wall_s']:.1f} | {r['total_steps']} | {r['best_objective']:.4f} | "
+              f"{r['best_lr']:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""hyperparameter_search with 2 Ray workers per trial: Optuna (2 concurrent trials, a planted bad trial
+pruned mid-run, its workers stopped by the driver) and Ray Tune (ASHA stopping trials early)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import optuna
+import pytest
+from models import Regressor, make_data
+
+from raytrainer import Trainer, TrainingArguments
+from raytrainer.search import BestRun, TrialSummary
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _args(tmp_path, **kw) -> TrainingArguments:
+    base = {"output_dir": str(tmp_path / "search"), "num_workers": 2, "report_to": "none",
+            "disable_tqdm": True, "optim": "sgd", "per_device_train_batch_size": 8, "eval_strategy": "steps",
+            "eval_steps": 2,
+            "save_strategy": "steps", "save_steps": 2, "save_total_limit": 1, "max_steps": 12,
+            "max_grad_norm": 0.0}
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _record_model_init(folder: str):
+    """model_init(trial) that leaves one file per call (it runs in the trial's driver process)."""
+
+    def model_init(trial):
+        if trial is not None:
+            lr = trial.params["learning_rate"] if hasattr(trial, "params") else trial["learning_rate"]
+            with open(os.path.join(folder, f"init-{os.getpid()}-{len(os.listdir(folder))}.json"), "w") as f:
+                json.dump({"type": type(trial).__name__, "learning_rate": lr}, f)
+        return Regressor()
+
+    return model_init
+
+
+def _calls(folder: str) -> list[dict]:
+    return [json.load(open(os.path.join(folder, n))) for n in sorted(os.listdir(folder))]
+
+
+class WorseThanFirst(optuna.pruners.BasePruner):
+    """Prunes a trial whose evaluation is no better than trial 0's at the same step."""
+
+    def prune(self, study, trial):
+        step = trial.last_step
+        first = study.trials[0].intermediate_values.get(step)
+        return trial.number > 0 and first is not None and trial.intermediate_values[step] >= first
+
+
+@pytest.mark.timeout(300)
+def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    trainer = Trainer(model_init=_record_model_init(str(calls)), args=_args(tmp_path, max_steps=40),
+                      train_dataset=make_data(64), eval_dataset=make_data(32, seed=5))
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    planted = optuna.create_study(storage=storage, study_name="s")
+    planted.enqueue_trial({"learning_rate": 0.5})
+    planted.enqueue_trial({"learning_rate": 0.0})  # the planted bad trial: learns nothing
+
+    best = trainer.hyperparameter_search(
+        hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 0.0, 1.0)}, n_trials=2,
+        storage=storage, study_name="s", load_if_exists=True, pruner=WorseThanFirst())
+
+    assert isinstance(best, BestRun) and best.run_id == "0"
+    assert 0.0 <= best.hyperparameters["learning_rate"] <= 1.0
+    study = optuna.load_study(study_name="s", storage=storage)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"]
+    good = TrialSummary.load(str(tmp_path / "search" / "run-0"))
+    bad = TrialSummary.load(str(tmp_path / "search" / "run-1"))
+    # the objective is the best trial's last reported one, as Optuna recorded it
+    assert best.objective == good.objective == study.best_value == good.evaluations[-1]["objective"]
+    assert study.trials[0].intermediate_values[40] == good.objective
+    assert good.global_step == 40 and len(good.evaluations) == 20
+    # pruned at its first evaluation (step 2): the driver's stop reached both workers within a few steps
+    assert bad.pruned and bad.evaluations[0]["step"] == 2
+    assert bad.global_step < 10, f"pruned trial ran on to step {bad.global_step}"
+    # outputs per trial, rotation per trial (save_total_limit=1), the best checkpoint is committed
+    assert [os.path.basename(p) for p in good.checkpoints] == ["checkpoint-40"]
+    assert best.run_summary.best_checkpoint == str(tmp_path / "search" / "run-0" / "checkpoint-40")
+    assert os.path.exists(os.path.join(best.run_summary.best_checkpoint, "manifest.json"))
+    # model_init: once per trial, in the driver, with the optuna trial
+    assert [(c["type"], c["learning_rate"]) for c in _calls(str(calls))] == [("Trial", 0.5), ("Trial", 0.0)]
+
+
+@pytest.mark.timeout(300)
+def test_ray_tune_asha_two_workers_per_trial(tmp_path):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4)
+    trainer = Trainer(model_init=_record_model_init(str(calls)), args=args, train_dataset=make_data(64),
+                      eval_dataset=make_data(32, seed=5))
+    rates = [0.5, 0.0, 0.2, 1e-4]
+    best = trainer.hyperparameter_search(
+        hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
+        scheduler=ASHAScheduler(time_attr="training_iteration", max_t=4, grace_period=1, reduction_factor=2),
+        max_concurrent_trials=2)
+
+    assert isinstance(best, BestRun) and best.hyperparameters["learning_rate"] in rates
+    results = tune.ExperimentAnalysis(str(tmp_path / "search" / "tune"))
+    last = {df["trial_id"].iloc[-1]: df for df in results.trial_dataframes.values() if len(df)}
+    assert len(last) == 4
+    # the best run's objective is the lowest last-reported objective of all trials (scope "last")
+    finals = {tid: df["objective"].iloc[-1] for tid, df in last.items()}
+    assert best.objective == min(finals.values()) == finals[best.run_id]
+    # ASHA stopped at least one trial before its 4th evaluation
+    iterations = {tid: len(df) for tid, df in last.items()}
+    assert max(iterations.values()) == 4 and min(iterations.values()) < 4, iterations
+    summary = best.run_summary
+    assert summary.output_dir == str(tmp_path / "search" / f"run-{best.run_id}")
+    assert summary.best_checkpoint and os.path.exists(os.path.join(summary.best_checkpoint, "manifest.json"))
+    # model_init: once per trial, with the Tune config dict
+    assert sorted(c["learning_rate"] for c in _calls(str(calls))) == sorted(rates)
+    assert {c["type"] for c in _calls(str(calls))} == {"dict"}
