@@ -2,7 +2,9 @@
 
 Read with accelerate's own loader. MULTI_GPU / MULTI_CPU / NO map to ``num_workers`` (DDP with more
 than one), FSDP to ``fsdp`` + ``fsdp_config``; ``num_processes`` (all machines together) becomes
-``num_workers``, ``mixed_precision`` ``bf16`` / ``fp16``, ``use_cpu`` the opposite of ``use_gpu``.
+``num_workers``, ``mixed_precision`` ``bf16`` / ``fp16``, ``use_cpu`` the opposite of ``use_gpu``;
+DEEPSPEED to ``deepspeed``: its ``deepspeed_config_file``, or a config made of ``zero_stage``, the offload
+devices, ``gradient_accumulation_steps`` and ``gradient_clipping`` (the rest "auto").
 """
 
 from __future__ import annotations
@@ -40,7 +42,31 @@ def _fsdp(config: dict) -> tuple[list[str], dict]:
         fsdp_config["min_num_params"] = int(config.get("fsdp_min_num_params", 100_000_000))
     if config.get("fsdp_activation_checkpointing"):
         fsdp_config["activation_checkpointing"] = True
+    if config.get("fsdp_state_dict_type"):
+        fsdp_config["state_dict_type"] = str(config["fsdp_state_dict_type"]).upper()
     return options, fsdp_config
+
+
+def _deepspeed(config: dict, yaml_path: str):
+    """A ``deepspeed_config_file`` as is, else a DeepSpeed config built from the plugin's keys; what the
+    YAML leaves out is "auto" (taken from the TrainingArguments)."""
+    if config.get("deepspeed_config_file"):
+        path = os.path.expanduser(config["deepspeed_config_file"])
+        here = os.path.dirname(os.path.abspath(yaml_path))
+        return path if os.path.isabs(path) else os.path.join(here, path)
+    zero: dict = {"stage": int(config.get("zero_stage", 2))}
+    for key in ("offload_optimizer", "offload_param"):
+        device = str(config.get(f"{key}_device") or "none").lower()
+        if device != "none":
+            zero[key] = {"device": device}
+    if config.get("zero3_save_16bit_model") is not None:
+        zero["stage3_gather_16bit_weights_on_model_save"] = bool(config["zero3_save_16bit_model"])
+    ds: dict = {"zero_optimization": zero,
+                "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                "gradient_accumulation_steps": config.get("gradient_accumulation_steps", "auto"),
+                "gradient_clipping": config.get("gradient_clipping", "auto"),
+                "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    return ds
 
 
 def values_from_accelerate_config(path: str) -> dict:
@@ -61,8 +87,7 @@ def values_from_accelerate_config(path: str) -> dict:
     if kind == "FSDP":
         values["fsdp"], values["fsdp_config"] = _fsdp(config.fsdp_config or {})
     elif kind == "DEEPSPEED":
-        raise ValueError(f"accelerate_config={path!r} asks for DeepSpeed, which raytrainer does not run yet; "
-                         "use an FSDP or MULTI_GPU / MULTI_CPU config.")
+        values["deepspeed"] = _deepspeed(config.deepspeed_config or {}, path)
     elif kind not in ("MULTI_GPU", "MULTI_CPU", "NO"):
         raise ValueError(f"accelerate_config={path!r}: distributed_type {kind} is not supported; use FSDP, "
                          "MULTI_GPU, MULTI_CPU or NO.")

@@ -63,6 +63,12 @@ class OptimizerNames(_ValueEnum):
     ADAGRAD = "adagrad"
     RMSPROP = "rmsprop"
     ADAFACTOR = "adafactor"
+    GALORE_ADAMW = "galore_adamw"
+    GALORE_ADAMW_8BIT = "galore_adamw_8bit"
+    GALORE_ADAFACTOR = "galore_adafactor"
+    GALORE_ADAMW_LAYERWISE = "galore_adamw_layerwise"
+    GALORE_ADAMW_8BIT_LAYERWISE = "galore_adamw_8bit_layerwise"
+    GALORE_ADAFACTOR_LAYERWISE = "galore_adafactor_layerwise"
 
 
 # "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
@@ -205,8 +211,49 @@ def check_fsdp(args) -> None:
     if sharding and sharding[0] != "no_shard" and args.num_workers == 0:
         raise _error("fsdp", " ".join(args.fsdp), "shards across Ray workers, but num_workers=0",
                      "pass --num_workers 2 (or more), or drop --fsdp")
-    allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing"}
+    allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing",
+               "state_dict_type"}
     extra = sorted(set(args.fsdp_config or {}) - allowed)
     if extra:
         raise _error("fsdp_config", args.fsdp_config, f"unknown key {extra[0]!r}",
                      f"use keys from {', '.join(sorted(allowed))}")
+    kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
+    if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        raise _error("fsdp_config", args.fsdp_config, f"state_dict_type {kind!r} is unknown",
+                     "use SHARDED_STATE_DICT (optimizer state sharded, the default) or FULL_STATE_DICT")
+
+
+def check_deepspeed(args) -> None:
+    if not args.deepspeed:
+        return
+    if args.fsdp and "no_shard" not in args.fsdp:
+        raise _error("deepspeed", "<config>", "cannot be combined with fsdp (two sharding engines)",
+                     "pass only one of --deepspeed and --fsdp")
+    if args.num_workers == 0:
+        raise _error("deepspeed", "<config>", "runs on Ray workers, but num_workers=0",
+                     "pass --num_workers 1 (or more), or drop --deepspeed")
+    from raytrainer.strategies.deepspeed_config import check_config
+
+    check_config(args)  # file, JSON, stage, "auto" values and mismatches with these arguments
+
+
+def check_optim_features(args) -> None:
+    name = getattr(args.optim, "value", args.optim)
+    if name.startswith("galore"):
+        if not args.optim_target_modules:
+            raise _error("optim", name, "needs optim_target_modules (the layers GaLore projects)",
+                         "pass e.g. --optim_target_modules 'attn,mlp' or 'all-linear'")
+        if name.endswith("_layerwise") and args.num_workers > 1:
+            raise _error("optim", name, "layer-wise GaLore steps each parameter in its backward hook, which "
+                         "DDP's gradient all-reduce does not support",
+                         "use --num_workers 1, or the non-layerwise form (e.g. galore_adamw)")
+        if args.deepspeed or (args.fsdp and "no_shard" not in args.fsdp):
+            raise _error("optim", name,
+                         "GaLore projects whole weight matrices; sharded strategies split them",
+                         "use GaLore with DDP (or one worker), or another optimizer with FSDP/DeepSpeed")
+    if args.tf32 and not args.use_gpu:
+        raise _error("tf32", True, "is a GPU (Ampere or newer) setting, but use_gpu=False",
+                     "pass --use_gpu true on a GPU cluster, or drop --tf32")
+    if args.fp16_full_eval and args.bf16_full_eval:
+        raise _error("fp16_full_eval", True, "cannot be combined with bf16_full_eval=True",
+                     "pass only one of --fp16_full_eval and --bf16_full_eval")

@@ -49,8 +49,10 @@ from raytrainer.arg_types import (
     _normalize_steps,
     _parse_dict,
     _to_enum,
+    check_deepspeed,
     check_fsdp,
     check_neftune,
+    check_optim_features,
 )
 
 __all__ = [
@@ -166,6 +168,15 @@ class TrainingArguments:
         default="adamw_torch_fused", metadata={"help": "The optimizer to use."}
     )
     optim_args: str | None = field(default=None, metadata={"help": "Optional arguments for the optimizer."})
+    optim_target_modules: str | list[str] | None = field(
+        default=None,
+        metadata={"help": "GaLore: the modules (names, regexes or 'all-linear') whose weights it projects."},
+    )
+    auto_find_batch_size: bool = field(
+        default=False,
+        metadata={"help": "Lower per_device_train_batch_size (x0.9 each try) until a step fits in memory; "
+                          "all workers agree on one size."},
+    )
     label_smoothing_factor: float = field(
         default=0.0, metadata={"help": "Label smoothing epsilon; 0 means no smoothing."}
     )
@@ -241,6 +252,12 @@ class TrainingArguments:
     use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even when a GPU is available."})
     bf16: bool = field(default=False, metadata={"help": "Use bfloat16 mixed precision."})
     fp16: bool = field(default=False, metadata={"help": "Use float16 mixed precision."})
+    bf16_full_eval: bool = field(
+        default=False, metadata={"help": "Evaluate in pure bfloat16 (model cast) when called outside train."})
+    fp16_full_eval: bool = field(
+        default=False, metadata={"help": "Evaluate in pure float16 (model cast) when called outside train."})
+    tf32: bool | None = field(
+        default=None, metadata={"help": "Allow TF32 matmuls on Ampere+ GPUs; None leaves torch's default."})
 
     # --- Data loading ---
     dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete batch."})
@@ -346,6 +363,11 @@ class TrainingArguments:
         default=None,
         metadata={"help": "An accelerate config YAML (from `accelerate config`): sets num_workers, the "
                           "strategy (DDP / FSDP with its options) and mixed precision."},
+    )
+    deepspeed: str | dict | None = field(
+        default=None,
+        metadata={"help": "DeepSpeed: the path of a DeepSpeed JSON config (or a dict); \"auto\" values are "
+                          "taken from these arguments."},
     )
     fsdp: str | list[str] | bool = field(
         default="",
@@ -530,6 +552,8 @@ class TrainingArguments:
     def _check_ray_values(self) -> None:
         check_fsdp(self)
         check_neftune(self)
+        check_deepspeed(self)
+        check_optim_features(self)
         if not (_is_int(self.num_workers) and self.num_workers >= 0):
             raise _error(
                 "num_workers",

@@ -16,6 +16,7 @@ from safetensors, optimizer/scheduler state from ``torch.load(weights_only=True)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import logging
 import os
 import random
 import re
+import tempfile
 
 import numpy as np
 import torch
@@ -158,6 +160,37 @@ class CheckpointReader:
         if hashlib.sha256(data).hexdigest() != self.files[name]["sha256"]:
             raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
         return data
+
+    def verify(self, name: str) -> None:
+        h = hashlib.sha256()
+        with self.storage.fs.open_input_stream(self.storage.path(name)) as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != self.files[name]["sha256"]:
+            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+
+    @contextlib.contextmanager
+    def local_copy(self, names: list[str], ctx):
+        """A local folder holding ``names`` (checked against the manifest) for a library that reads files
+        itself (DCP, DeepSpeed): the checkpoint folder when it is local -- each rank hashes every
+        world_size-th file, and all ranks agree -- else a temporary download of verified bytes."""
+        if self.storage.is_local:
+            error = None
+            try:
+                for name in names[ctx.rank::ctx.world_size]:
+                    self.verify(name)
+            except CheckpointError as exc:
+                error = exc
+            if ctx.any_flags([error is not None])[0]:
+                raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
+            yield self.storage.root
+            return
+        with tempfile.TemporaryDirectory(prefix="raytrainer-resume-") as tmp:
+            for name in names:
+                os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(self.read(name))
+            yield tmp
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         return load_safetensors(self.read(name))

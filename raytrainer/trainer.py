@@ -375,7 +375,8 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
         device = self._ctx.device if self._ctx is not None else torch.device("cpu")
-        return _to_device(inputs, device)
+        inputs = _to_device(inputs, device)
+        return self._strategy.precision.convert_input(inputs) if self._strategy is not None else inputs
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         labels = None

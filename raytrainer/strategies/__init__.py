@@ -5,22 +5,31 @@ from __future__ import annotations
 from raytrainer.strategies.base import Strategy
 
 
-def select_strategy(args, ctx) -> Strategy:
-    """FSDP when ``fsdp`` asks for sharding, else DDP with more than one rank, else a single device.
+def strategy_class(args, world_size: int) -> type[Strategy]:
+    """DeepSpeed when ``deepspeed`` is set, FSDP when ``fsdp`` asks for sharding, else DDP with more than
+    one rank, else a single device.
 
     ``fsdp="no_shard"`` is plain data parallelism, as in HF: DDP.
     """
+    if args.deepspeed:
+        from raytrainer.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy
     if args.fsdp and "no_shard" not in args.fsdp:
         from raytrainer.strategies.fsdp import FSDPStrategy
 
-        return FSDPStrategy(ctx, args)
-    if ctx.world_size > 1:
+        return FSDPStrategy
+    if world_size > 1:
         from raytrainer.strategies.ddp import DDPStrategy
 
-        return DDPStrategy(ctx, args)
+        return DDPStrategy
     from raytrainer.strategies.single import SingleDeviceStrategy
 
-    return SingleDeviceStrategy(ctx, args)
+    return SingleDeviceStrategy
 
 
-__all__ = ["Strategy", "select_strategy"]
+def select_strategy(args, ctx) -> Strategy:
+    return strategy_class(args, ctx.world_size)(ctx, args)
+
+
+__all__ = ["Strategy", "select_strategy", "strategy_class"]

@@ -23,11 +23,20 @@ class Strategy:
         self.ctx = ctx
         self.args = args
         self.precision = select_precision(args, ctx.device)
+        if args.tf32 is not None and ctx.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = args.tf32
+            torch.backends.cudnn.allow_tf32 = args.tf32
 
     # -- setup ---------------------------------------------------------------------------------
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
         return model.to(self.ctx.device)
+
+    def setup_optimizer(self, trainer, model: torch.nn.Module, num_training_steps: int) -> torch.nn.Module:
+        """Build ``trainer.optimizer`` / ``trainer.lr_scheduler`` for the set-up ``model``; returns the
+        model the loop trains (an engine may wrap model, optimizer and scheduler together here)."""
+        trainer.create_optimizer_and_scheduler(num_training_steps=num_training_steps)
+        return model
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -44,8 +53,19 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def optimizer_step(self, model: torch.nn.Module, optimizer) -> float | None:
+        """One optimizer update; returns the gradient norm when the step itself measured it."""
+        self.precision.optimizer_step(optimizer)
+        return None
+
+    def scheduler_step(self, scheduler) -> None:
+        scheduler.step()
+
+    def zero_grad(self, model: torch.nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
 
     # -- state -------------------------------------------------------------------------------------
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -58,3 +78,25 @@ class Strategy:
 
     def load_optimizer_state_dict(self, model: torch.nn.Module, optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
+
+    # -- sharded training state (strategies that save it in a folder of their own) ---------------------
+    #: Subfolder of checkpoint-<step>/ holding this strategy's sharded training state; None: the optimizer
+    #: state is consolidated into optimizer.pt.
+    sharded_state_dir: str | None = None
+
+    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
+        """Write this rank's part of the training state under ``folder`` (a collective); returns the
+        subfolder written."""
+        raise NotImplementedError
+
+    def load_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> None:
+        """Load training state saved under ``folder`` by ``save_sharded`` (a collective). The base loads an
+        ``optimizer_0/`` folder written with torch.distributed.checkpoint (FSDP's sharded optimizer state),
+        resharded to this run's world size and layout."""
+        from raytrainer.strategies.dcp import load_optimizer
+
+        load_optimizer(model, optimizer, folder)
+
+    @classmethod
+    def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
+        """On the driver: refuse a checkpoint this strategy cannot resume on ``world_size`` workers."""

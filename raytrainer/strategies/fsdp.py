@@ -11,8 +11,10 @@ Chosen the HF way, with ``fsdp="full_shard auto_wrap offload"``-style options an
 
 The module is sharded in place (its class becomes an ``FSDPModule``); evaluation runs through it, so every
 rank takes part in each forward -- raytrainer's evaluation sharding gives every rank the same number of
-batches for that reason. Consolidated weights and optimizer state (for the driver, ``save_model`` and
-checkpoints) come from ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``.
+batches for that reason. Consolidated weights (for the driver, ``save_model`` and every checkpoint's
+``model.safetensors``) come from ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``.
+The optimizer state goes into checkpoints sharded, through DCP (``fsdp_config["state_dict_type"]``
+``SHARDED_STATE_DICT``, the default), or consolidated (``FULL_STATE_DICT``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def _full_options():
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+
+    def __init__(self, ctx, args):
+        super().__init__(ctx, args)
+        kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
+        # SHARDED_STATE_DICT: the optimizer state (2x the weights for Adam) stays sharded, one DCP file per
+        # rank in optimizer_0/; FULL_STATE_DICT: consolidated into optimizer.pt on rank 0.
+        if kind == "SHARDED_STATE_DICT":
+            from raytrainer.strategies.dcp import OPTIMIZER_DIR
+
+            self.sharded_state_dir = OPTIMIZER_DIR
+
+    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
+        from raytrainer.strategies.dcp import save_optimizer
+
+        return save_optimizer(model, optimizer, folder)
 
     def _mesh(self, options: set[str]):
         from torch.distributed.device_mesh import init_device_mesh

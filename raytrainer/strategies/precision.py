@@ -19,6 +19,10 @@ class Precision:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def convert_input(self, data):
+        """Inputs as the model expects them (an engine that casts the module casts floating inputs)."""
+        return data
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

@@ -54,6 +54,8 @@ class _Snapshot:
         self.trainer_state: str | None = None
         self.rng: bytes | None = None
         self.rng_name: str | None = None
+        self.sharded_dir: str | None = None  # the strategy's own files, already written
+        self.sharded: list[str] = []  # ... of which this rank hashes (and uploads) these
 
 
 def _copy_tensors(obj):
@@ -100,12 +102,16 @@ class _Writer(threading.Thread):
             save_model_files(self.model, stage, snap.weights, None, self.args)
             if snap.optimizer is not None:
                 torch.save(snap.optimizer, os.path.join(stage, "optimizer.pt"))
+            if snap.scheduler is not None:
                 torch.save(snap.scheduler, os.path.join(stage, "scheduler.pt"))
             if snap.scaler is not None:
                 torch.save(snap.scaler, os.path.join(stage, "scaler.pt"))
             with open(os.path.join(stage, TRAINER_STATE_NAME), "w") as f:
                 f.write(snap.trainer_state)
-            files += sorted(n for n in _walk(stage) if not n.startswith("rng_state_"))
+            own = f"{snap.sharded_dir}/" if snap.sharded_dir else None
+            files += sorted(n for n in _walk(stage) if not n.startswith("rng_state_")
+                            and not (own and n.startswith(own)))
+        files += snap.sharded
         if snap.rng is not None:
             with open(os.path.join(stage, snap.rng_name), "wb") as f:
                 f.write(snap.rng)
@@ -141,14 +147,21 @@ class CheckpointWriter:
         ctx.barrier()
         os.makedirs(stage, exist_ok=True)
 
-        weights = t._strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
-        optim_state = None if args.save_only_model else t._strategy.optimizer_state_dict(
+        strategy = t._strategy
+        weights = strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
+        sharded = strategy.sharded_state_dir is not None and not args.save_only_model
+        optim_state = None if args.save_only_model or sharded else strategy.optimizer_state_dict(
             t.model_wrapped, t.optimizer)
         snap = _Snapshot()
+        if sharded:  # written now, by every rank (a collective); hashed and uploaded in the background
+            snap.sharded_dir = strategy.save_sharded(t.model_wrapped, t.optimizer, t.lr_scheduler, stage,
+                                                     state.global_step)
+            ctx.barrier()
+            snap.sharded = _my_share(stage, snap.sharded_dir, ctx, shared=not remote)
         if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero):
             snap.weights = _copy_tensors(weights)
             if not args.save_only_model:
-                snap.optimizer = _copy_tensors(optim_state)
+                snap.optimizer = _copy_tensors(optim_state) if optim_state is not None else None
                 snap.scheduler = copy.deepcopy(t.lr_scheduler.state_dict())
                 snap.scaler = _copy_tensors(t._strategy.precision.state_dict()) or None
             if state.best_global_step == state.global_step:
@@ -200,6 +213,13 @@ class CheckpointWriter:
                          "best_metric": state.best_metric})
 
 
+def _my_share(stage: str, subdir: str, ctx, shared: bool) -> list[str]:
+    """The strategy files this rank hashes: all of its private staging folder, or -- when every rank
+    wrote into the same local folder -- every world_size-th file, so each file is hashed once."""
+    names = sorted(n for n in _walk(stage) if n.startswith(f"{subdir}/"))
+    return names[ctx.rank::ctx.world_size] if shared else names
+
+
 def _walk(folder: str) -> list[str]:
     out = []
     for root, _dirs, names in os.walk(folder):
@@ -219,13 +239,20 @@ class Resume:
     def load_model(self, model: torch.nn.Module) -> None:
         load_weights_into(model, model_weights(self.reader), self.reader.uri)
 
-    def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler) -> None:
+    def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler, ctx) -> None:
         if self.reader.has("optimizer.pt"):
             strategy.load_optimizer_state_dict(model, optimizer, self.reader.torch_state("optimizer.pt"))
+        elif self.sharded_files():
+            with self.reader.local_copy(self.sharded_files(), ctx) as folder:
+                strategy.load_sharded(model, optimizer, scheduler, folder, self.state.global_step)
         if self.reader.has("scheduler.pt"):
             scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
         if self.reader.has("scaler.pt"):
             strategy.precision.load_state_dict(self.reader.torch_state("scaler.pt"))
+
+    def sharded_files(self) -> list[str]:
+        """A strategy's own training state: the files in sub-folders (optimizer_0/, global_step<N>/)."""
+        return sorted(n for n in self.reader.files if "/" in n)
 
     def restore_callbacks(self, callbacks) -> None:
         stored = self.state.stateful_callbacks or {}

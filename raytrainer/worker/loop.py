@@ -86,14 +86,15 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     len_dataloader = len(train_dataloader) if has_length(train_dataloader) else None
     schedule = _Schedule(args, len_dataloader)
 
-    wrapped = trainer.model_wrapped = strategy.setup_model(trainer.model)
+    wrapped = strategy.setup_model(trainer.model)
+    trainer.model = strategy.unwrap(wrapped)
+    wrapped = trainer.model_wrapped = strategy.setup_optimizer(trainer, wrapped, schedule.max_steps)
     trainer.model = strategy.unwrap(wrapped)
     # The training forward may go through torch.compile; state, syncing and clipping use ``wrapped``.
     model = _compiled(wrapped, args) if args.torch_compile else wrapped
-    trainer.create_optimizer_and_scheduler(num_training_steps=schedule.max_steps)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
     if resume is not None:
-        resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler)
+        resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler, ctx)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     state = trainer.state = TrainerState(
@@ -119,7 +120,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     control = trainer.control = handler.on_train_begin(args, state, TrainerControl())
     tr_loss = torch.zeros((), device=ctx.device)
     loop = _LogState(total_loss=0.0, last_logged=0, grad_norm=None)
-    wrapped.zero_grad(set_to_none=True)
+    strategy.zero_grad(wrapped)
     ga = args.gradient_accumulation_steps
     samples_seen = 0
     normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(wrapped)
@@ -173,11 +174,12 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 strategy.precision.unscale(optimizer)
                 loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
             control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
-            strategy.precision.optimizer_step(optimizer)
+            step_norm = strategy.optimizer_step(wrapped, optimizer)
+            loop.grad_norm = step_norm if step_norm is not None else loop.grad_norm
             control = trainer.control = handler.on_optimizer_step(args, state, control)
             if not plateau:
-                scheduler.step()
-            wrapped.zero_grad(set_to_none=True)
+                strategy.scheduler_step(scheduler)
+            strategy.zero_grad(wrapped)
 
             state.global_step += 1
             state.epoch = epoch + (update + 1) / updates_this_epoch

@@ -78,3 +78,19 @@ class ReportSharding(TrainerCallback):
         local = weight.to_local().numel() if isinstance(weight, DTensor) else weight.numel()
         log.error("rank %d: FSDPModule=%s DTensor=%s local=%d of %d", args.process_index,
                   isinstance(model, FSDPModule), isinstance(weight, DTensor), local, weight.numel())
+
+
+class ReportEngine(Trainer):
+    """Says once, on every rank, what training_step is handed: the DeepSpeed engine, its ZeRO stage, its
+    optimizer wrapper, and how much of the first weight this rank holds (ZeRO-3 partitions it)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not getattr(self, "_reported", False):
+            self._reported = True
+            weight = model.module.net[0].weight
+            local = weight.ds_tensor.numel() if hasattr(weight, "ds_tensor") else weight.numel()
+            full = getattr(weight, "ds_numel", weight.numel())
+            log.error("rank %d: %s stage=%d optimizer=%s local=%d of %d", self.args.process_index,
+                      type(model).__name__, model.zero_optimization_stage(), type(model.optimizer).__name__,
+                      local, full)
+        return super().training_step(model, inputs, num_items_in_batch)

@@ -47,8 +47,30 @@ def test_fsdp_v2_reshard_after_forward(tmp_path):
     assert args.fsdp == ["shard_grad_op"]
 
 
-def test_deepspeed_and_missing_files_are_named(tmp_path):
-    with pytest.raises(ValueError, match="asks for DeepSpeed"):
-        TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, kind="DEEPSPEED"))
+def test_deepspeed_plugin_keys_become_a_deepspeed_config(tmp_path):
+    extra = ("deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n  offload_param_device: none\n"
+             "  gradient_accumulation_steps: 2\n  zero3_save_16bit_model: true\n")
+    args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2,
+                             accelerate_config=write(tmp_path, extra, kind="DEEPSPEED", processes=2))
+    assert args.num_workers == 2
+    assert args.deepspeed["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_gather_16bit_weights_on_model_save": True}
+    assert args.deepspeed["gradient_accumulation_steps"] == 2
+    assert args.deepspeed["train_micro_batch_size_per_gpu"] == "auto"
+    # a plugin value that disagrees with the arguments is named, as with a DeepSpeed JSON file
+    with pytest.raises(ValueError, match="ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=1"):
+        TrainingArguments(output_dir=str(tmp_path),
+                          accelerate_config=write(tmp_path, extra, kind="DEEPSPEED", processes=2))
+
+
+def test_deepspeed_config_file_is_relative_to_the_yaml(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}')
+    extra = "deepspeed_config:\n  deepspeed_config_file: ds.json\n"
+    args = TrainingArguments(output_dir=str(tmp_path),
+                             accelerate_config=write(tmp_path, extra, kind="DEEPSPEED", processes=2))
+    assert args.deepspeed == str(tmp_path / "ds.json")
+
+
+def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         TrainingArguments(output_dir=str(tmp_path), accelerate_config=str(tmp_path / "nope.yaml"))

@@ -1,0 +1,195 @@
+"""DeepSpeed ZeRO stages 0-3: the engine owns backward scaling, the optimizer step, clipping and precision.
+
+Chosen the HF way with ``TrainingArguments(deepspeed=<path or dict>)``; "auto" values are filled from the
+arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
+
+- ``setup_model`` only places the module; ``setup_optimizer`` builds the optimizer (raytrainer's from
+  ``optim`` unless the config has an ``optimizer`` section) and scheduler (likewise ``scheduler``), then
+  ``deepspeed.initialize`` wraps all three. The engine steps the scheduler it was given.
+- Micro-steps: the loop tells the engine where an accumulation window ends
+  (``set_gradient_accumulation_boundary``), so a short last window of an epoch steps like any other; the
+  loss arrives already divided by the window's micro-batches, so ``backward`` does not scale it again.
+- Precision: fp16 / bf16 are the engine's (the module itself is cast); raytrainer's autocast is off and
+  floating inputs are cast to the engine's dtype, as HF does.
+- Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
+  ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0). A ZeRO
+  checkpoint resumes on the same number of workers; on another number it needs DeepSpeed's universal
+  checkpoint conversion -- ``check_resume`` says so on the driver, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+from raytrainer.strategies.base import Strategy
+from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args, load_config, zero_stage
+from raytrainer.strategies.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+_PARTITION = "_optim_states.pt"
+
+
+def tag_of(step: int) -> str:
+    return f"global_step{step}"
+
+
+class _EnginePrecision(Precision):
+    """The engine does mixed precision itself; what is left to raytrainer is the dtype of the inputs."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
+
+    def convert_input(self, data):
+        if self.dtype is None:
+            return data
+        if isinstance(data, torch.Tensor):
+            return data.to(self.dtype) if data.is_floating_point() else data
+        if isinstance(data, dict):
+            return type(data)({k: self.convert_input(v) for k, v in data.items()})
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.convert_input(v) for v in data)
+        return data
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    sharded_state_dir = "global_step"  # + the step: DeepSpeed's tag
+
+    def __init__(self, ctx, args):
+        super().__init__(ctx, args)
+        self.config = fill_from_args(load_config(args.deepspeed), args, ctx.world_size)
+        self.stage = zero_stage(self.config)
+        dtype = None
+        if (self.config.get("bf16") or {}).get("enabled"):
+            dtype = torch.bfloat16
+        elif (self.config.get("fp16") or {}).get("enabled"):
+            dtype = torch.float16
+        self.precision = _EnginePrecision(dtype)
+        self.engine = None
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.ctx.device)
+
+    def setup_optimizer(self, trainer, model: torch.nn.Module, num_training_steps: int) -> torch.nn.Module:
+        import deepspeed
+
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config = fill_for_run(self.config, self.args, num_training_steps, hidden)
+        optimizer = scheduler = None
+        if "optimizer" not in config:
+            optimizer = trainer.create_optimizer()
+            config.setdefault("zero_allow_untested_optimizer", True)
+            if _offloads_optimizer(config):  # a torch optimizer on offloaded state (no DeepSpeedCPUAdam)
+                config.setdefault("zero_force_ds_cpu_optimizer", False)
+        elif self.ctx.device.type == "cpu":
+            # DeepSpeed's fused Adam kernels need CUDA; on CPU its Adam/AdamW run torch's implementation.
+            config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
+        if "scheduler" not in config and optimizer is not None:
+            scheduler = trainer.create_scheduler(num_training_steps, optimizer=optimizer)
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self.config_used = config
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=None if plateau else scheduler, config=config,
+            dist_init_required=False)
+        if ds_scheduler is None and scheduler is None:
+            # The config's optimizer, raytrainer's schedule (lr_scheduler_type) stepped by the engine.
+            scheduler = trainer.create_scheduler(num_training_steps, optimizer=_base_optimizer(ds_optimizer))
+            engine.lr_scheduler = scheduler
+        trainer.optimizer = ds_optimizer
+        trainer.lr_scheduler = ds_scheduler or scheduler
+        self.engine = engine
+        self._owns_scheduler = not plateau
+        return engine
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return getattr(model, "module", model)
+
+    def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # ZeRO-3 gathers partitioned parameters inside forward: every rank runs it (raytrainer's evaluation
+        # sharding gives every rank the same number of batches).
+        return self.unwrap(model)
+
+    # -- one optimizer step ------------------------------------------------------------------------------
+    def no_sync(self, model: torch.nn.Module, sync: bool):
+        if self.engine is not None:
+            self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float):
+        return None  # the engine clips in step() ("gradient_clipping"); its norm comes from optimizer_step
+
+    def optimizer_step(self, model: torch.nn.Module, optimizer):
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def scheduler_step(self, scheduler) -> None:
+        if not self._owns_scheduler:
+            super().scheduler_step(scheduler)
+
+    def zero_grad(self, model: torch.nn.Module) -> None:
+        pass  # the engine zeroes gradients at the end of each step
+
+    # -- state -------------------------------------------------------------------------------------------
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if self.stage == 3:
+            state = model._zero3_consolidated_16bit_state_dict()  # a collective; complete on rank 0
+            return {k: v.detach().cpu() for k, v in (state or {}).items()}
+        return super().full_state_dict(model)
+
+    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
+        model.save_checkpoint(folder, tag=tag_of(step), save_latest=False)
+        return tag_of(step)
+
+    def load_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> None:
+        tag = tag_of(step)
+        if (self.config.get("checkpoint") or {}).get("load_universal"):
+            tag += "_universal"  # made by the conversion check_resume names; outside the manifest
+            logger.warning("loading DeepSpeed's universal checkpoint %s (not covered by the manifest)",
+                           os.path.join(folder, tag))
+        path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
+                                        load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load {os.path.join(folder, tag)}")
+
+    @classmethod
+    def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
+        _check_partitions(args, files, step, world_size)
+
+
+def _base_optimizer(optimizer):
+    """The torch optimizer under DeepSpeed's ZeRO wrapper (whose param groups a scheduler drives)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _offloads_optimizer(config: dict) -> bool:
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return offload.get("device") in ("cpu", "nvme")
+
+
+def _check_partitions(args, files: list[str], step: int, world_size: int) -> None:
+    """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
+    needs DeepSpeed's conversion to a universal checkpoint first. Called on the driver."""
+    prefix = f"{tag_of(step)}/"
+    partitions = [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
+    if not partitions:
+        return  # not a DeepSpeed checkpoint (or stage 0): weights and optimizer load on any world size
+    universal = ((load_config(args.deepspeed).get("checkpoint") or {}).get("load_universal"))
+    if len(partitions) != world_size and not universal:
+        raise ValueError(
+            f"resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by {len(partitions)} workers "
+            f"and this run has {world_size}; ZeRO's optimizer partitions do not re-split by themselves. "
+            f"Either resume with num_workers={len(partitions)}, or convert it to a universal checkpoint: "
+            f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/{tag_of(step)} "
+            f"--output_folder <checkpoint>/{tag_of(step)}_universal`, then set \"checkpoint\": "
+            f"{{\"load_universal\": true}} in the DeepSpeed config (raytrainer then loads that folder).")
