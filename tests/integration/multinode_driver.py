@@ -1,0 +1,91 @@
+"""Driver script for test_multinode.py: trains on an existing (local multi-node) Ray cluster.
+
+    python multinode_driver.py ADDRESS WORKDIR
+
+Run 1 (log_on_each_node=True, save_on_each_node=True, report_to tensorboard, pushes to a file:// hub with
+a hub token); run 2 (log_on_each_node=False). Every rank logs one INFO line naming its ranks; log_level
+is info for main processes and warning for replicas, so which lines reach this driver's output shows the
+log_on_each_node behaviour. Prints ``RESULT <json>`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+TOKEN = "hf_multinode_secret_7c1d"
+
+
+class Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is None:
+            return (logits,)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def make_data(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [{"x": x[i], "labels": int(y[i])} for i in range(n)]
+
+
+class RankReport(TrainerCallback):
+    """On every rank: one INFO log line and a JSON file with the rank's place in the cluster."""
+
+    def __init__(self, out_dir: str, tag: str):
+        self.out_dir, self.tag = out_dir, tag
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import ray
+        import ray.train
+
+        ctx = ray.train.get_context()
+        info = {"rank": ctx.get_world_rank(), "local_rank": ctx.get_local_rank(),
+                "node_rank": ctx.get_node_rank(), "ip": ray.util.get_node_ip_address()}
+        logging.getLogger("multinode").info("RANKINFO %s %s", self.tag, json.dumps(info, sort_keys=True))
+        with open(os.path.join(self.out_dir, f"{self.tag}-rank{info['rank']}.json"), "w") as f:
+            json.dump(info, f)
+
+
+def run(address: str, work: str, tag: str, **overrides) -> Trainer:
+    args = TrainingArguments(
+        output_dir=os.path.join(work, tag), num_workers=2, placement_strategy="STRICT_SPREAD",
+        ray_address=address, max_steps=6, per_device_train_batch_size=8, learning_rate=0.05,
+        logging_steps=2, save_strategy="steps", save_steps=6, log_level="info", log_level_replica="warning",
+        disable_tqdm=True, **overrides)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(96),
+                      callbacks=[RankReport(work, tag)])
+    trainer.train()
+    return trainer
+
+
+def main() -> None:
+    address, work = sys.argv[1], sys.argv[2]
+    first = run(address, work, "each-node", log_on_each_node=True, save_on_each_node=True,
+                report_to="tensorboard", logging_dir=os.path.join(work, "tb"), push_to_hub=True,
+                hub_model_id=f"file://{work}/hub", hub_strategy="every_save", hub_token=TOKEN)
+    run(address, work, "main-only", log_on_each_node=False)
+    from safetensors.torch import load_file
+
+    pushed = load_file(os.path.join(work, "hub", "main", "model.safetensors"))
+    same = all(torch.equal(pushed[k], v) for k, v in first.model.state_dict().items())
+    losses = [e["loss"] for e in first.state.log_history if "loss" in e]
+    print("RESULT " + json.dumps({"global_step": first.state.global_step, "pushed_is_final": same,
+                                  "logged_losses": losses}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Multi-node semantics on a real local multi-node Ray cluster (cluster/local-multinode.sh: two Ray nodes
+on 127.0.0.12 and 127.0.0.13 of this machine). The cluster is this test's own (own ports, temp dirs and
+state folder; stopped by session id); the training driver is a subprocess, so the shared Ray instance of
+the pytest session is not disturbed (a process can attach to one Ray cluster only).
+
+Checks: node ranks 0 and 1 on distinct node IPs; log_on_each_node (each node's local main logs at
+log_level when true, only the global main when false) in the driver's captured output; save_on_each_node
+with both nodes' files in one committed checkpoint; a hub push and tensorboard logging done once, from
+the driver, with the hub token nowhere in output or files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
+DRIVER = os.path.join(os.path.dirname(__file__), "multinode_driver.py")
+TOKEN = "hf_multinode_secret_7c1d"  # the driver's hub_token
+
+
+@pytest.fixture
+def cluster():
+    state = tempfile.mkdtemp(prefix="rt-mn-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": "12",
+           "RAY_MN_WORKER_PORT_BASE": "25000", "RAY_MN_CPUS": "2", "RAY_MN_AUTH_MODE": "disabled",
+           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
+    up = subprocess.run(["bash", SCRIPT, "up", "2"], env=env, capture_output=True, text=True, timeout=180)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        with open(os.path.join(state, "address")) as f:
+            yield f.read().strip()
+    finally:
+        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def _integration():  # overrides the conftest's: this test needs no in-process Ray instance
+    yield
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from raytrainer.checkpoint import CheckpointReader
+
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+    proc = subprocess.run([sys.executable, DRIVER, cluster, str(work)], env=env, capture_output=True,
+                          text=True, timeout=480, cwd=str(work))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+
+    # node ranks: one worker per node (STRICT_SPREAD), node ranks 0 and 1 on distinct IPs
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(work / "each-node-rank*.json")))]  # noqa: SIM115
+    assert sorted(r["node_rank"] for r in ranks) == [0, 1]
+    assert len({r["ip"] for r in ranks}) == 2 and {r["ip"] for r in ranks} <= {"127.0.0.12", "127.0.0.13"}
+    assert all(r["local_rank"] == 0 for r in ranks)
+
+    # log_on_each_node=True: each node's local main (ranks 0 and 1) logs its INFO line;
+    # log_on_each_node=False: rank 1 is a replica (warning level), only rank 0's line arrives.
+    each = [line for line in output.splitlines() if "RANKINFO each-node" in line]
+    main_only = [line for line in output.splitlines() if "RANKINFO main-only" in line]
+    assert sorted(json.loads(line.split("each-node ", 1)[1])["rank"] for line in each) == [0, 1]
+    assert [json.loads(line.split("main-only ", 1)[1])["rank"] for line in main_only] == [0]
+    assert len(glob.glob(str(work / "main-only-rank*.json"))) == 2  # rank 1 did run
+
+    # save_on_each_node: one committed checkpoint in the shared storage, files from both nodes
+    reader = CheckpointReader(str(work / "each-node" / "checkpoint-6"))
+    assert {"model.safetensors", "rng_state_0.safetensors", "rng_state_1.safetensors"} <= set(reader.files)
+    for name in reader.files:
+        reader.read(name)  # verifies each file against the manifest's sha256
+
+    # the driver pushed the final model once; tensorboard got each logged loss once
+    assert result["global_step"] == 6 and result["pushed_is_final"]
+    runs = glob.glob(str(work / "tb" / "events.out.tfevents.*"))
+    assert len(runs) == 1
+    acc = EventAccumulator(str(work / "tb"))
+    acc.Reload()
+    losses = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in losses] == [2, 4, 6]
+    assert [v for _, v in losses] == pytest.approx(result["logged_losses"], rel=1e-6)
+
+    # the hub token: not in the driver's output, the rank logs, checkpoints, the hub copy or event files
+    assert TOKEN not in output
+    for root, _, names in os.walk(work):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                assert TOKEN.encode() not in f.read(), os.path.join(root, name)
