@@ -30,13 +30,20 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
 
+    # the optimizer state is saved sharded (DCP, one file per rank) beside consolidated weights
+    import json
+
+    files = set(json.loads((tmp_path / "full" / "checkpoint-10" / "manifest.json").read_text())["files"])
+    assert {"model.safetensors", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
+            "optimizer_0/__1_0.distcp"} <= files and "optimizer.pt" not in files
+
     # exact resume mid-epoch (step 10 = epoch 2, update 4 of 6) on 2 FSDP workers
     resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "resumed"), train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-10"))
     for name, tensor in full.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
-    # the consolidated checkpoint also resumes on ONE worker (2 -> 1), optimizer state included
+    # the sharded checkpoint also resumes on ONE worker (2 -> 1): DCP reshards the optimizer state
     single = Trainer(model=DropoutRegressor(), train_dataset=data,
                      args=_args(tmp_path / "single", num_workers=1, per_device_train_batch_size=8))
     out1 = single.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-10"))
