@@ -1,0 +1,99 @@
+"""`raytrainer submit` / `raytrainer jobs` against a real Ray head with token authentication, started by
+this test (cluster/local-multinode.sh with one node on 127.0.0.21, its own ports, temp dir and token;
+stopped by session id). The command runs as a subprocess, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
+CLI = [sys.executable, "-m", "raytrainer.cli"]
+
+
+@pytest.fixture(scope="module")
+def head():
+    state = tempfile.mkdtemp(prefix="rt-job-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    token = secrets.token_hex(16)
+    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": "21", "RAY_MN_WORKER_PORT_BASE": "27000",
+           "RAY_MN_CPUS": "3", "RAY_MN_DASHBOARD": "true", "RAY_MN_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": token,
+           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
+    up = subprocess.run(["bash", SCRIPT, "up", "1"], env=env, capture_output=True, text=True, timeout=180)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        with open(os.path.join(state, "dashboard")) as f:
+            yield f.read().strip(), token, state
+    finally:
+        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def _integration():  # overrides the conftest's: these tests need no in-process Ray instance
+    yield
+
+
+def _cli(args, token, home, timeout=300):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_TOKEN", "RAY_ADDRESS"))}
+    env.update(HOME=str(home), OMP_NUM_THREADS="1")  # HOME: no ~/.ray/auth_token of the machine
+    if token:
+        env["RAY_AUTH_TOKEN"] = token
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.timeout(600)
+def test_submit_runs_the_demo_with_token_auth_and_fails_without(head, tmp_path):
+    address, token, _ = head
+    denied = _cli(["submit", "--address", address, "--", "python", "-c", "print('never runs')"], None,
+                  tmp_path)
+    assert denied.returncode == 2
+    assert "Unauthorized" in denied.stderr and "never runs" not in denied.stdout
+    wrong = _cli(["jobs", "list", "--address", address], "not-the-token", tmp_path)
+    assert wrong.returncode == 2 and "Forbidden" in wrong.stderr
+
+    out_dir = tmp_path / "demo"
+    done = _cli(["submit", "--address", address, "--working-dir", "examples", "--submission-id", "demo-1",
+                 "--env", "RAYTRAINER_TEST=1", "--", "python", "train_digits.py",
+                 "--output_dir", str(out_dir), "--disable_tqdm", "true"], token, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "final test accuracy" in done.stdout  # the job's logs, streamed
+    accuracy = float(done.stdout.split("final test accuracy: ")[1].split("%")[0])
+    assert accuracy > 90
+    assert "job demo-1 SUCCEEDED" in done.stderr
+
+    listed = _cli(["jobs", "list", "--address", address], token, tmp_path)
+    assert listed.returncode == 0
+    assert any(line.split()[:2] == ["demo-1", "SUCCEEDED"] for line in listed.stdout.splitlines())
+    status = _cli(["jobs", "status", "demo-1", "--address", address], token, tmp_path)
+    assert status.stdout.startswith("SUCCEEDED")
+    logs = _cli(["jobs", "logs", "demo-1", "--address", address], token, tmp_path)
+    assert "final test accuracy" in logs.stdout
+
+
+@pytest.mark.timeout(300)
+def test_exit_status_follows_the_job(head, tmp_path):
+    address, token, _ = head
+    failed = _cli(["submit", "--address", address, "--", "python", "-c", "import sys; sys.exit(7)"], token,
+                  tmp_path)
+    assert failed.returncode == 7 and "FAILED" in failed.stderr
+
+    started = _cli(["submit", "--address", address, "--no-wait", "--submission-id", "sleeper", "--",
+                    "python", "-c", "import time; time.sleep(120)"], token, tmp_path)
+    assert started.returncode == 0 and started.stdout.strip() == "sleeper"
+    assert _cli(["jobs", "stop", "sleeper", "--address", address], token, tmp_path).returncode == 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = _cli(["jobs", "status", "sleeper", "--address", address], token, tmp_path).stdout
+        if status.startswith("STOPPED"):
+            break
+        time.sleep(1)
+    assert status.startswith("STOPPED")
