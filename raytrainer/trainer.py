@@ -230,10 +230,16 @@ class Trainer:
         """Place the model for evaluate()/predict() called on their own (outside train())."""
         if self._strategy is None:
             from raytrainer.strategies import select_strategy
+            from raytrainer.strategies.precision import CastPrecision, full_eval_dtype
 
             self._strategy = select_strategy(self.args, self._ctx)
             self.model_wrapped = self._strategy.setup_model(self.model)
             self.model = self._strategy.unwrap(self.model_wrapped)
+            dtype = full_eval_dtype(self.args)
+            if dtype is not None:  # fp16/bf16_full_eval: the model itself in half precision (as HF)
+                self.model_wrapped = self.model_wrapped.to(dtype)
+                self.model = self._strategy.unwrap(self.model_wrapped)
+                self._strategy.precision = CastPrecision(dtype)
 
     # -- data ----------------------------------------------------------------------------------------
     def _collator_for(self, dataset):

@@ -27,7 +27,7 @@ import torch
 
 from raytrainer.strategies.base import Strategy
 from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args, load_config, zero_stage
-from raytrainer.strategies.precision import Precision
+from raytrainer.strategies.precision import CastPrecision
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +36,6 @@ _PARTITION = "_optim_states.pt"
 
 def tag_of(step: int) -> str:
     return f"global_step{step}"
-
-
-class _EnginePrecision(Precision):
-    """The engine does mixed precision itself; what is left to raytrainer is the dtype of the inputs."""
-
-    def __init__(self, dtype: torch.dtype | None):
-        self.dtype = dtype
-        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
-
-    def convert_input(self, data):
-        if self.dtype is None:
-            return data
-        if isinstance(data, torch.Tensor):
-            return data.to(self.dtype) if data.is_floating_point() else data
-        if isinstance(data, dict):
-            return type(data)({k: self.convert_input(v) for k, v in data.items()})
-        if isinstance(data, (list, tuple)):
-            return type(data)(self.convert_input(v) for v in data)
-        return data
 
 
 class DeepSpeedStrategy(Strategy):
@@ -70,7 +51,7 @@ class DeepSpeedStrategy(Strategy):
             dtype = torch.bfloat16
         elif (self.config.get("fp16") or {}).get("enabled"):
             dtype = torch.float16
-        self.precision = _EnginePrecision(dtype)
+        self.precision = CastPrecision(dtype)  # the engine casts the module; inputs follow
         self.engine = None
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -81,7 +62,9 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config = fill_for_run(self.config, self.args, num_training_steps, hidden)
+        # filled again: auto_find_batch_size may have changed the batch size since __init__
+        config = fill_from_args(load_config(self.args.deepspeed), self.args, self.ctx.world_size)
+        config = fill_for_run(config, self.args, num_training_steps, hidden)
         optimizer = scheduler = None
         if "optimizer" not in config:
             optimizer = trainer.create_optimizer()

@@ -71,6 +71,30 @@ class Fp16Precision(AutocastPrecision):
             self.scaler.load_state_dict(state)
 
 
+class CastPrecision(Precision):
+    """The module itself is in ``dtype`` (a DeepSpeed engine casts it; fp16/bf16_full_eval cast it for
+    evaluation): no autocast, floating inputs cast to ``dtype``, as HF does."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
+
+    def convert_input(self, data):
+        if self.dtype is None:
+            return data
+        if isinstance(data, torch.Tensor):
+            return data.to(self.dtype) if data.is_floating_point() else data
+        if isinstance(data, dict):
+            return type(data)({k: self.convert_input(v) for k, v in data.items()})
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.convert_input(v) for v in data)
+        return data
+
+
+def full_eval_dtype(args) -> torch.dtype | None:
+    return torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+
+
 def select_precision(args, device: torch.device) -> Precision:
     if args.fp16:
         return Fp16Precision(device.type)

@@ -1,6 +1,7 @@
 """The per-rank training loop. Every rank runs this, in lock step.
 
-    set seed; model_init(trial); strategy.setup_model; create optimizer and scheduler
+    set seed; model_init(trial); strategy.setup_model; [auto_find_batch_size probe]; train dataloader;
+    strategy.setup_optimizer (optimizer and scheduler; an engine may wrap all three)
     on_train_begin
     for epoch:
         on_epoch_begin
@@ -27,6 +28,7 @@ from raytrainer.callbacks import TrainerControl, TrainerState
 from raytrainer.data import batch_size_of
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
+from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.neftune import NEFTune
 
@@ -82,12 +84,15 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
 
     strategy = trainer._strategy = select_strategy(args, ctx)
+    wrapped = strategy.setup_model(trainer.model)
+    trainer.model = strategy.unwrap(wrapped)
+    if args.auto_find_batch_size:
+        saved = resume.state.train_batch_size if resume is not None else None
+        args.per_device_train_batch_size = saved or find_batch_size(trainer, strategy, wrapped)
     train_dataloader = trainer.get_train_dataloader()
     len_dataloader = len(train_dataloader) if has_length(train_dataloader) else None
     schedule = _Schedule(args, len_dataloader)
 
-    wrapped = strategy.setup_model(trainer.model)
-    trainer.model = strategy.unwrap(wrapped)
     wrapped = trainer.model_wrapped = strategy.setup_optimizer(trainer, wrapped, schedule.max_steps)
     trainer.model = strategy.unwrap(wrapped)
     # The training forward may go through torch.compile; state, syncing and clipping use ``wrapped``.

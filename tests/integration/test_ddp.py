@@ -159,3 +159,17 @@ def test_ray_dataset_is_sharded_per_worker(tmp_path):
         expected = torch.nn.functional.cross_entropy(trainer.model(x)[0], y, reduction="none")
     batch_means = expected.view(8, 8).mean(dim=1)  # HF: each batch's mean loss, per example
     assert evals[-1]["eval_loss"] == pytest.approx(float(batch_means.mean()), rel=1e-5)
+
+
+def test_auto_find_batch_size_agrees_on_one_size_across_workers(tmp_path, capfd):
+    """Rank 1 runs out of memory above 5 examples, rank 0 never: both must train with 5."""
+    from models import OutOfMemoryOnRank1
+
+    args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=8,
+                             num_train_epochs=1, auto_find_batch_size=True, save_strategy="no",
+                             disable_tqdm=True, report_to="none", log_level="warning")
+    out = Trainer(model=OutOfMemoryOnRank1(), args=args, train_dataset=make_data(40)).train()
+    assert out.global_step == 4  # 40 examples / (2 workers x 5); with 8 it would be 3
+    console = "".join(capfd.readouterr())
+    assert "batch size 8 does not fit on another worker; trying 7" in console  # rank 0's view
+    assert "training with per_device_train_batch_size=5" in console
