@@ -13,8 +13,12 @@ from models import DropoutRegressor, ReportEngine, make_data
 from raytrainer import TrainingArguments
 
 # "auto" everywhere the arguments decide, as in HF's example configs
-_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+}
 
 
 def _config(stage: int, **extra) -> dict:
@@ -27,16 +31,37 @@ def test_zero_stage_reaches_the_ddp_accuracy_band_on_the_demo(tmp_path, stage):
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_config(stage)))
-    accuracy = train_digits.main(["--output_dir", str(tmp_path / "demo"), "--disable_tqdm", "1",
-                                  "--log_level", "warning", "--deepspeed", str(path)])
+    accuracy = train_digits.main(
+        [
+            "--output_dir",
+            str(tmp_path / "demo"),
+            "--disable_tqdm",
+            "1",
+            "--log_level",
+            "warning",
+            "--deepspeed",
+            str(path),
+        ]
+    )
     assert accuracy > 0.90  # the DDP demo test's bar
 
 
 def _args(out, stage: int, **kw) -> TrainingArguments:
-    base = {"output_dir": str(out), "num_workers": 2, "per_device_train_batch_size": 4, "num_train_epochs": 3,
-            "learning_rate": 0.02, "optim": "adamw_torch", "save_strategy": "steps", "save_steps": 5,
-            "logging_steps": 3, "disable_tqdm": True, "report_to": "none", "gradient_accumulation_steps": 1,
-            "deepspeed": _config(stage)}
+    base = {
+        "output_dir": str(out),
+        "num_workers": 2,
+        "per_device_train_batch_size": 4,
+        "num_train_epochs": 3,
+        "learning_rate": 0.02,
+        "optim": "adamw_torch",
+        "save_strategy": "steps",
+        "save_steps": 5,
+        "logging_steps": 3,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "gradient_accumulation_steps": 1,
+        "deepspeed": _config(stage),
+    }
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -50,7 +75,9 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     wrapper = {1: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}[stage]
     local = {1: 96, 3: 48}[stage]  # 16 x 6 first-layer weight; ZeRO-3 leaves half of it on each rank
     for rank in (0, 1):
-        assert f"rank {rank}: DeepSpeedEngine stage={stage} optimizer={wrapper} local={local} of 96" in console
+        assert (
+            f"rank {rank}: DeepSpeedEngine stage={stage} optimizer={wrapper} local={local} of 96" in console
+        )
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
 
@@ -60,14 +87,19 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     partitions = sorted(f for f in files if f.startswith("global_step10/") and f.endswith("_optim_states.pt"))
     assert len(partitions) == 2, files  # one ZeRO optimizer partition per rank
 
-    resumed = ReportEngine(model=DropoutRegressor(), args=_args(tmp_path / "resumed", stage), train_dataset=data)
+    resumed = ReportEngine(
+        model=DropoutRegressor(), args=_args(tmp_path / "resumed", stage), train_dataset=data
+    )
     assert resumed.train(resume_from_checkpoint=str(folder)).global_step == 18
     for name, tensor in full.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
     # another number of workers: refused on the driver, naming DeepSpeed's conversion step
-    one = ReportEngine(model=DropoutRegressor(), train_dataset=data,
-                       args=_args(tmp_path / "one", stage, num_workers=1, per_device_train_batch_size=8))
-    with pytest.raises(ValueError, match="saved by 2 workers and this run has 1.*ds_to_universal"):
+    one = ReportEngine(
+        model=DropoutRegressor(),
+        train_dataset=data,
+        args=_args(tmp_path / "one", stage, num_workers=1, per_device_train_batch_size=8),
+    )
+    with pytest.raises(ValueError, match=r"saved by 2 workers and this run has 1.*ds_to_universal"):
         one.train(resume_from_checkpoint=str(folder))
     assert not os.path.exists(tmp_path / "one" / "checkpoint-15")

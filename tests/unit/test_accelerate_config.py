@@ -48,8 +48,9 @@ def test_fsdp_v2_reshard_after_forward(tmp_path):
 
 
 def test_deepspeed_plugin_keys_become_a_deepspeed_config(tmp_path):
-    extra = ("deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n  offload_param_device: none\n"
-             "  gradient_accumulation_steps: 2\n  zero3_save_16bit_model: true\n")
+    extra = ("deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n"
+             "  offload_param_device: none\n  gradient_accumulation_steps: 2\n"
+             "  zero3_save_16bit_model: true\n")
     args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2,
                              accelerate_config=write(tmp_path, extra, kind="DEEPSPEED", processes=2))
     assert args.num_workers == 2
@@ -58,7 +59,8 @@ def test_deepspeed_plugin_keys_become_a_deepspeed_config(tmp_path):
     assert args.deepspeed["gradient_accumulation_steps"] == 2
     assert args.deepspeed["train_micro_batch_size_per_gpu"] == "auto"
     # a plugin value that disagrees with the arguments is named, as with a DeepSpeed JSON file
-    with pytest.raises(ValueError, match="ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=1"):
+    mismatch = "ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=1"
+    with pytest.raises(ValueError, match=mismatch):
         TrainingArguments(output_dir=str(tmp_path),
                           accelerate_config=write(tmp_path, extra, kind="DEEPSPEED", processes=2))
 

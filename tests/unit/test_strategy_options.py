@@ -15,24 +15,46 @@ from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args
 
 
 def _ds_args(tmp_path, config, **kw):
-    base = {"output_dir": str(tmp_path), "num_workers": 2, "per_device_train_batch_size": 4,
-            "gradient_accumulation_steps": 3, "learning_rate": 3e-4, "weight_decay": 0.01, "bf16": True,
-            "deepspeed": config}
+    base = {
+        "output_dir": str(tmp_path),
+        "num_workers": 2,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 3,
+        "learning_rate": 3e-4,
+        "weight_decay": 0.01,
+        "bf16": True,
+        "deepspeed": config,
+    }
     return TrainingArguments(**{**base, **kw})
 
 
 def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
-    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                        "weight_decay": "auto"}},
-              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                                "warmup_num_steps": "auto",
-                                                                "total_num_steps": "auto"}},
-              "bf16": {"enabled": "auto"},
-              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                                    "stage3_prefetch_bucket_size": "auto",
-                                    "stage3_param_persistence_threshold": "auto"}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     args = _ds_args(tmp_path, str(path), warmup_ratio=0.1)
@@ -41,21 +63,36 @@ def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
     assert filled["gradient_accumulation_steps"] == 3
     assert filled["train_batch_size"] == 2 * 4 * 3
     assert filled["gradient_clipping"] == 1.0
-    assert filled["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-    assert filled["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10,
-                                             "total_num_steps": 100}
+    assert filled["optimizer"]["params"] == {
+        "lr": 3e-4,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+    }
+    assert filled["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 10,
+        "total_num_steps": 100,
+    }
     assert filled["bf16"] == {"enabled": True}
     zero = filled["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
-            zero["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 640)
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (64 * 64, int(0.9 * 64 * 64), 640)
     # without a hidden_size the bucket sizes are left to DeepSpeed's defaults
     bare = fill_for_run(fill_from_args(config, args, 2), args, 100, hidden_size=None)
     assert "reduce_bucket_size" not in bare["zero_optimization"]
 
 
 def test_deepspeed_values_that_disagree_with_the_arguments_are_all_named(tmp_path):
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+    }
     with pytest.raises(ValueError) as err:
         _ds_args(tmp_path, config)
     message = str(err.value)
@@ -65,13 +102,16 @@ def test_deepspeed_values_that_disagree_with_the_arguments_are_all_named(tmp_pat
     assert 'Set them to "auto"' in message
 
 
-@pytest.mark.parametrize(("config", "kw", "match"), [
-    ("missing.json", {}, "no such file"),
-    ("{not json", {}, "not valid JSON"),
-    ({"zero_optimization": {"stage": 4}}, {}, "stage=4 must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 2}}, {"num_workers": 0}, "runs on Ray workers, but num_workers=0"),
-    ({"zero_optimization": {"stage": 2}}, {"fsdp": "full_shard"}, "cannot be combined with fsdp"),
-])
+@pytest.mark.parametrize(
+    ("config", "kw", "match"),
+    [
+        ("missing.json", {}, "no such file"),
+        ("{not json", {}, "not valid JSON"),
+        ({"zero_optimization": {"stage": 4}}, {}, "stage=4 must be 0, 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 2}}, {"num_workers": 0}, "runs on Ray workers, but num_workers=0"),
+        ({"zero_optimization": {"stage": 2}}, {"fsdp": "full_shard"}, "cannot be combined with fsdp"),
+    ],
+)
 def test_bad_deepspeed_settings_fail_when_the_arguments_are_made(tmp_path, config, kw, match):
     if config == "missing.json":
         config = str(tmp_path / "missing.json")
@@ -81,27 +121,46 @@ def test_bad_deepspeed_settings_fail_when_the_arguments_are_made(tmp_path, confi
 
 def test_a_zero_checkpoint_on_another_world_size_names_the_conversion(tmp_path):
     args = _ds_args(tmp_path, {"zero_optimization": {"stage": 2}}, bf16=False)
-    files = ["model.safetensors", "global_step10/mp_rank_00_model_states.pt",
-             "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-             "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    files = [
+        "model.safetensors",
+        "global_step10/mp_rank_00_model_states.pt",
+        "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     DeepSpeedStrategy.check_resume(args, files, 10, 2)  # same world size: fine
-    with pytest.raises(ValueError, match=r"saved by 2 workers and this run has 4.*ds_to_universal "
-                                         r"--input_folder <checkpoint>/global_step10"):
+    with pytest.raises(
+        ValueError,
+        match=r"saved by 2 workers and this run has 4.*ds_to_universal "
+        r"--input_folder <checkpoint>/global_step10",
+    ):
         DeepSpeedStrategy.check_resume(args, files, 10, 4)
-    universal = _ds_args(tmp_path, {"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}},
-                         bf16=False)
+    universal = _ds_args(
+        tmp_path, {"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}, bf16=False
+    )
     DeepSpeedStrategy.check_resume(universal, files, 10, 4)  # converted: allowed
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"optim": "galore_adamw"}, "needs optim_target_modules"),
-    ({"optim": "galore_adamw_layerwise", "optim_target_modules": ["net"], "num_workers": 2},
-     "DDP's gradient all-reduce does not support"),
-    ({"optim": "galore_adamw", "optim_target_modules": ["net"], "num_workers": 2, "fsdp": "full_shard"},
-     "sharded strategies split them"),
-    ({"tf32": True}, "tf32=True: is a GPU"),
-    ({"fp16_full_eval": True, "bf16_full_eval": True}, "only one of"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"optim": "galore_adamw"}, "needs optim_target_modules"),
+        (
+            {"optim": "galore_adamw_layerwise", "optim_target_modules": ["net"], "num_workers": 2},
+            "DDP's gradient all-reduce does not support",
+        ),
+        (
+            {
+                "optim": "galore_adamw",
+                "optim_target_modules": ["net"],
+                "num_workers": 2,
+                "fsdp": "full_shard",
+            },
+            "sharded strategies split them",
+        ),
+        ({"tf32": True}, "tf32=True: is a GPU"),
+        ({"fp16_full_eval": True, "bf16_full_eval": True}, "only one of"),
+    ],
+)
 def test_optimizer_and_precision_options_are_checked(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(output_dir=str(tmp_path), **kw)
@@ -134,8 +193,14 @@ def _data(n):
 
 def test_auto_find_batch_size_steps_down_by_a_tenth_until_a_step_fits(tmp_path, caplog):
     model = OutOfMemoryAbove(limit=5)
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1,
-                             auto_find_batch_size=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_train_epochs=1,
+        auto_find_batch_size=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     out = Trainer(model=model, args=args, train_dataset=_data(30)).train()
     assert model.seen[:4] == [8, 7, 6, 5]  # the probes: 8 -> int(7.2) -> int(6.3) -> int(5.4)
     assert set(model.seen[4:]) == {5}
@@ -144,9 +209,15 @@ def test_auto_find_batch_size_steps_down_by_a_tenth_until_a_step_fits(tmp_path, 
 
 
 def test_auto_find_batch_size_gives_up_with_advice(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
-                             auto_find_batch_size=True, save_strategy="no", disable_tqdm=True)
-    with pytest.raises(RuntimeError, match="not even a batch of 1 example fits.*--fsdp, --deepspeed"):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        auto_find_batch_size=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    with pytest.raises(RuntimeError, match=r"not even a batch of 1 example fits.*--fsdp, --deepspeed"):
         Trainer(model=OutOfMemoryAbove(limit=0), args=args, train_dataset=_data(8)).train()
 
 
@@ -163,11 +234,14 @@ class DtypeSeen(nn.Module):
         return nn.functional.cross_entropy(logits.float(), labels), logits
 
 
-@pytest.mark.parametrize(("flag", "dtype"), [("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)])
+@pytest.mark.parametrize(
+    ("flag", "dtype"), [("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)]
+)
 def test_full_eval_runs_the_model_itself_in_half_precision(tmp_path, flag, dtype):
     data = _data(24)
-    reference = Trainer(model=DtypeSeen(), args=TrainingArguments(output_dir=str(tmp_path / "ref")),
-                        eval_dataset=data).evaluate()
+    reference = Trainer(
+        model=DtypeSeen(), args=TrainingArguments(output_dir=str(tmp_path / "ref")), eval_dataset=data
+    ).evaluate()
     model = DtypeSeen()
     args = TrainingArguments(output_dir=str(tmp_path / "half"), **{flag: True})
     metrics = Trainer(model=model, args=args, eval_dataset=data).evaluate()
