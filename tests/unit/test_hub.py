@@ -260,3 +260,27 @@ def test_model_card_without_evaluation_lists_training_losses(make_args, make_cla
     card = model_card(trainer, "tiny")
     assert "| Training Loss | Epoch | Step |" in card and card.count("\n| ") == 1 + 4
     assert "achieves the following results" not in card
+
+
+def test_the_workers_trainer_never_holds_the_hub_token(tmp_path, monkeypatch, make_args, make_classifier,
+                                                       make_examples):
+    """The run spec (the pickled Trainer shipped to the Ray workers) is captured at the launch boundary."""
+    import cloudpickle
+
+    from raytrainer.driver import launch
+
+    class Captured(Exception):
+        pass
+
+    def capture(trainer, spec, method, kwargs, registry):
+        raise Captured(spec)
+
+    monkeypatch.setattr(launch, "launch", capture)
+    trainer = _trainer(make_args, make_classifier, make_examples, num_workers=2, hub_token=TOKEN,
+                       hub_model_id=f"file://{tmp_path}/hub")
+    with pytest.raises(Captured) as caught:
+        trainer.train()
+    spec = caught.value.args[0]
+    assert TOKEN.encode() not in spec
+    assert cloudpickle.loads(spec).args.hub_token is None
+    assert trainer.args.hub_token == TOKEN  # the driver keeps it
