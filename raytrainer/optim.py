@@ -389,6 +389,10 @@ def create_scheduler(optimizer: Optimizer, args: Any, num_training_steps: int):
     kwargs = getattr(args, "lr_scheduler_kwargs", None)
     if isinstance(kwargs, str):
         kwargs = json.loads(kwargs) if kwargs.strip() else None
+    if hasattr(optimizer, "optimizers"):  # layer-wise GaLore: a schedule per parameter's optimizer
+        from raytrainer.galore import LayerWiseScheduler
+
+        return LayerWiseScheduler(optimizer, lambda opt: create_scheduler(opt, args, num_training_steps))
     return get_scheduler(
         args.lr_scheduler_type,
         optimizer,
@@ -503,6 +507,13 @@ def create_optimizer(model: nn.Module, args: Any) -> Optimizer:
     are passed to the optimizer's constructor and win over the values taken from ``args``.
     """
     name = _enum_value(args.optim)
+    if name.startswith("galore_"):
+        from raytrainer.galore import create_galore_optimizer
+
+        base = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+        if "adamw" in name:
+            base.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        return create_galore_optimizer(model, args, base, parse_optim_args(getattr(args, "optim_args", None)))
     if name not in _OPTIMIZERS:
         raise ValueError(f"Unknown optim {name!r}; choose one of {list(OPTIMIZER_NAMES)}")
     cls, fixed, adam_like = _OPTIMIZERS[name]

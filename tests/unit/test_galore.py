@@ -1,0 +1,64 @@
+"""GaLore optimizers in-process (skipped, with the reason, when galore-torch is not installed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+galore_torch = pytest.importorskip("galore_torch", reason="galore-torch is not installed (pip install galore-torch)")
+
+from raytrainer import Trainer, TrainingArguments  # noqa: E402
+from raytrainer.galore import LayerWiseOptimizer  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 32)
+        self.mlp = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.head(torch.tanh(self.mlp(torch.tanh(self.proj(x)))))
+        return nn.functional.cross_entropy(logits, labels), logits
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 16, generator=g)
+    return [{"x": x[i], "labels": int(x[i, 0] > 0) + int(x[i, 1] > 0)} for i in range(n)]
+
+
+def _train(tmp_path, optim: str):
+    args = TrainingArguments(output_dir=str(tmp_path), optim=optim, optim_target_modules=["mlp"],
+                             optim_args="rank=4,update_proj_gap=5,scale=0.25", learning_rate=0.01,
+                             per_device_train_batch_size=8, num_train_epochs=4, logging_steps=8,
+                             save_strategy="no", disable_tqdm=True, report_to="none")
+    trainer = Trainer(model=Net(), args=args, train_dataset=_data())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, before, losses
+
+
+def test_galore_adamw_keeps_the_target_layers_state_low_rank(tmp_path):
+    trainer, _, losses = _train(tmp_path, "galore_adamw")
+    assert type(trainer.optimizer) is galore_torch.GaLoreAdamW
+    state = trainer.optimizer.state
+    assert state[trainer.model.mlp.weight]["exp_avg"].shape == (32, 4)  # projected: rank 4, not 32 x 32
+    assert state[trainer.model.proj.weight]["exp_avg"].shape == (32, 16)  # not a target: full
+    assert losses[-1] < losses[0] * 0.8
+
+
+def test_layerwise_galore_steps_each_parameter_in_backward(tmp_path):
+    trainer, before, losses = _train(tmp_path, "galore_adamw_layerwise")
+    assert isinstance(trainer.optimizer, LayerWiseOptimizer)
+    assert len(trainer.optimizer.optimizers) == 6  # one optimizer per parameter
+    for name, tensor in trainer.model.state_dict().items():
+        assert not torch.equal(tensor, before[name]), f"{name} was never stepped"
+    assert losses[-1] < losses[0] * 0.8
+    # each parameter's own linear schedule ran to the end (32 steps): lr 0
+    lrs = {s.get_last_lr()[0] for s in trainer.lr_scheduler.schedulers.values()}
+    assert lrs == {0.0}
