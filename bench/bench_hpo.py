@@ -146,7 +146,7 @@ def side_rt_asha(cfg) -> dict:
         compute_objective=objective, direction="maximize", backend="ray", max_concurrent_trials=2,
         scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1, reduction_factor=2))
     analysis = tune.ExperimentAnalysis(cfg["workdir"] + "/rt_asha/tune")
-    steps = {str(df["trial_id"].iloc[-1]): int(df["global_step"].iloc[-1])
+    steps = {str(df["run_id"].iloc[-1]): int(df["global_step"].iloc[-1])
              for df in analysis.trial_dataframes.values() if len(df)}
     return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
             "steps_per_trial": steps, "total_steps": sum(steps.values()),

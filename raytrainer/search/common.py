@@ -53,7 +53,7 @@ class TrialSummary:
     checkpoints: list[str] = dataclasses.field(default_factory=list)
     evaluations: list[dict] = dataclasses.field(default_factory=list)  # each: step, objective, metrics
     global_step: int = 0
-    pruned: bool = False
+    pruned: bool = False  # stopped early by the search: an Optuna pruner, or a Tune scheduler ending it
 
     def save(self) -> None:
         os.makedirs(self.output_dir, exist_ok=True)
@@ -209,9 +209,26 @@ class TrialReporter(TrainerCallback):
         self.compute_objective, self.report = compute_objective, report
         self.evaluations: list[dict] = []
         self.pruned = False
+        self._control = None  # the run's control on the driver, once training has begun
+        self._stop_asked = False
 
     def __getstate__(self):  # workers get a hollow copy (they drop driver-side callbacks anyway)
-        return {"compute_objective": None, "report": None, "evaluations": [], "pruned": False}
+        return {"compute_objective": None, "report": None, "evaluations": [], "pruned": False,
+                "_control": None, "_stop_asked": False}
+
+    def stop(self) -> None:
+        """Stop the run now (from any thread of the trial's driver), as when the trial is pruned."""
+        self._stop_asked = self.pruned = True
+        if self._control is not None:
+            self._control.should_training_stop = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._control = control
+        if self._stop_asked:
+            control.should_training_stop = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.on_train_begin(args, state, control)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         metrics = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
@@ -257,16 +274,17 @@ def trial_trainer(trainer, args, model, reporter: TrialReporter):
 
 
 def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_objective: Callable,
-              report: Callable | None = None) -> TrialSummary:
+              report: Callable | None = None, reporter: TrialReporter | None = None,
+              resume_from_checkpoint: str | None = None) -> TrialSummary:
     """Train one trial on its own Ray workers; the objective is the last evaluation's (HF's rule), from
     an extra evaluate() when training never evaluated."""
     arg_values, _ = split_hyperparameters(trainer, params, warn=False)
     args = trial_args(trainer.args, arg_values, trial_id)
     model = build_model(trainer, trial, args.seed)
-    reporter = TrialReporter(compute_objective, report)
+    reporter = reporter or TrialReporter(compute_objective, report)
     t = trial_trainer(trainer, args, model, reporter)
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
-    t.train()
+    t.train(resume_from_checkpoint=resume_from_checkpoint)
     if not reporter.evaluations and not reporter.pruned:
         t.evaluate()
     last = reporter.evaluations[-1] if reporter.evaluations else None

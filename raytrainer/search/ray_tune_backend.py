@@ -20,11 +20,21 @@ import dataclasses
 import logging
 import math
 import os
+import queue
+import shutil
+import threading
 from collections.abc import Callable
 
 import cloudpickle
 
-from raytrainer.search.common import BestRun, TrialSummary, fill_checkpoints, run_trial, split_hyperparameters
+from raytrainer.search.common import (
+    BestRun,
+    TrialReporter,
+    TrialSummary,
+    fill_checkpoints,
+    run_trial,
+    split_hyperparameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +42,77 @@ METRIC = "objective"
 # What a trial's trainable reserves when it only drives a run: no CPU (Tune needs some resource, and a CPU
 # here would be one the trial's own workers cannot have), a nominal 256 MiB of memory.
 _DRIVER_MEMORY = 256 * 2**20
+_STOP_TIMEOUT_S = 120  # how long a stopped trial's run may take to wind down (a step, the last commit)
 
 
-def _trainable(config: dict, spec: bytes = b"", compute_objective=None, hp_name=None):
-    """One Tune trial: a raytrainer run; every evaluation is a Tune result."""
-    import cloudpickle
+class _DONE:
+    """Marks the end of a trial's run in the trainable's result queue."""
+
+
+def _trainable_class():
+    """The Tune trainable (a class: ``cleanup`` can stop the run gracefully before Tune ends the actor,
+    so the run's placement group is released by Ray Train itself, and PBT can save and restore)."""
     from ray import tune
+    from ray.tune.result import RESULT_DUPLICATE
 
-    trainer = cloudpickle.loads(spec)  # cloudpickle, not Ray's copy: it honours register_pickle_by_value
+    class RaytrainerTrial(tune.Trainable):
+        def setup(self, config, spec: bytes = b"", compute_objective=None, hp_name=None):
+            self._trainer = cloudpickle.loads(spec)  # cloudpickle: it honours register_pickle_by_value
+            self._compute_objective = compute_objective
+            self._run_id = str(hp_name(config) if hp_name is not None else self.trial_id)
+            self._results: queue.Queue = queue.Queue()
+            self._reporter = TrialReporter(compute_objective, self._report)
+            self._thread = None
+            self._resume = None  # a checkpoint PBT restored this trial from
 
-    trial_id = hp_name(config) if hp_name is not None else tune.get_context().get_trial_id()
+        def _report(self, step, objective, metrics) -> bool:
+            self._results.put({**metrics, METRIC: objective, "global_step": step, "run_id": self._run_id})
+            return False  # stopping is the scheduler's: it calls cleanup()
 
-    def report(step, objective, metrics) -> bool:
-        result = {**metrics, METRIC: objective, "global_step": step, "trial_id": str(trial_id)}
-        tune.report(result)
-        return False  # stopping is Tune's: it ends this actor
+        def _run(self):
+            try:
+                run_trial(self._trainer, self.config, self._run_id, dict(self.config),
+                          self._compute_objective, reporter=self._reporter,
+                          resume_from_checkpoint=self._resume)
+                self._results.put(_DONE)
+            except BaseException as exc:  # re-raised in step(), on the actor's main thread
+                self._results.put(exc)
 
-    run_trial(trainer, config, str(trial_id), dict(config), compute_objective, report)
+        def step(self):
+            if self._thread is None:  # started here, after a PBT restore has set the checkpoint
+                self._thread = threading.Thread(target=self._run, daemon=True, name="raytrainer-trial")
+                self._thread.start()
+            item = self._results.get()
+            if item is _DONE:
+                return {RESULT_DUPLICATE: True}  # the last result was the last evaluation
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+        def save_checkpoint(self, checkpoint_dir: str):
+            from raytrainer.search.common import trial_args
+
+            args = trial_args(self._trainer.args, {}, self._run_id)
+            found = TrialSummary(self._run_id, args.output_dir, {})
+            fill_checkpoints(found, args)
+            if found.checkpoints:
+                latest = found.checkpoints[-1]
+                shutil.copytree(latest, os.path.join(checkpoint_dir, os.path.basename(latest)))
+            return checkpoint_dir
+
+        def load_checkpoint(self, checkpoint_dir: str):
+            names = [n for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")]
+            self._resume = os.path.join(checkpoint_dir, names[0]) if names else None
+
+        def cleanup(self):
+            """Tune stops the trial (a scheduler's decision, or the end): stop the run, wait for it."""
+            self._reporter.stop()
+            if self._thread is not None:
+                self._thread.join(timeout=_STOP_TIMEOUT_S)
+                if self._thread.is_alive():
+                    logger.warning("trial %s: the run did not stop within %ds", self._run_id, _STOP_TIMEOUT_S)
+
+    return RaytrainerTrial
 
 
 def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_trials: int, direction,
@@ -87,7 +151,7 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     run_kwargs.setdefault("name", "tune")
     run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
 
-    trainable = tune.with_parameters(_trainable, spec=cloudpickle.dumps(trainer),
+    trainable = tune.with_parameters(_trainable_class(), spec=cloudpickle.dumps(trainer),
                                      compute_objective=compute_objective, hp_name=hp_name)
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
@@ -99,22 +163,30 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
             raise errors[0]
         raise RuntimeError("hyperparameter_search: no Tune trial reported an objective.")
     best = results.get_best_result(metric=METRIC, mode=mode, scope="last", filter_nan_and_inf=True)
-    trial_id = str(best.metrics.get("trial_id"))
+    trial_id = str(best.metrics.get("run_id"))
     hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
     summary = _summary(trainer, trial_id, hyperparameters, best)
     return BestRun(trial_id, best.metrics[METRIC], hyperparameters, summary)
 
 
 def _summary(trainer, trial_id: str, hyperparameters: dict, best) -> TrialSummary:
-    """The trial's own summary file; for a trial Tune stopped early (no file), one made from its folder."""
+    """The trial's own summary file; for a trial Tune ended before train() returned (a scheduler's stop,
+    ASHA's included at max_t), one made from its Tune results and the checkpoints committed in its folder."""
     from raytrainer.search.common import trial_args
 
     args = trial_args(trainer.args, {}, trial_id)
     summary = TrialSummary.load(args.output_dir)
-    if summary is None:
-        summary = TrialSummary(trial_id, args.output_dir, hyperparameters, objective=best.metrics[METRIC],
-                               global_step=int(best.metrics.get("global_step", 0)), pruned=True)
-        fill_checkpoints(summary, args)
+    if summary is not None:
+        return summary
+    evaluations = []
+    frame = best.metrics_dataframe
+    for row in ([] if frame is None else frame.to_dict("records")):
+        metrics = {k: v for k, v in row.items() if k.startswith("eval_") or k == "epoch"}
+        evaluations.append({"step": int(row["global_step"]), "objective": row[METRIC], "metrics": metrics})
+    summary = TrialSummary(trial_id, args.output_dir, hyperparameters, objective=best.metrics[METRIC],
+                           evaluations=evaluations, global_step=int(best.metrics.get("global_step", 0)),
+                           pruned=True)
+    fill_checkpoints(summary, args)
     return summary
 
 

@@ -106,7 +106,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path):
 
     assert isinstance(best, BestRun) and best.hyperparameters["learning_rate"] in rates
     results = tune.ExperimentAnalysis(str(tmp_path / "search" / "tune"))
-    last = {df["trial_id"].iloc[-1]: df for df in results.trial_dataframes.values() if len(df)}
+    last = {df["run_id"].iloc[-1]: df for df in results.trial_dataframes.values() if len(df)}
     assert len(last) == 4
     # the best run's objective is the lowest last-reported objective of all trials (scope "last")
     finals = {tid: df["objective"].iloc[-1] for tid, df in last.items()}
