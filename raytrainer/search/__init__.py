@@ -20,7 +20,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective=None, n_tria
     if hp_space is None:
         hp_space = common.default_hp_space_optuna if name == "optuna" else common.default_hp_space_ray
     compute_objective = compute_objective or common.default_compute_objective
-    if trainer.args.num_workers > 0:
+    if trainer.args.num_workers > 0 or name == "ray":  # shipped to Ray workers / Tune trial actors
         common.check_picklable(trainer, hp_space=hp_space, compute_objective=compute_objective)
     if name == "optuna":
         from raytrainer.search.optuna_backend import run_optuna
