@@ -98,8 +98,9 @@ def _normalize_fsdp(value: Any) -> list[str]:
         return ["full_shard"]
     if not value:
         return []
-    items = value.split() if isinstance(value, str) else list(value)
-    return [str(v).strip().lower() for v in items if str(v).strip()]
+    items = [value] if isinstance(value, str) else list(value)
+    # the command line gives ["full_shard auto_wrap"] for --fsdp "full_shard auto_wrap": split each item
+    return [word.lower() for v in items for word in str(v).split()]
 
 
 # ---------------------------------------------------------------------------------------------------------

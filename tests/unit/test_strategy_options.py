@@ -249,3 +249,12 @@ def test_full_eval_runs_the_model_itself_in_half_precision(tmp_path, flag, dtype
     assert model.input_dtypes == {dtype}  # floating inputs follow the model
     assert metrics["eval_loss"] != reference["eval_loss"]  # really computed in half precision ...
     assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], abs=2e-2)  # ... and close
+
+
+def test_fsdp_options_from_the_command_line_are_split():
+    from raytrainer import ArgumentParser
+
+    (args,) = ArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--num_workers", "2", "--fsdp", "full_shard auto_wrap"]
+    )
+    assert args.fsdp == ["full_shard", "auto_wrap"]
