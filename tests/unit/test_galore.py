@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-galore_torch = pytest.importorskip("galore_torch", reason="galore-torch is not installed (pip install galore-torch)")
+galore_torch = pytest.importorskip("galore_torch",
+                                   reason="galore-torch is not installed (pip install galore-torch)")
 
 from raytrainer import Trainer, TrainingArguments  # noqa: E402
 from raytrainer.galore import LayerWiseOptimizer  # noqa: E402
