@@ -18,7 +18,8 @@ weight_decay                                   weight_decay
 scheduler.params.warmup_min_lr / warmup_max_lr 0 / learning_rate
 scheduler.params.warmup_num_steps /            warmup steps / the run's optimizer updates (on the worker)
 total_num_steps
-fp16.enabled / bf16.enabled                    fp16 or fp16_full_eval / bf16 or bf16_full_eval
+fp16.enabled / bf16.enabled                    fp16 or fp16_full_eval / bf16 or bf16_full_eval (a missing
+                                               section is added when fp16 / bf16 is set, as accelerate does)
 zero_optimization.reduce_bucket_size,          model.config.hidden_size ** 2, 0.9 x that, 10 x hidden_size
 stage3_prefetch_bucket_size,                   (on the worker; without a hidden_size the key is left to
 stage3_param_persistence_threshold             DeepSpeed's default)
@@ -132,6 +133,10 @@ def fill_from_args(config: dict, args, world_size: int) -> dict:
     fill.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     fill.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     fill.check()
+    # --bf16 / --fp16 with a config that has no such section turns it on, as accelerate does
+    for name in ("bf16", "fp16"):
+        if getattr(args, name) and name not in config:
+            config[name] = {"enabled": True}
     return config
 
 

@@ -90,9 +90,9 @@ class ReportEngine(Trainer):
             weight = model.module.net[0].weight
             local = weight.ds_tensor.numel() if hasattr(weight, "ds_tensor") else weight.numel()
             full = getattr(weight, "ds_numel", weight.numel())
-            log.error("rank %d: %s stage=%d optimizer=%s local=%d of %d", self.args.process_index,
+            log.error("rank %d: %s stage=%d optimizer=%s local=%d of %d dtype=%s", self.args.process_index,
                       type(model).__name__, model.zero_optimization_stage(), type(model.optimizer).__name__,
-                      local, full)
+                      local, full, str(getattr(weight, "ds_tensor", weight).dtype).removeprefix("torch."))
         return super().training_step(model, inputs, num_items_in_batch)
 
 

@@ -63,17 +63,19 @@ def _args(out, stage: int, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage):
+@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (3, True)])
+def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage, bf16):
     data = make_data(48)  # 6 updates per epoch with 2 x 4, 18 steps in all
-    full = ReportEngine(model=DropoutRegressor(), args=_args(tmp_path / "full", stage), train_dataset=data)
+    full = ReportEngine(model=DropoutRegressor(), args=_args(tmp_path / "full", stage, bf16=bf16),
+                        train_dataset=data)
     assert full.train().global_step == 18
     console = "".join(capfd.readouterr())
     wrapper = {1: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}[stage]
     local = {1: 96, 3: 48}[stage]  # 16 x 6 first-layer weight; ZeRO-3 leaves half of it on each rank
     for rank in (0, 1):
         assert (
-            f"rank {rank}: DeepSpeedEngine stage={stage} optimizer={wrapper} local={local} of 96" in console
+            f"rank {rank}: DeepSpeedEngine stage={stage} optimizer={wrapper} local={local} of 96 "
+            f"dtype={'bfloat16' if bf16 else 'float32'}" in console  # bf16: the engine casts the module
         )
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
@@ -85,7 +87,7 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     assert len(partitions) == 2, files  # one ZeRO optimizer partition per rank
 
     resumed = ReportEngine(
-        model=DropoutRegressor(), args=_args(tmp_path / "resumed", stage), train_dataset=data
+        model=DropoutRegressor(), args=_args(tmp_path / "resumed", stage, bf16=bf16), train_dataset=data
     )
     assert resumed.train(resume_from_checkpoint=str(folder)).global_step == 18
     for name, tensor in full.model.state_dict().items():
@@ -95,7 +97,7 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     one = ReportEngine(
         model=DropoutRegressor(),
         train_dataset=data,
-        args=_args(tmp_path / "one", stage, num_workers=1, per_device_train_batch_size=8),
+        args=_args(tmp_path / "one", stage, bf16=bf16, num_workers=1, per_device_train_batch_size=8),
     )
     with pytest.raises(ValueError, match=r"saved by 2 workers and this run has 1.*ds_to_universal"):
         one.train(resume_from_checkpoint=str(folder))

@@ -258,3 +258,10 @@ def test_fsdp_options_from_the_command_line_are_split():
         ["--output_dir", "out", "--num_workers", "2", "--fsdp", "full_shard auto_wrap"]
     )
     assert args.fsdp == ["full_shard", "auto_wrap"]
+
+
+def test_bf16_turns_on_a_missing_deepspeed_bf16_section(tmp_path):
+    args = _ds_args(tmp_path, {"zero_optimization": {"stage": 3}})  # bf16=True
+    assert fill_from_args(args.deepspeed, args, 2)["bf16"] == {"enabled": True}
+    plain = _ds_args(tmp_path, {"zero_optimization": {"stage": 3}}, bf16=False)
+    assert "bf16" not in fill_from_args(plain.deepspeed, plain, 2)
