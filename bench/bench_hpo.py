@@ -10,7 +10,7 @@ Sides, each in its own fresh process:
   hf        transformers.Trainer.hyperparameter_search(backend="optuna"), one process, trials in turn
   rt        raytrainer, backend="optuna", 2 Ray workers (DDP) per trial, n_jobs=2 (2 trials at a time)
   rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
-            per trial (every quarter epoch; grace 1, reduction factor 2)
+            per trial (every quarter epoch; grace 1, reduction factor 3 by default)
 
 Prints a Markdown table and writes the raw numbers as JSON. Not a test: nothing asserts.
 
@@ -158,7 +158,8 @@ def side_rt_asha(cfg) -> dict:
     best = trainer.hyperparameter_search(
         hp_space=lambda _: {"learning_rate": tune.grid_search(cfg["learning_rates"])}, n_trials=1,
         compute_objective=objective, direction="maximize", backend="ray", max_concurrent_trials=2,
-        scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1, reduction_factor=2))
+        scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1,
+                                reduction_factor=cfg["reduction_factor"]))
     analysis = tune.ExperimentAnalysis(cfg["workdir"] + "/rt_asha/tune")
     steps = {str(df["run_id"].iloc[-1]): int(df["global_step"].iloc[-1])
              for df in analysis.trial_dataframes.values() if len(df)}
@@ -191,6 +192,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--reduction-factor", type=float, default=3, help="ASHA's (side rt_asha)")
     a = p.parse_args()
     if a.side:
         sys.path.insert(0, HERE)
@@ -206,7 +208,8 @@ def main() -> None:
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench-hpo-")
     digits = os.path.join(workdir, "digits.npz")
     write_digits(digits)
-    cfg = {"workdir": workdir, "digits_path": digits, "learning_rates": learning_rates()}
+    cfg = {"workdir": workdir, "digits_path": digits, "learning_rates": learning_rates(),
+           "reduction_factor": a.reduction_factor}
     machine = machine_info(os.path.dirname(HERE))
     load_start = os.getloadavg()
     results = [run_side(side, cfg, a.timeout) for side in a.sides.split(",")]
