@@ -82,12 +82,12 @@ class ReportSharding(TrainerCallback):
 
 class ReportEngine(Trainer):
     """Says once, on every rank, what training_step is handed: the DeepSpeed engine, its ZeRO stage, its
-    optimizer wrapper, and how much of the first weight this rank holds (ZeRO-3 partitions it)."""
+    optimizer wrapper, and how much of the first parameter this rank holds (ZeRO-3 partitions it)."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not getattr(self, "_reported", False):
             self._reported = True
-            weight = model.module.net[0].weight
+            weight = next(model.module.parameters())
             local = weight.ds_tensor.numel() if hasattr(weight, "ds_tensor") else weight.numel()
             full = getattr(weight, "ds_numel", weight.numel())
             log.error("rank %d: %s stage=%d optimizer=%s local=%d of %d dtype=%s", self.args.process_index,
@@ -105,3 +105,44 @@ class OutOfMemoryOnRank1(Regressor):
         if self.training and x.shape[0] > 5 and dist.is_initialized() and dist.get_rank() == 1:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB")
         return super().forward(x, labels)
+
+
+class TokenNet(torch.nn.Module):
+    """Token ids -> mean of the input embeddings -> 2 classes (input embeddings for NEFTune)."""
+
+    def __init__(self, seq: int = 5, dim: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, dim)
+        self.head = torch.nn.Linear(dim, 2)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids).mean(dim=1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def token_data(n: int, seq: int = 5) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 20, (n, seq), generator=g)
+    return [{"input_ids": ids[i], "labels": int(ids[i, 0] > 9)} for i in range(n)]
+
+
+class NEFTuneProbe(TrainerCallback):
+    """On every rank: the noise train-mode lookups of the same ids get (and eval mode does not), and
+    whether the hook is gone when training ends."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step != 1:
+            return
+        ids = torch.arange(5).unsqueeze(0)
+        clean = torch.nn.functional.embedding(ids, model.emb.weight).detach()
+        model.train()
+        first, second = (model.emb(ids).detach() - clean for _ in range(2))
+        model.eval()
+        eval_delta = (model.emb(ids).detach() - clean).abs().max().item()
+        model.train()
+        log.error("rank %d: neftune train max=%.6f fresh=%s eval=%.1f", args.process_index,
+                  first.abs().max().item(), not torch.equal(first, second), eval_delta)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        log.error("rank %d: neftune hooks at train end=%d", args.process_index, len(model.emb._forward_hooks))
