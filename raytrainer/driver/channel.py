@@ -21,6 +21,7 @@ class Channel:
         self._attempts = 0
         self._latest_checkpoint: str | None = None
         self._stop = False
+        self._decisions: dict[int, bool] = {}
 
     def put(self, events: list) -> None:
         self._events.extend(events)
@@ -39,6 +40,14 @@ class Channel:
 
     def stop_requested(self) -> bool:
         return self._stop
+
+    def decide_evaluation(self, index: int, stop: bool) -> None:
+        """The driver's decision after its callbacks saw evaluation number ``index`` (1-based)."""
+        self._decisions[index] = stop
+        self._stop = self._stop or stop
+
+    def evaluation_decision(self, index: int) -> bool | None:
+        return self._decisions.get(index)
 
     def drain(self) -> list:
         events, self._events = self._events, []

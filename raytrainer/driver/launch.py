@@ -51,6 +51,8 @@ class DriverDisplay:
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
         self.control = TrainerControl()
         self._done = 0
+        # Callbacks that may stop training decide at each evaluation; the workers wait for the decision.
+        self.steers = any(getattr(cb, "may_stop_training", False) for cb in callbacks)
 
     def replay(self, event: str, snapshot: dict, kwargs: dict) -> None:
         for key, value in snapshot.items():
@@ -73,6 +75,7 @@ class _Pump(threading.Thread):
         self.channel, self.display, self.registry, self.period = channel, display, registry, period
         self._stop_event = threading.Event()
         self._stop_sent = False
+        self._evaluations = 0
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
@@ -96,6 +99,10 @@ class _Pump(threading.Thread):
                     self.registry.add(payload)
             except Exception:
                 logger.exception("while showing a worker event")
+            if kind == "event" and payload[0] == "on_evaluate" and self.display.steers:
+                self._evaluations += 1  # the workers wait for this decision (worker/stop.py)
+                stop = bool(self.display.control.should_training_stop)
+                self.channel.decide_evaluation.remote(self._evaluations, stop)
         if self.display.control.should_training_stop and not self._stop_sent:
             # A driver-side callback asked to stop (e.g. a pruned search trial): tell the workers.
             self._stop_sent = True

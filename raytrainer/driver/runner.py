@@ -74,12 +74,13 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
         driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
         for cb in driver_side:
             trainer.callback_handler.remove_callback(cb)
+        if ctx.is_world_zero:
+            trainer.callback_handler.add_callback(RelayCallback(channel))
         if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
             from raytrainer.worker.stop import DriverStopCallback
 
-            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle))  # on every rank
-        if ctx.is_world_zero:
-            trainer.callback_handler.add_callback(RelayCallback(channel))
+            # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
+            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle))
     with rank_logging(trainer.args, ctx.rank, channel):
         output = getattr(trainer, method)(**kwargs)
         weights = None

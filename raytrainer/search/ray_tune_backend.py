@@ -64,10 +64,22 @@ def _trainable_class():
             self._reporter = TrialReporter(compute_objective, self._report)
             self._thread = None
             self._resume = None  # a checkpoint PBT restored this trial from
+            self._verdict = None  # the evaluation Tune is deciding on
 
         def _report(self, step, objective, metrics) -> bool:
-            self._results.put({**metrics, METRIC: objective, "global_step": step, "run_id": self._run_id})
-            return False  # stopping is the scheduler's: it calls cleanup()
+            """Hand the evaluation to Tune and wait for its verdict: the next step() call means go on,
+            cleanup() means stop (the run's workers wait for this at the evaluation, see worker/stop)."""
+            verdict = {"stop": False, "given": threading.Event()}
+            self._results.put(({**metrics, METRIC: objective, "global_step": step, "run_id": self._run_id},
+                               verdict))
+            verdict["given"].wait()
+            return verdict["stop"]
+
+        def _give_verdict(self, stop: bool) -> None:
+            if self._verdict is not None:
+                self._verdict["stop"] = stop
+                self._verdict["given"].set()
+                self._verdict = None
 
         def _run(self):
             try:
@@ -82,12 +94,14 @@ def _trainable_class():
             if self._thread is None:  # started here, after a PBT restore has set the checkpoint
                 self._thread = threading.Thread(target=self._run, daemon=True, name="raytrainer-trial")
                 self._thread.start()
+            self._give_verdict(stop=False)  # Tune asks for more: the previous evaluation may go on
             item = self._results.get()
             if item is _DONE:
                 return {RESULT_DUPLICATE: True}  # the last result was the last evaluation
             if isinstance(item, BaseException):
                 raise item
-            return item
+            result, self._verdict = item
+            return result
 
         def save_checkpoint(self, checkpoint_dir: str):
             from raytrainer.search.common import trial_args
@@ -106,6 +120,7 @@ def _trainable_class():
 
         def cleanup(self):
             """Tune stops the trial (a scheduler's decision, or the end): stop the run, wait for it."""
+            self._give_verdict(stop=True)
             self._reporter.stop()
             if self._thread is not None:
                 self._thread.join(timeout=_STOP_TIMEOUT_S)

@@ -77,9 +77,9 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
     assert best.objective == good.objective == study.best_value == good.evaluations[-1]["objective"]
     assert study.trials[0].intermediate_values[40] == good.objective
     assert good.global_step == 40 and len(good.evaluations) == 20
-    # pruned at its first evaluation (step 2): the driver's stop reached both workers within a few steps
-    assert bad.pruned and bad.evaluations[0]["step"] == 2
-    assert bad.global_step < 10, f"pruned trial ran on to step {bad.global_step}"
+    # pruned at its first evaluation (step 2): the workers waited for the decision and stopped right there
+    assert bad.pruned and [e["step"] for e in bad.evaluations] == [2]
+    assert bad.global_step == 2, f"pruned trial ran on to step {bad.global_step}"
     # outputs per trial, rotation per trial (save_total_limit=1), the best checkpoint is committed
     assert [os.path.basename(p) for p in good.checkpoints] == ["checkpoint-40"]
     assert best.run_summary.best_checkpoint == str(tmp_path / "search" / "run-0" / "checkpoint-40")
@@ -111,9 +111,12 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path):
     # the best run's objective is the lowest last-reported objective of all trials (scope "last")
     finals = {tid: df["objective"].iloc[-1] for tid, df in last.items()}
     assert best.objective == min(finals.values()) == finals[best.run_id]
-    # ASHA stopped at least one trial before its 4th evaluation
+    # ASHA stopped at least one trial before its 4th evaluation, and its workers stopped right there
     iterations = {tid: len(df) for tid, df in last.items()}
     assert max(iterations.values()) == 4 and min(iterations.values()) < 4, iterations
+    for tid, df in last.items():
+        ran = TrialSummary.load(str(tmp_path / "search" / f"run-{tid}"))
+        assert ran.global_step == df["global_step"].iloc[-1] == 4 * len(df), (tid, ran.global_step)
     summary = best.run_summary
     assert summary.output_dir == str(tmp_path / "search" / f"run-{best.run_id}")
     assert summary.best_checkpoint and os.path.exists(os.path.join(summary.best_checkpoint, "manifest.json"))
