@@ -277,7 +277,10 @@ class TrainerCallback:
 
     ``on_driver = True`` makes a callback run in the driver's process instead of on the workers: it sees
     world rank 0's events (throttled for steps) and cannot steer training. Set it on callbacks that only
-    display or record, to have their effects in the driver's process.
+    display or record, to have their effects in the driver's process. The one exception: a driver-side
+    callback that also sets ``may_stop_training = True`` may set ``control.should_training_stop``; the
+    workers then wait for the driver's decision after each evaluation and stop at that step (see
+    ``raytrainer/worker/stop.py``; hyperparameter-search pruning uses it).
     """
 
     on_driver: bool = False
