@@ -43,6 +43,12 @@ def run_optuna(trainer, hp_space: Callable, compute_objective: Callable, n_trial
 
         ensure_ray(trainer.args)  # once, before the trials' threads each look for Ray
 
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    if waiting and optimize_kwargs.get("n_jobs", 1) != 1 and str(study_kwargs.get("storage", "")).startswith(
+            "sqlite"):
+        logger.warning("n_jobs=%s with enqueued trials in a SQLite study: SQLite has no row locks, so two "
+                       "threads may take the same enqueued trial (it then runs twice and the second tell "
+                       "fails). Use n_jobs=1, or a PostgreSQL/MySQL storage.", optimize_kwargs["n_jobs"])
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=finished))
     remaining = max(n_trials - done, 0) if "storage" in study_kwargs else n_trials
