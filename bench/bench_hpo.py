@@ -172,7 +172,8 @@ def side_rt_asha(cfg) -> dict:
                       data_collator=collate, compute_metrics=accuracy)
     best = trainer.hyperparameter_search(
         hp_space=lambda _: {"learning_rate": tune.grid_search(cfg["learning_rates"])}, n_trials=1,
-        compute_objective=objective, direction="maximize", backend="ray", max_concurrent_trials=2,
+        compute_objective=objective, direction="maximize", backend="ray",
+        max_concurrent_trials=cfg["asha_concurrency"],
         scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1,
                                 reduction_factor=cfg["reduction_factor"]))
     analysis = tune.ExperimentAnalysis(cfg["workdir"] + "/rt_asha/tune")
@@ -208,6 +209,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--workdir", default=None)
     p.add_argument("--reduction-factor", type=float, default=3, help="ASHA's (side rt_asha)")
+    p.add_argument("--asha-concurrency", type=int, default=2, help="max_concurrent_trials of side rt_asha")
     a = p.parse_args()
     if a.side:
         sys.path.insert(0, HERE)
@@ -224,7 +226,7 @@ def main() -> None:
     digits = os.path.join(workdir, "digits.npz")
     write_digits(digits)
     cfg = {"workdir": workdir, "digits_path": digits, "learning_rates": learning_rates(),
-           "reduction_factor": a.reduction_factor}
+           "reduction_factor": a.reduction_factor, "asha_concurrency": a.asha_concurrency}
     machine = machine_info(os.path.dirname(HERE))
     load_start = os.getloadavg()
     results = [run_side(side, cfg, a.timeout) for side in a.sides.split(",")]
