@@ -42,6 +42,7 @@ METRIC = "objective"
 # What a trial's trainable reserves when it only drives a run: no CPU (Tune needs some resource, and a CPU
 # here would be one the trial's own workers cannot have), a nominal 256 MiB of memory.
 _DRIVER_MEMORY = 256 * 2**20
+_RAY_TRAIN_RUN_RECORD = "checkpoint_manager_snapshot.json"  # Ray Train v2's record of a run's checkpoints
 _STOP_TIMEOUT_S = 120  # how long a stopped trial's run may take to wind down (a step, the last commit)
 
 
@@ -115,8 +116,17 @@ def _trainable_class():
             return checkpoint_dir
 
         def load_checkpoint(self, checkpoint_dir: str):
+            """PBT: this trial goes on from (another trial's) checkpoint, in its own run folder again."""
             names = [n for n in os.listdir(checkpoint_dir) if n.startswith("checkpoint-")]
             self._resume = os.path.join(checkpoint_dir, names[0]) if names else None
+            # Ray Train v2 refuses a run folder whose own run record names a checkpoint that rotation has
+            # deleted; raytrainer resumes from its manifests (``_resume``), never from that record.
+            from raytrainer.search.common import trial_args
+
+            folder = trial_args(self._trainer.args, {}, self._run_id).output_dir
+            stale = os.path.join(folder, _RAY_TRAIN_RUN_RECORD)
+            if os.path.exists(stale):
+                os.remove(stale)
 
         def cleanup(self):
             """Tune stops the trial (a scheduler's decision, or the end): stop the run, wait for it."""
