@@ -1,5 +1,5 @@
 """hyperparameter_search with 2 Ray workers per trial: Optuna (2 concurrent trials, a planted bad trial
-pruned mid-run, its workers stopped by the driver) and Ray Tune (ASHA stopping trials early)."""
+pruned at its first evaluation, its workers stopped there by the driver) and Ray Tune (ASHA)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 import optuna
 import pytest
+import torch
 from models import Regressor, make_data
 
 from raytrainer import Trainer, TrainingArguments
@@ -43,36 +44,54 @@ def _calls(folder: str) -> list[dict]:
     return [json.load(open(os.path.join(folder, n))) for n in sorted(os.listdir(folder))]
 
 
-class WorseThanFirst(optuna.pruners.BasePruner):
-    """Prunes a trial whose evaluation is no better than trial 0's at the same step."""
+class Planted(optuna.samplers.BaseSampler):
+    """Trial 0 learns (learning rate 0.5); trial 1 is the planted bad trial (0: it learns nothing)."""
+
+    def infer_relative_search_space(self, study, trial):
+        return {}
+
+    def sample_relative(self, study, trial, search_space):
+        return {}
+
+    def sample_independent(self, study, trial, name, distribution):
+        return (0.5, 0.0)[trial.number]
+
+
+class StuckAtStart(optuna.pruners.BasePruner):
+    """Prunes a trial whose evaluation loss has not moved below the untrained model's."""
+
+    def __init__(self, start: float):
+        self.start = start
 
     def prune(self, study, trial):
-        step = trial.last_step
-        first = study.trials[0].intermediate_values.get(step)
-        return trial.number > 0 and first is not None and trial.intermediate_values[step] >= first
+        return trial.intermediate_values[trial.last_step] >= self.start - 1e-4
 
 
 @pytest.mark.timeout(300)
 def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
     calls = tmp_path / "calls"
     calls.mkdir()
+    eval_data = make_data(32, seed=5)
     trainer = Trainer(model_init=_record_model_init(str(calls)), args=_args(tmp_path, max_steps=40),
-                      train_dataset=make_data(64), eval_dataset=make_data(32, seed=5))
+                      train_dataset=make_data(64), eval_dataset=eval_data)
+    with torch.no_grad():  # the untrained model's eval loss (4 batches of 8: their mean is the mean)
+        x, y = torch.stack([e["x"] for e in eval_data]), torch.tensor([e["labels"] for e in eval_data])
+        start = torch.nn.functional.cross_entropy(Regressor().net(x), y).item()
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    planted = optuna.create_study(storage=storage, study_name="s")
-    planted.enqueue_trial({"learning_rate": 0.5})
-    planted.enqueue_trial({"learning_rate": 0.0})  # the planted bad trial: learns nothing
 
     best = trainer.hyperparameter_search(
         hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 0.0, 1.0)}, n_trials=2,
-        storage=storage, study_name="s", load_if_exists=True, pruner=WorseThanFirst())
+        storage=storage, study_name="s", sampler=Planted(), pruner=StuckAtStart(start), n_jobs=2)
 
     assert isinstance(best, BestRun) and best.run_id == "0"
     assert 0.0 <= best.hyperparameters["learning_rate"] <= 1.0
     study = optuna.load_study(study_name="s", storage=storage)
     assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"]
+    assert study.trials[1].intermediate_values[2] == pytest.approx(start, abs=1e-5)
     good = TrialSummary.load(str(tmp_path / "search" / "run-0"))
     bad = TrialSummary.load(str(tmp_path / "search" / "run-1"))
+    # the two trials ran at the same time (n_jobs=2), each on its own 2 workers
+    assert min(t.datetime_complete for t in study.trials) > max(t.datetime_start for t in study.trials)
     # the objective is the best trial's last reported one, as Optuna recorded it
     assert best.objective == good.objective == study.best_value == good.evaluations[-1]["objective"]
     assert study.trials[0].intermediate_values[40] == good.objective
@@ -85,7 +104,8 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
     assert best.run_summary.best_checkpoint == str(tmp_path / "search" / "run-0" / "checkpoint-40")
     assert os.path.exists(os.path.join(best.run_summary.best_checkpoint, "manifest.json"))
     # model_init: once per trial, in the driver, with the optuna trial
-    assert [(c["type"], c["learning_rate"]) for c in _calls(str(calls))] == [("Trial", 0.5), ("Trial", 0.0)]
+    assert sorted((c["type"], c["learning_rate"]) for c in _calls(str(calls))) == [("Trial", 0.0),
+                                                                                 ("Trial", 0.5)]
 
 
 @pytest.mark.timeout(300)
