@@ -1,6 +1,7 @@
 """hyperparameter_search in-process (num_workers=0): HF semantics, Optuna pruning, resuming a sqlite study,
 multi-objective, argument checks and the picklability preflight. The distributed runs are in
-tests/integration/test_search.py."""
+tests/integration/test_search.py (the basename differs: the whole suite runs in one pytest session
+without packages, where two test_search.py files would clash)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,27 @@ import threading
 import optuna
 import pytest
 import torch
-from conftest import TinyClassifier
 
 from raytrainer import Trainer, TrainerCallback
 from raytrainer.search import BestRun, default_compute_objective
 from raytrainer.search.common import TrialSummary, default_hp_space_optuna, default_hp_space_ray
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class TinyClassifier(torch.nn.Module):
+    """conftest's TinyClassifier (the test modules cannot import conftest: the integration tests have one
+    too, and a whole-suite run imports that one as ``conftest``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
 def _space(trial):
