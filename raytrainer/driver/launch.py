@@ -114,6 +114,24 @@ class _Pump(threading.Thread):
         self.drain()
 
 
+def _forget_previous_ray_run(args) -> None:
+    """Remove Ray Train's run snapshot left in ``output_dir`` by an earlier fit.
+
+    Ray Train restores a run of the same name from that snapshot and refuses to start when a checkpoint
+    it lists is gone -- and raytrainer's driver rotates checkpoints away (save_total_limit). raytrainer
+    never resumes through Ray's snapshot: ``resume_from_checkpoint`` and restarts within a fit use the
+    committed checkpoints themselves, so each fit starts Ray's bookkeeping afresh.
+    """
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    from raytrainer.storage import Storage
+
+    storage = Storage.from_uri(args.storage_path or args.output_dir)
+    path = storage.path(CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    if storage.exists(path):
+        storage.fs.delete_file(path)
+
+
 def _run_config(args):
     from ray.train import FailureConfig, RunConfig
 
@@ -159,6 +177,7 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     started = time.time()
     pump.start()
     try:
+        _forget_previous_ray_run(args)
         _torch_trainer(args, config, datasets).fit()
     except TrainingFailedError as err:
         raise worker_error(err) from None

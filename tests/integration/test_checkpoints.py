@@ -31,7 +31,10 @@ def test_two_worker_resume_mid_epoch_is_bitwise_equal_and_rotation_runs_on_the_d
     assert {"rng_state_0.safetensors", "rng_state_1.safetensors", "model.safetensors",
             "optimizer.pt"} <= set(manifest["files"])
 
-    resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "resumed"), train_dataset=data)
+    # resumed in the SAME output_dir, as HF users do: the first fit's checkpoint-5 was rotated away, which
+    # Ray Train's own run snapshot still listed (a second fit used to be refused by Ray)
+    resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "full", save_total_limit=3),
+                      train_dataset=data)
     out = resumed.train(resume_from_checkpoint=str(folder))  # step 10 = epoch 2, update 4 of 6
     assert out.global_step == 18
     for name, tensor in full.model.state_dict().items():
