@@ -534,3 +534,22 @@ def create_optimizer(model: nn.Module, args: Any) -> Optimizer:
     _check_kwargs("optim", name, cls.__init__, extra, skip=2)
     kwargs.update(extra)
     return cls(groups, **kwargs)
+
+
+def reapply_hyperparameters(optimizer: Optimizer, scheduler, args: Any) -> None:
+    """After a checkpoint's optimizer and scheduler state were loaded: take THIS run's ``learning_rate`` and
+    ``weight_decay`` instead of the checkpoint's (a PBT exploit continues another trial's checkpoint with
+    mutated hyperparameters). The schedule keeps its position; its base rate becomes the new one."""
+    for group in optimizer.param_groups:
+        if group.get("weight_decay", 0.0) > 0.0:
+            group["weight_decay"] = args.weight_decay
+        group["initial_lr"] = args.learning_rate
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:  # no base-rate schedule (e.g. ReduceLROnPlateau): set the rate itself
+        for group in optimizer.param_groups:
+            group["lr"] = args.learning_rate
+        return
+    scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
+    for group, fn in zip(optimizer.param_groups, lambdas):
+        group["lr"] = args.learning_rate * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

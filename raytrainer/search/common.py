@@ -284,6 +284,8 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     reporter = reporter or TrialReporter(compute_objective, report)
     t = trial_trainer(trainer, args, model, reporter)
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
+    # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay
+    t._resume_with_new_hyperparameters = resume_from_checkpoint is not None
     t.train(resume_from_checkpoint=resume_from_checkpoint)
     if not reporter.evaluations and not reporter.pruned:
         t.evaluate()

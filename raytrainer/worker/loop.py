@@ -26,6 +26,7 @@ import torch
 
 from raytrainer.callbacks import TrainerControl, TrainerState
 from raytrainer.data import batch_size_of
+from raytrainer.optim import reapply_hyperparameters
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
 from raytrainer.worker.batch_size import find_batch_size
@@ -100,6 +101,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
     if resume is not None:
         resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler, ctx)
+        if getattr(trainer, "_resume_with_new_hyperparameters", False):  # a PBT exploit
+            reapply_hyperparameters(optimizer, scheduler, args)
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     state = trainer.state = TrainerState(
