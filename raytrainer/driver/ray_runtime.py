@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -39,5 +40,20 @@ def ensure_ray(args) -> None:
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999) + 2)
     logger.info("starting a local Ray instance with %d CPUs", num_cpus)
     # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,
-             logging_level=logging.WARNING, configure_logging=True)
+    with _without_secrets():  # only the driver pushes to the Hub: its processes need no token
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,
+                 logging_level=logging.WARNING, configure_logging=True)
+
+
+_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+@contextlib.contextmanager
+def _without_secrets():
+    """The local Ray instance (and so every worker it starts) inherits this process's environment: leave
+    the Hub token out of it."""
+    saved = {k: os.environ.pop(k) for k in _SECRETS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
