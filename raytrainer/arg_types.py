@@ -235,7 +235,10 @@ def check_deepspeed(args) -> None:
                      "pass --num_workers 1 (or more), or drop --deepspeed")
     from raytrainer.strategies.deepspeed_config import check_config
 
-    check_config(args)  # file, JSON, stage, "auto" values and mismatches with these arguments
+    config = check_config(args)  # file, JSON, stage, "auto" values and mismatches with these arguments
+    if (config.get("fp16") or {}).get("enabled") is True and not args.use_gpu:
+        raise _error("fp16", True, "DeepSpeed's fp16 runs on GPUs only (on CPU it fails in every worker "
+                     "with 'Type fp16 is not supported on your device')", "use --bf16 on CPU, or --use_gpu")
 
 
 def check_optim_features(args) -> None:

@@ -110,6 +110,7 @@ def test_deepspeed_values_that_disagree_with_the_arguments_are_all_named(tmp_pat
         ({"zero_optimization": {"stage": 4}}, {}, "stage=4 must be 0, 1, 2 or 3"),
         ({"zero_optimization": {"stage": 2}}, {"num_workers": 0}, "runs on Ray workers, but num_workers=0"),
         ({"zero_optimization": {"stage": 2}}, {"fsdp": "full_shard"}, "cannot be combined with fsdp"),
+        ({"zero_optimization": {"stage": 2}}, {"bf16": False, "fp16": True}, "DeepSpeed's fp16 runs on GPUs"),
     ],
 )
 def test_bad_deepspeed_settings_fail_when_the_arguments_are_made(tmp_path, config, kw, match):
