@@ -126,6 +126,22 @@ class CheckpointWriter:
         self.storage = Storage.from_uri(args.storage_path or args.output_dir)
         self.notify = notify  # called on rank 0 with each committed checkpoint
         self._pending: tuple[_Writer, int, dict] | None = None
+        self._shared: bool | None = None  # save_on_each_node: does this node see rank 0's storage?
+
+    def _probe_shared(self, stage: str) -> bool:
+        """save_on_each_node: rank 0 leaves a marker in the checkpoint folder; a node that sees it shares the
+        storage with rank 0, and writing its own copy of the same files there would only race with rank 0's
+        (the same names, written and hashed at once). Checked once, at the first save (two barriers)."""
+        ctx = self.trainer._ctx
+        marker = os.path.join(stage, ".raytrainer-node-probe")
+        if ctx.is_world_zero:
+            open(marker, "w").close()
+        ctx.barrier()
+        seen = os.path.exists(marker)
+        ctx.barrier()
+        if ctx.is_world_zero:
+            os.remove(marker)
+        return seen
 
     @property
     def pending(self) -> bool:
@@ -146,6 +162,8 @@ class CheckpointWriter:
             self.storage.delete_dir(stage)  # a partial leftover, or an older run's: rewritten whole
         ctx.barrier()
         os.makedirs(stage, exist_ok=True)
+        if args.save_on_each_node and not remote and self._shared is None:
+            self._shared = self._probe_shared(stage)
 
         strategy = t._strategy
         weights = strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
@@ -158,7 +176,9 @@ class CheckpointWriter:
                                                      state.global_step)
             ctx.barrier()
             snap.sharded = _my_share(stage, snap.sharded_dir, ctx, shared=not remote)
-        if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero):
+        # save_on_each_node: a node's own copy, unless it would land in rank 0's folder (shared or remote)
+        if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero and not remote
+                                 and not self._shared):
             snap.weights = _copy_tensors(weights)
             if not args.save_only_model:
                 snap.optimizer = _copy_tensors(optim_state) if optim_state is not None else None
