@@ -50,15 +50,20 @@ def step_of(name: str) -> int | None:
 
 
 # -- manifest ------------------------------------------------------------------------------------------
+def _sha256(stream) -> str:
+    h = hashlib.sha256()
+    for block in iter(lambda: stream.read(1 << 22), b""):
+        h.update(block)
+    return h.hexdigest()
+
+
 def digest_files(folder: str, names: list[str]) -> dict[str, dict]:
     """Size and sha256 of the given files of a local folder (one rank's part of the manifest)."""
     out = {}
     for name in names:
-        h = hashlib.sha256()
         with open(os.path.join(folder, name), "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        out[name] = {"size": os.path.getsize(os.path.join(folder, name)), "sha256": h.hexdigest()}
+            digest = _sha256(f)
+        out[name] = {"size": os.path.getsize(os.path.join(folder, name)), "sha256": digest}
     return out
 
 
@@ -162,11 +167,9 @@ class CheckpointReader:
         return data
 
     def verify(self, name: str) -> None:
-        h = hashlib.sha256()
         with self.storage.fs.open_input_stream(self.storage.path(name)) as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        if h.hexdigest() != self.files[name]["sha256"]:
+            digest = _sha256(f)
+        if digest != self.files[name]["sha256"]:
             raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
 
     @contextlib.contextmanager

@@ -77,7 +77,6 @@ class DeepSpeedStrategy(Strategy):
         if "scheduler" not in config and optimizer is not None:
             scheduler = trainer.create_scheduler(num_training_steps, optimizer=optimizer)
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        self.config_used = config
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=None if plateau else scheduler, config=config,
             dist_init_required=False)
@@ -147,7 +146,22 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
-        _check_partitions(args, files, step, world_size)
+        """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
+        needs DeepSpeed's conversion to a universal checkpoint first. Called on the driver."""
+        prefix = f"{tag_of(step)}/"
+        partitions = [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
+        if not partitions:
+            return  # not a DeepSpeed checkpoint (or stage 0): weights and optimizer load on any world size
+        universal = ((load_config(args.deepspeed).get("checkpoint") or {}).get("load_universal"))
+        saved = len(partitions)
+        if saved != world_size and not universal:
+            raise ValueError(
+                f"resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by {saved} workers "
+                f"and this run has {world_size}; ZeRO's optimizer partitions do not re-split by themselves. "
+                f"Either resume with num_workers={saved}, or convert it to a universal checkpoint: "
+                f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/{tag_of(step)} "
+                f"--output_folder <checkpoint>/{tag_of(step)}_universal`, then set \"checkpoint\": "
+                f"{{\"load_universal\": true}} in the DeepSpeed config (raytrainer then loads that folder).")
 
 
 def _base_optimizer(optimizer):
@@ -158,21 +172,3 @@ def _base_optimizer(optimizer):
 def _offloads_optimizer(config: dict) -> bool:
     offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
     return offload.get("device") in ("cpu", "nvme")
-
-
-def _check_partitions(args, files: list[str], step: int, world_size: int) -> None:
-    """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
-    needs DeepSpeed's conversion to a universal checkpoint first. Called on the driver."""
-    prefix = f"{tag_of(step)}/"
-    partitions = [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
-    if not partitions:
-        return  # not a DeepSpeed checkpoint (or stage 0): weights and optimizer load on any world size
-    universal = ((load_config(args.deepspeed).get("checkpoint") or {}).get("load_universal"))
-    if len(partitions) != world_size and not universal:
-        raise ValueError(
-            f"resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by {len(partitions)} workers "
-            f"and this run has {world_size}; ZeRO's optimizer partitions do not re-split by themselves. "
-            f"Either resume with num_workers={len(partitions)}, or convert it to a universal checkpoint: "
-            f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/{tag_of(step)} "
-            f"--output_folder <checkpoint>/{tag_of(step)}_universal`, then set \"checkpoint\": "
-            f"{{\"load_universal\": true}} in the DeepSpeed config (raytrainer then loads that folder).")
