@@ -429,6 +429,13 @@ class TrainingArguments:
         default=None,
         metadata={"help": "Where Ray Train keeps checkpoints: a local path or URI. Defaults to output_dir."},
     )
+    storage_filesystem: Any = field(
+        default=None,
+        metadata={"help": "A pyarrow.fs.FileSystem for storage_path (as Ray Train's RunConfig takes): an "
+                          "S3FileSystem with its endpoint and credentials for an s3:// storage_path, say. "
+                          "Python only; it travels to the workers pickled, never into a file.",
+                  "cli": False},
+    )
     max_failures: int = field(
         default=0, metadata={"help": "Times to restart the workers after a failure; -1 retries forever."}
     )
@@ -612,6 +619,7 @@ class TrainingArguments:
             self.dataloader_pin_memory = False
 
     def _check_combinations(self) -> None:
+        self._check_storage()
         if self.fp16 and self.bf16:
             raise _error(
                 "fp16", self.fp16, "cannot be combined with bf16=True", "pass only one of --fp16 and --bf16"
@@ -765,6 +773,29 @@ class TrainingArguments:
 
     # --- Serialization -------------------------------------------------------------------------------------
 
+    def _check_storage(self) -> None:
+        from raytrainer.storage import scheme_of, strip_scheme
+
+        if scheme_of(self.storage_path) not in ("", "file") and "/" not in strip_scheme(self.storage_path):
+            raise _error("storage_path", self.storage_path, "is a bucket's root; a run needs its own folder",
+                         f"pass e.g. --storage_path {self.storage_path.rstrip('/')}/runs/my-run")
+        fs = self.storage_filesystem
+        if fs is None:
+            return
+        import pyarrow.fs as pafs
+
+        from raytrainer.storage import filesystem_matches
+
+        if not isinstance(fs, pafs.FileSystem):
+            raise _error("storage_filesystem", type(fs).__name__, "must be a pyarrow.fs.FileSystem",
+                         "pass e.g. pyarrow.fs.S3FileSystem(endpoint_override=...), or leave it unset and "
+                         "give a URI as storage_path")
+        if not filesystem_matches(fs, self.storage_path):
+            raise _error("storage_path", self.storage_path,
+                         f"is not a location of storage_filesystem ({type(fs).__name__})",
+                         "give storage_path as a URI of that filesystem's kind, e.g. s3://bucket/runs/name "
+                         "for an S3FileSystem")
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values: enums become strings, tokens are hidden."""
         result = {}
@@ -772,7 +803,9 @@ class TrainingArguments:
             if not f.init:
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, Enum):
+            if f.name == "storage_filesystem" and value is not None:
+                value = type(value).__name__  # the object's options may hold credentials
+            elif isinstance(value, Enum):
                 value = value.value
             elif isinstance(value, list):
                 value = [v.value if isinstance(v, Enum) else v for v in value]

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from raytrainer.storage import Storage
+from raytrainer.storage import Storage, uri_basename
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class CheckpointError(ValueError):
 
 
 def step_of(name: str) -> int | None:
-    match = _CHECKPOINT_RE.match(os.path.basename(name.rstrip("/")))
+    """The step of a ``checkpoint-<step>`` folder name, path or URI; None for anything else."""
+    match = _CHECKPOINT_RE.match(uri_basename(name))
     return int(match.group(1)) if match else None
 
 
@@ -129,7 +130,7 @@ def resolve_resume(storage: Storage, resume_from_checkpoint) -> str | None:
                 "(checkpoint-<step> folder with a manifest). Train without resuming, or give a path."
             )
         return storage.uri_of(os.path.basename(found[-1][1]))
-    target = Storage.from_uri(str(resume_from_checkpoint))
+    target = storage.at(str(resume_from_checkpoint))
     if not target.is_dir(target.root):
         raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r} does not exist.")
     manifest = read_manifest(target, target.root)
@@ -147,9 +148,10 @@ def resolve_resume(storage: Storage, resume_from_checkpoint) -> str | None:
 
 # -- reading files of a committed checkpoint, verified ----------------------------------------------------
 class CheckpointReader:
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, filesystem=None):
+        """``filesystem``: the run's ``storage_filesystem``, used when it serves ``uri``."""
         self.uri = uri
-        self.storage = Storage.from_uri(uri)
+        self.storage = Storage.from_uri(uri, filesystem)
         manifest = read_manifest(self.storage, self.storage.root)
         if manifest is None:
             raise CheckpointError(f"{uri} has no manifest: it is not a committed raytrainer checkpoint.")
@@ -172,28 +174,62 @@ class CheckpointReader:
         if digest != self.files[name]["sha256"]:
             raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
 
+    def verify_share(self, names: list[str], ctx) -> None:
+        """Every rank checks every world_size-th of ``names`` against the manifest (streamed), and all
+        ranks agree: one damaged file stops every rank, each having read 1/world_size of the bytes."""
+        error = None
+        try:
+            for name in names[ctx.rank::ctx.world_size]:
+                self.verify(name)
+        except CheckpointError as exc:
+            error = exc
+        if ctx.any_flags([error is not None])[0]:
+            raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
+
+    def download(self, name: str, dest: str) -> None:
+        """One file to a local path, streamed and hashed on the way: a mismatch leaves no file behind."""
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        h = hashlib.sha256()
+        with self.storage.fs.open_input_stream(self.storage.path(name)) as src, open(dest, "wb") as out:
+            for block in iter(lambda: src.read(1 << 22), b""):
+                h.update(block)
+                out.write(block)
+        if h.hexdigest() != self.files[name]["sha256"]:
+            os.remove(dest)
+            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+
     @contextlib.contextmanager
-    def local_copy(self, names: list[str], ctx):
-        """A local folder holding ``names`` (checked against the manifest) for a library that reads files
-        itself (DCP, DeepSpeed): the checkpoint folder when it is local -- each rank hashes every
-        world_size-th file, and all ranks agree -- else a temporary download of verified bytes."""
+    def local_copy(self, names: list[str], ctx, mine: list[str] | None = None):
+        """A local folder for a library that reads files itself (DeepSpeed): the checkpoint folder when it is
+        local (each rank verifies its share of ``names``), else a temporary folder into which this rank
+        downloads, verified, only ``mine`` -- the files it reads (all of ``names`` when not given)."""
         if self.storage.is_local:
+            self.verify_share(names, ctx)
+            yield self.storage.root
+            return
+        with tempfile.TemporaryDirectory(prefix="raytrainer-resume-") as tmp:
             error = None
             try:
-                for name in names[ctx.rank::ctx.world_size]:
-                    self.verify(name)
+                for name in names if mine is None else mine:
+                    self.download(name, os.path.join(tmp, name))
             except CheckpointError as exc:
                 error = exc
             if ctx.any_flags([error is not None])[0]:
                 raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
-            yield self.storage.root
-            return
-        with tempfile.TemporaryDirectory(prefix="raytrainer-resume-") as tmp:
-            for name in names:
-                os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(self.read(name))
             yield tmp
+
+    def dcp_reader(self, subdir: str, ctx):
+        """A torch.distributed.checkpoint StorageReader for ``subdir`` (verified first, each rank its share):
+        DCP's own for a local folder; for a bucket one that reads, in place, just the byte ranges this rank's
+        shards need -- no rank downloads another rank's files."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.verify_share(sorted(n for n in self.files if n.startswith(f"{subdir}/")), ctx)
+        if self.storage.is_local:
+            return FileSystemReader(self.storage.path(subdir))
+        from raytrainer.dcp_storage import PyArrowReader
+
+        return PyArrowReader(self.storage.fs, self.storage.path(subdir))
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         return load_safetensors(self.read(name))

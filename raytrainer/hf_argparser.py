@@ -136,8 +136,9 @@ def _argument_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     return kwargs
 
 
-def _cli_fields(dtype: type) -> list[tuple[dataclasses.Field, Any]]:
-    """The fields of `dtype` that are arguments, each with its resolved annotation."""
+def _cli_fields(dtype: type, python_only: bool = False) -> list[tuple[dataclasses.Field, Any]]:
+    """The fields of `dtype` that are arguments, each with its resolved annotation (with `python_only`,
+    also those marked ``cli: False``, which take Python objects: a dict may hold them)."""
     try:
         hints = get_type_hints(dtype)
     except NameError as exc:
@@ -145,7 +146,8 @@ def _cli_fields(dtype: type) -> list[tuple[dataclasses.Field, Any]]:
             f"cannot resolve the type annotations of {dtype.__name__} ({exc}); define the dataclass at "
             "module level with importable types"
         ) from exc
-    return [(f, hints[f.name]) for f in dataclasses.fields(dtype) if f.init and not f.name.startswith("_")]
+    return [(f, hints[f.name]) for f in dataclasses.fields(dtype) if f.init and not f.name.startswith("_")
+            and (python_only or f.metadata.get("cli", True))]
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
@@ -298,7 +300,7 @@ class ArgumentParser(argparse.ArgumentParser):
         for dtype in self.dataclass_types:
             inputs = {
                 f.name: _coerce(args[f.name], hint, f.name)
-                for f, hint in _cli_fields(dtype)
+                for f, hint in _cli_fields(dtype, python_only=True)
                 if f.name in args
             }
             unused -= inputs.keys()

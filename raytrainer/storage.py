@@ -2,6 +2,18 @@
 
 Every checkpoint read, write, listing and deletion goes through ``pyarrow.fs``, so the same code serves a
 laptop folder and a bucket. ``Storage`` is a (filesystem, root path) pair for one run directory.
+
+Where the filesystem comes from, in the order pyarrow and Ray Train use:
+
+- a ``storage_filesystem`` object (``TrainingArguments.storage_filesystem``, as Ray Train's
+  ``RunConfig(storage_filesystem=...)``), used for URIs of its own kind (``s3://`` for an ``S3FileSystem``);
+- the URI itself, with pyarrow's options in its query string (``s3://bucket/run?endpoint_override=host:9000
+  &scheme=http``); the query is kept intact on every URI built from it (``uri_of`` joins on the path part);
+- the environment: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+  ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, instance roles; ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS.
+
+Credentials never travel in a URI (pyarrow refuses ``secret_key`` in one), so the URIs that raytrainer
+writes into ``trainer_state.json``, logs and summaries hold none.
 """
 
 from __future__ import annotations
@@ -10,8 +22,51 @@ import os
 import posixpath
 import uuid
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
+
+# pyarrow's type_name of the filesystem each URI scheme resolves to
+_KIND = {"": "local", "file": "local", "s3": "s3", "gs": "gcs", "gcs": "gcs", "hdfs": "hdfs",
+         "viewfs": "hdfs", "abfs": "abfs", "abfss": "abfs"}
+
+
+def scheme_of(uri: str) -> str:
+    return urlsplit(uri).scheme if "://" in uri else ""
+
+
+def join_uri(uri: str, *parts: str) -> str:
+    """``parts`` under ``uri``: a local path is joined as a path; a URI on its path part, so that a query
+    string (``?endpoint_override=...``) stays at the end."""
+    if "://" not in uri:
+        return os.path.join(uri, *parts)
+    split = urlsplit(uri)
+    path = posixpath.join(split.path.rstrip("/") or "/", *parts)
+    return urlunsplit(split._replace(path=path))
+
+
+def uri_basename(uri: str) -> str:
+    """The last path component of a local path or URI (its query string ignored)."""
+    path = urlsplit(uri).path if "://" in uri else uri
+    return posixpath.basename(path.rstrip("/"))
+
+
+def filesystem_matches(filesystem: pafs.FileSystem, uri: str) -> bool:
+    """Whether ``filesystem`` serves URIs like ``uri`` (an S3FileSystem serves s3://, a GcsFileSystem gs://)."""
+    kind = filesystem.type_name
+    if kind.startswith("py::"):  # a PyFileSystem (fsspec, ...): whatever remote scheme it was given for
+        return scheme_of(uri) not in ("", "file")
+    return _KIND.get(scheme_of(uri), scheme_of(uri)) == kind
+
+
+def strip_scheme(uri: str) -> str:
+    """The path on the filesystem: ``s3://bucket/run?x=1`` -> ``bucket/run`` (as pyarrow's from_uri)."""
+    if "://" not in uri:
+        return uri
+    split = urlsplit(uri)
+    if _KIND.get(split.scheme) == "local":
+        return split.path
+    return (split.netloc + split.path).rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -21,11 +76,21 @@ class Storage:
     uri: str  # what the user gave, made absolute for local paths
 
     @classmethod
-    def from_uri(cls, uri: str) -> Storage:
+    def from_uri(cls, uri: str, filesystem: pafs.FileSystem | None = None) -> Storage:
+        """The storage at ``uri``; ``filesystem`` (a user's ``storage_filesystem``) serves it when it is of
+        the URI's kind, else pyarrow resolves the URI (its query options and the environment)."""
+        uri = str(uri)
         if "://" not in uri:
             uri = os.path.abspath(os.path.expanduser(uri))
+        if filesystem is not None and filesystem_matches(filesystem, uri):
+            return cls(fs=filesystem, root=strip_scheme(uri).rstrip("/") or "/", uri=uri)
         fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else f"file://{uri}")
         return cls(fs=fs, root=path.rstrip("/") or "/", uri=uri)
+
+    @classmethod
+    def for_run(cls, args) -> Storage:
+        """The run directory of ``args``: ``storage_path`` (which defaults to ``output_dir``)."""
+        return cls.from_uri(args.storage_path or args.output_dir, getattr(args, "storage_filesystem", None))
 
     @property
     def is_local(self) -> bool:
@@ -38,9 +103,11 @@ class Storage:
 
     def uri_of(self, *parts: str) -> str:
         """A URI (or absolute local path) for ``parts`` under the root, as users and Ray see it."""
-        if "://" in self.uri:
-            return self.uri.rstrip("/") + "/" + "/".join(parts)
-        return os.path.join(self.uri, *parts)
+        return join_uri(self.uri, *parts)
+
+    def at(self, uri: str) -> Storage:
+        """Another location, on this storage's filesystem when it serves that URI."""
+        return Storage.from_uri(uri, self.fs)
 
     # -- files -------------------------------------------------------------------------------------
     def exists(self, path: str) -> bool:
@@ -91,17 +158,28 @@ class Storage:
         pafs.copy_files(local_dir, dest, source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=self.fs)
 
+    def upload_file(self, local_path: str, path: str) -> None:
+        """Copy one local file to ``path``, streamed."""
+        self.fs.create_dir(posixpath.dirname(path), recursive=True)
+        pafs.copy_files(local_path, path, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=self.fs)
+
+    def download(self, path: str, dest: str) -> None:
+        """Copy one file to a local path, streamed."""
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        pafs.copy_files(path, dest, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+
+    def download_dir(self, path: str, dest: str) -> None:
+        """Copy a folder's files (recursively) into a local folder."""
+        os.makedirs(dest, exist_ok=True)
+        pafs.copy_files(path, dest, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+
     def delete_dir(self, path: str) -> None:
         self.fs.delete_dir(path)
 
-    def check_writable(self) -> None:
-        """Write and delete a marker: fails early, with the path, when the storage cannot be written."""
-        marker = self.path(f".raytrainer-write-check-{uuid.uuid4().hex[:8]}")
-        try:
-            self.write_bytes(marker, b"ok")
-            self.fs.delete_file(marker)
-        except Exception as exc:
-            raise ValueError(
-                f"storage_path {self.uri!r} cannot be written ({type(exc).__name__}: {exc}). Give a "
-                "folder or URI (s3://, gs://, ...) that this process and every worker can write."
-            ) from exc
+    def check_writable(self, what: str = "storage_path") -> None:
+        """Write, read back and delete a marker, within seconds: fails on the driver, before any worker
+        starts, with the URI and the fix (see ``storage_check``)."""
+        from raytrainer.storage_check import check_writable
+
+        check_writable(self, what)

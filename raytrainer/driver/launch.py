@@ -8,7 +8,6 @@ records are printed, rank 0's callback events are replayed into the driver's dis
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -126,19 +125,28 @@ def _forget_previous_ray_run(args) -> None:
 
     from raytrainer.storage import Storage
 
-    storage = Storage.from_uri(args.storage_path or args.output_dir)
+    storage = Storage.for_run(args)
     path = storage.path(CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
     if storage.exists(path):
         storage.fs.delete_file(path)
 
 
 def _run_config(args):
+    """Ray Train's run folder is the storage root itself (so its checkpoints are HF's checkpoint-<step>
+    folders), given as Ray expects it: a path on the filesystem plus the filesystem object -- for a bucket
+    the same S3FileSystem (endpoint, region; credentials stay in each node's environment) raytrainer uses."""
+    import posixpath
+
     from ray.train import FailureConfig, RunConfig
 
-    output_dir = os.path.abspath(args.storage_path or args.output_dir)
+    from raytrainer.storage import Storage
+
+    storage = Storage.for_run(args)
+    root = storage.root.rstrip("/")
     return RunConfig(
-        name=os.path.basename(output_dir.rstrip("/")),
-        storage_path=os.path.dirname(output_dir.rstrip("/")),
+        name=posixpath.basename(root),
+        storage_path=posixpath.dirname(root) or "/",
+        storage_filesystem=storage.fs,
         failure_config=FailureConfig(max_failures=args.max_failures),
     )
 

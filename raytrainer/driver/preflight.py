@@ -105,13 +105,13 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
     from raytrainer.storage import Storage
 
     args = trainer.args
-    storage = Storage.from_uri(args.storage_path or args.output_dir)
+    storage = Storage.for_run(args)
     resume = kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
     if resume:  # can this run's strategy resume it on this many workers?
         from raytrainer.checkpoint import CheckpointReader, step_of
         from raytrainer.strategies import strategy_class
 
-        reader = CheckpointReader(resume)
+        reader = CheckpointReader(resume, args.storage_filesystem)
         world = max(args.num_workers, 1)
         step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
         strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)

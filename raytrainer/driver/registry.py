@@ -12,14 +12,14 @@ import logging
 import os
 
 from raytrainer.checkpoint import committed_checkpoints
-from raytrainer.storage import Storage
+from raytrainer.storage import Storage, uri_basename
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointRegistry:
     def __init__(self, args):
-        self.storage = Storage.from_uri(args.storage_path or args.output_dir)
+        self.storage = Storage.for_run(args)
         self.limit = args.save_total_limit
         self.latest: str | None = None
         self.best: str | None = None
@@ -40,7 +40,7 @@ class CheckpointRegistry:
         if not self.limit:
             return []
         names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
-        protected = {os.path.basename(u.rstrip("/")) for u in (self.latest, self.best) if u} | self.pinned
+        protected = {uri_basename(u) for u in (self.latest, self.best) if u} | self.pinned
         keep = set(names[-self.limit:]) | protected
         deleted = []
         for name in names:

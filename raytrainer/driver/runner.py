@@ -55,7 +55,7 @@ def _load_best_model(trainer) -> None:
     if not best:
         logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the final weights.")
         return
-    reader = CheckpointReader(best)
+    reader = CheckpointReader(best, trainer.args.storage_filesystem)
     load_weights_into(trainer.model, model_weights(reader), best)
     logger.info("loaded the best model from %s (%s = %s)", best, trainer.args.metric_for_best_model,
                 trainer.state.best_metric)

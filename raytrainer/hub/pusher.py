@@ -101,7 +101,9 @@ class HubPusher:
         name = info["name"]
         try:
             with tempfile.TemporaryDirectory(prefix="raytrainer-hub-") as tmp:
-                folder = _local_copy(info["uri"], os.path.join(tmp, name))
+                whole = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+                folder = _local_copy(info["uri"], os.path.join(tmp, name), self.args.storage_filesystem,
+                                     None if whole else _needed_for_model)
                 model_dir = os.path.join(tmp, "model")
                 os.makedirs(model_dir)
                 for rel in os.listdir(folder):
@@ -127,15 +129,19 @@ class HubPusher:
         return f"Training in progress, epoch {round(epoch)}"
 
 
-def _local_copy(uri: str, dest: str) -> str:
-    """A local folder with the checkpoint's files: the folder itself when local, else a download."""
-    storage = Storage.from_uri(uri)
+def _needed_for_model(rel: str) -> bool:
+    """The files a model-only push reads: the model's own, and the state for the commit message."""
+    return "/" not in rel and (_is_model_file(rel) or rel == "trainer_state.json")
+
+
+def _local_copy(uri: str, dest: str, filesystem=None, keep=None) -> str:
+    """A local folder with the checkpoint's files (those ``keep`` accepts): the folder itself when local,
+    else a streamed download -- of the model files alone for a model-only push, not the optimizer state."""
+    storage = Storage.from_uri(uri, filesystem)
     if storage.is_local:
         return storage.root
     os.makedirs(dest)
     for rel in storage.list_files(storage.root):
-        path = os.path.join(dest, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(storage.read_bytes(storage.path(rel)))
+        if keep is None or keep(rel):
+            storage.download(storage.path(rel), os.path.join(dest, rel))
     return dest

@@ -78,8 +78,8 @@ class FilesystemTarget:
     takes a half-replaced ``last-checkpoint`` for a committed one.
     """
 
-    def __init__(self, uri: str):
-        self.storage = Storage.from_uri(uri)
+    def __init__(self, uri: str, filesystem=None):
+        self.storage = Storage.from_uri(uri, filesystem)
         self.uri = self.storage.uri
 
     @property
@@ -93,15 +93,7 @@ class FilesystemTarget:
         return self.storage.uri_of(*[p for p in (revision or "main", path_in_repo) if p])
 
     def create(self, revision: str | None = None) -> None:
-        marker = self.storage.path(".raytrainer-write-check")
-        try:
-            self.storage.write_bytes(marker, b"ok")
-            self.storage.fs.delete_file(marker)
-        except Exception as exc:
-            raise ValueError(
-                f"hub_model_id {self.uri!r} cannot be written ({type(exc).__name__}: {exc}). Give a folder "
-                "URI this process can write (file:///..., s3://bucket/..., gs://...) or a Hub repo id."
-            ) from exc
+        self.storage.check_writable("hub_model_id")
 
     def upload(self, folder: str, path_in_repo: str, message: str, revision: str | None,
                ignore_patterns: list[str] | None = None) -> str:
@@ -111,9 +103,8 @@ class FilesystemTarget:
             if self.storage.exists(posixpath.join(dest, MANIFEST)):
                 self.storage.fs.delete_file(posixpath.join(dest, MANIFEST))
             files = [f for f in files if f != MANIFEST] + [MANIFEST]
-        for rel in files:
-            with open(os.path.join(folder, rel), "rb") as f:
-                self.storage.write_bytes(posixpath.join(dest, rel), f.read())
+        for rel in files:  # streamed: a model's files never sit whole in the driver's memory
+            self.storage.upload_file(os.path.join(folder, rel), posixpath.join(dest, rel))
         self._log_commit({"revision": revision or "main", "path_in_repo": path_in_repo, "message": message,
                           "files": files, "time": time.time()})
         return self.revision_uri(revision, path_in_repo)
@@ -135,7 +126,7 @@ def target_for(args, token: str | None = None):
     repo id (``output_dir``'s name when unset, as in HF). Raises, naming the fix, when no token is found."""
     model_id = args.hub_model_id
     if model_id and "://" in model_id:
-        return FilesystemTarget(model_id)
+        return FilesystemTarget(model_id, args.storage_filesystem)
     import huggingface_hub
 
     token = token or args.hub_token or huggingface_hub.get_token()

@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import os
+import posixpath
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+from raytrainer.storage import join_uri
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +194,7 @@ def trial_args(args, values: dict[str, Any], trial_id: str):
     name = f"run-{trial_id}"
     cast["output_dir"] = os.path.join(os.path.abspath(args.output_dir), name)
     if args.storage_path:
-        cast["storage_path"] = args.storage_path.rstrip("/") + "/" + name
+        cast["storage_path"] = join_uri(args.storage_path, name)
     return dataclasses.replace(args, **cast)
 
 
@@ -301,11 +303,12 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
 
 def fill_checkpoints(summary: TrialSummary, args, best: str | None = None) -> None:
     from raytrainer.checkpoint import committed_checkpoints
-    from raytrainer.storage import Storage
+    from raytrainer.storage import Storage, uri_basename
 
-    storage = Storage.from_uri(args.storage_path or args.output_dir)
-    summary.checkpoints = [path for _, path in committed_checkpoints(storage, warn=False)]
-    if best and any(os.path.basename(best.rstrip("/")) == os.path.basename(p) for p in summary.checkpoints):
+    storage = Storage.for_run(args)
+    summary.checkpoints = [storage.uri_of(posixpath.basename(path))
+                           for _, path in committed_checkpoints(storage, warn=False)]
+    if best and any(uri_basename(best) == uri_basename(p) for p in summary.checkpoints):
         summary.best_checkpoint = best
     elif summary.checkpoints:
         summary.best_checkpoint = summary.checkpoints[-1]

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import queue
-import shutil
 import threading
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ from raytrainer.search.common import (
     run_trial,
     split_hyperparameters,
 )
+from raytrainer.storage import Storage, uri_basename
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ def _trainable_class():
             args = trial_args(self._trainer.args, {}, self._run_id)
             found = TrialSummary(self._run_id, args.output_dir, {})
             fill_checkpoints(found, args)
-            if found.checkpoints:
-                latest = found.checkpoints[-1]
-                shutil.copytree(latest, os.path.join(checkpoint_dir, os.path.basename(latest)))
+            if found.checkpoints:  # copied (downloaded, for a bucket) into the folder Tune keeps
+                latest = Storage.for_run(args).at(found.checkpoints[-1])
+                latest.download_dir(latest.root, os.path.join(checkpoint_dir, uri_basename(latest.uri)))
             return checkpoint_dir
 
         def load_checkpoint(self, checkpoint_dir: str):
@@ -123,10 +123,10 @@ def _trainable_class():
             # deleted; raytrainer resumes from its manifests (``_resume``), never from that record.
             from raytrainer.search.common import trial_args
 
-            folder = trial_args(self._trainer.args, {}, self._run_id).output_dir
-            stale = os.path.join(folder, _RAY_TRAIN_RUN_RECORD)
-            if os.path.exists(stale):
-                os.remove(stale)
+            run = Storage.for_run(trial_args(self._trainer.args, {}, self._run_id))
+            stale = run.path(_RAY_TRAIN_RUN_RECORD)
+            if run.exists(stale):
+                run.fs.delete_file(stale)
 
         def cleanup(self):
             """Tune stops the trial (a scheduler's decision, or the end): stop the run, wait for it."""
@@ -172,7 +172,9 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     if not preset:
         tune_kwargs.setdefault("metric", METRIC)
         tune_kwargs.setdefault("mode", mode)
-    run_kwargs.setdefault("storage_path", os.path.abspath(args.output_dir))
+    if "storage_path" not in run_kwargs:  # Tune's records beside the trials' run-<id> folders
+        storage = Storage.for_run(args)
+        run_kwargs.update(storage_path=storage.root, storage_filesystem=storage.fs)
     run_kwargs.setdefault("name", "tune")
     run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
 

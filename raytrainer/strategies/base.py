@@ -89,13 +89,14 @@ class Strategy:
         subfolder written."""
         raise NotImplementedError
 
-    def load_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> None:
-        """Load training state saved under ``folder`` by ``save_sharded`` (a collective). The base loads an
-        ``optimizer_0/`` folder written with torch.distributed.checkpoint (FSDP's sharded optimizer state),
-        resharded to this run's world size and layout."""
+    def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
+        """Load the training state ``save_sharded`` wrote, from a committed checkpoint (``reader``, a
+        CheckpointReader), as a collective. The base loads an ``optimizer_0/`` folder written with
+        torch.distributed.checkpoint (FSDP's sharded optimizer state), resharded to this run's world size
+        and layout; each rank reads the bytes of its own shards, in place."""
         from raytrainer.strategies.dcp import load_optimizer
 
-        load_optimizer(model, optimizer, folder)
+        load_optimizer(model, optimizer, reader, self.ctx)
 
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:

@@ -18,17 +18,18 @@ def save_optimizer(model, optimizer, folder: str) -> str:
     return OPTIMIZER_DIR
 
 
-def load_optimizer(model, optimizer, folder: str) -> None:
+def load_optimizer(model, optimizer, reader, ctx) -> None:
+    """Load the optimizer state through ``reader``, a CheckpointReader of a committed checkpoint: each rank
+    reads (verified) only the shards its plan needs, from a local folder or straight from a bucket."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    path = os.path.join(folder, OPTIMIZER_DIR)
-    if not os.path.isdir(path):
+    if not any(name.startswith(f"{OPTIMIZER_DIR}/") for name in reader.files):
         raise ValueError(
-            f"{folder} holds no {OPTIMIZER_DIR}/ (sharded optimizer state): it was saved by another strategy "
-            "(e.g. DeepSpeed, whose engine alone reads its format). Resume it with the strategy that saved "
-            "it, or set save_only_model/load only the weights.")
+            f"{reader.uri} holds no {OPTIMIZER_DIR}/ (sharded optimizer state): it was saved by another "
+            "strategy (e.g. DeepSpeed, whose engine alone reads its format). Resume it with the strategy "
+            "that saved it, or set save_only_model/load only the weights.")
     state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (state initialised by torch)
     loaded = {"optimizer": state}
-    dcp.load(loaded, checkpoint_id=path)
+    dcp.load(loaded, storage_reader=reader.dcp_reader(OPTIMIZER_DIR, ctx))
     set_optimizer_state_dict(model, optimizer, loaded["optimizer"])

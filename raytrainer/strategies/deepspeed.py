@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 import torch
 
@@ -36,6 +37,12 @@ _PARTITION = "_optim_states.pt"
 
 def tag_of(step: int) -> str:
     return f"global_step{step}"
+
+
+def _partition_rank(name: str) -> int | None:
+    """The data-parallel rank a ZeRO file belongs to (``zero_pp_rank_<r>_...``); None for shared files."""
+    match = re.search(r"zero_pp_rank_(\d+)_", os.path.basename(name))
+    return int(match.group(1)) if match else None
 
 
 class DeepSpeedStrategy(Strategy):
@@ -133,7 +140,16 @@ class DeepSpeedStrategy(Strategy):
         model.save_checkpoint(folder, tag=tag_of(step), save_latest=False)
         return tag_of(step)
 
-    def load_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> None:
+    def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
+        """DeepSpeed's loader reads files by path: from a bucket, each rank downloads (verified) only the
+        files it opens -- its own ZeRO partition and the shared model states -- not every rank's."""
+        names = sorted(n for n in reader.files if n.startswith(f"{tag_of(step)}/"))
+        elastic = (self.config.get("zero_optimization") or {}).get("elastic_checkpoint")
+        mine = names if elastic else [n for n in names if _partition_rank(n) in (None, self.ctx.rank)]
+        with reader.local_copy(names, self.ctx, mine) as folder:
+            self._load_engine_checkpoint(model, folder, step)
+
+    def _load_engine_checkpoint(self, model, folder: str, step: int) -> None:
         tag = tag_of(step)
         if (self.config.get("checkpoint") or {}).get("load_universal"):
             tag += "_universal"  # made by the conversion check_resume names; outside the manifest

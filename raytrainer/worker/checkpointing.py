@@ -123,7 +123,7 @@ class CheckpointWriter:
     def __init__(self, trainer, notify=None):
         self.trainer = trainer
         args = trainer.args
-        self.storage = Storage.from_uri(args.storage_path or args.output_dir)
+        self.storage = Storage.for_run(args)
         self.notify = notify  # called on rank 0 with each committed checkpoint
         self._pending: tuple[_Writer, int, dict] | None = None
         self._shared: bool | None = None  # save_on_each_node: does this node see rank 0's storage?
@@ -251,8 +251,8 @@ def _walk(folder: str) -> list[str]:
 class Resume:
     """What a rank restores from a committed checkpoint, in the order the loop needs it."""
 
-    def __init__(self, uri: str, rank: int):
-        self.reader = CheckpointReader(uri)
+    def __init__(self, uri: str, rank: int, filesystem=None):
+        self.reader = CheckpointReader(uri, filesystem)
         self.rank = rank
         self.state = TrainerState.from_dict(self.reader.json(TRAINER_STATE_NAME))
 
@@ -263,8 +263,7 @@ class Resume:
         if self.reader.has("optimizer.pt"):
             strategy.load_optimizer_state_dict(model, optimizer, self.reader.torch_state("optimizer.pt"))
         elif self.sharded_files():
-            with self.reader.local_copy(self.sharded_files(), ctx) as folder:
-                strategy.load_sharded(model, optimizer, scheduler, folder, self.state.global_step)
+            strategy.load_sharded(model, optimizer, scheduler, self.reader, self.state.global_step)
         if self.reader.has("scheduler.pt"):
             scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
         if self.reader.has("scaler.pt"):

@@ -76,7 +76,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     if trainer.model_init is not None:
         trainer.model = trainer.call_model_init(trial)
         trainer.optimizer = trainer.lr_scheduler = None
-    resume = Resume(resume_from_checkpoint, ctx.rank) if resume_from_checkpoint else None
+    resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
+              if resume_from_checkpoint else None)
     if resume is not None:
         resume.load_model(trainer.model)
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
