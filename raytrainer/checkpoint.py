@@ -218,18 +218,24 @@ class CheckpointReader:
                 raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
             yield tmp
 
+    @contextlib.contextmanager
     def dcp_reader(self, subdir: str, ctx):
-        """A torch.distributed.checkpoint StorageReader for ``subdir`` (verified first, each rank its share):
-        DCP's own for a local folder; for a bucket one that reads, in place, just the byte ranges this rank's
-        shards need -- no rank downloads another rank's files."""
-        from torch.distributed.checkpoint import FileSystemReader
-
-        self.verify_share(sorted(n for n in self.files if n.startswith(f"{subdir}/")), ctx)
+        """A torch.distributed.checkpoint StorageReader for ``subdir``, every file verified by one rank.
+        Local: DCP's own reader on the folder. A bucket: each rank downloads (verified) the files it wrote
+        at save time -- its own shards, which its load plan reads -- and reads anything else its plan needs
+        (another rank's replicated entries, reshards) as ranged reads of just those bytes."""
+        names = sorted(n for n in self.files if n.startswith(f"{subdir}/"))
         if self.storage.is_local:
-            return FileSystemReader(self.storage.path(subdir))
-        from raytrainer.dcp_storage import PyArrowReader
+            from torch.distributed.checkpoint import FileSystemReader
 
-        return PyArrowReader(self.storage.fs, self.storage.path(subdir))
+            self.verify_share(names, ctx)
+            yield FileSystemReader(self.storage.path(subdir))
+            return
+        from raytrainer.dcp_storage import PyArrowReader, owned_files
+
+        mine = owned_files(names, ctx.rank, ctx.world_size)
+        with self.local_copy(names, ctx, mine) as tmp:
+            yield PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=os.path.join(tmp, subdir))
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
         return load_safetensors(self.read(name))

@@ -78,7 +78,9 @@ def check_writable(storage, what: str = "storage_path") -> None:
     fs = probe_filesystem(storage.fs)
     marker = f"{storage.root.rstrip('/')}/.raytrainer-write-check-{uuid.uuid4().hex[:8]}"
     try:
-        fs.create_dir(storage.root, recursive=True)
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(storage.root, recursive=True)
+        # A write first: an object store's answer to it names the cause (a HEAD's answer has no body)
         with fs.open_output_stream(marker) as f:
             f.write(b"ok")
         with fs.open_input_stream(marker) as f:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import uuid
@@ -39,6 +41,22 @@ class S3Bucket:
 
     def get_object(self, key: str) -> bytes:
         return self.server.get_object(self.name, key)
+
+    def committed(self, prefix: str) -> dict[str, dict]:
+        """Checkpoint name -> manifest of every committed checkpoint under ``prefix``, each checked against
+        the bucket's objects: the same names and sizes, and each object's sha256 the manifest's."""
+        objects = self.list_objects(prefix.rstrip("/") + "/")
+        out = {}
+        for key in sorted(k for k in objects if k.endswith("/manifest.json")):
+            folder = key[: -len("/manifest.json")]
+            manifest = json.loads(self.get_object(key))
+            files = {k[len(folder) + 1:]: size for k, size in objects.items()
+                     if k.startswith(folder + "/") and not k.endswith("/") and k != key}
+            assert {n: m["size"] for n, m in manifest["files"].items()} == files, folder
+            for name, meta in manifest["files"].items():
+                assert hashlib.sha256(self.get_object(f"{folder}/{name}")).hexdigest() == meta["sha256"], name
+            out[folder.rsplit("/", 1)[1]] = manifest
+        return out
 
 
 @pytest.fixture(scope="session")

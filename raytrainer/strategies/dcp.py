@@ -31,5 +31,6 @@ def load_optimizer(model, optimizer, reader, ctx) -> None:
             "that saved it, or set save_only_model/load only the weights.")
     state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (state initialised by torch)
     loaded = {"optimizer": state}
-    dcp.load(loaded, storage_reader=reader.dcp_reader(OPTIMIZER_DIR, ctx))
+    with reader.dcp_reader(OPTIMIZER_DIR, ctx) as storage_reader:
+        dcp.load(loaded, storage_reader=storage_reader)
     set_optimizer_state_dict(model, optimizer, loaded["optimizer"])

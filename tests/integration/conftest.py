@@ -16,13 +16,24 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(s3_server):
+    """The workers inherit the S3 test server's endpoint and (fake) credentials from the environment Ray
+    starts with -- as a cluster's nodes hold theirs; the test process itself sets them per test."""
     import ray
 
     from raytrainer import TrainingArguments
     from raytrainer.driver.ray_runtime import ensure_ray
 
-    ensure_ray(TrainingArguments(output_dir="unused", num_workers=2))
+    saved = {key: os.environ.get(key) for key in s3_server.env}
+    os.environ.update(s3_server.env)
+    try:
+        ensure_ray(TrainingArguments(output_dir="unused", num_workers=2))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     yield ray
     ray.shutdown()
 

@@ -146,3 +146,28 @@ class NEFTuneProbe(TrainerCallback):
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         log.error("rank %d: neftune hooks at train end=%d", args.process_index, len(model.emb._forward_hooks))
+
+
+class RecordPid(TrainerCallback):
+    """Every rank writes its process id to ``output_dir/pid-rank<r>`` (to attribute storage requests)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import os
+
+        with open(os.path.join(args.output_dir, f"pid-rank{args.process_index}"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+class WideDropoutRegressor(torch.nn.Module):
+    """Big enough (68k parameters) that each rank's optimizer shard outweighs the small replicated entries
+    (step counters, parameter groups) DCP spreads across the ranks' files."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 256), torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return torch.nn.functional.cross_entropy(logits, labels), logits

@@ -1,0 +1,86 @@
+"""2 Ray workers with their checkpoints in a real S3 server (moto, tests/s3server.py; the workers have its
+endpoint and credentials in their environment, as a cluster's nodes would): Ray Train's run folder is the
+bucket prefix itself (nothing written to a local folder named after the URI), FSDP's sharded checkpoints are
+committed with a manifest matching the objects, rotation, bitwise resume from ``resume_from_checkpoint=True``
+and from an ``s3://`` path into a fresh output_dir -- and what each rank reads on resume, counted at the
+server per process: its own optimizer shard once, only ranged slices of the other rank's."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from models import RecordPid, WideDropoutRegressor, make_data
+
+from raytrainer import Trainer, TrainingArguments
+from raytrainer.storage import Storage, strip_scheme
+
+
+def _args(out, **kw) -> TrainingArguments:
+    base = {"output_dir": str(out), "num_workers": 2, "per_device_train_batch_size": 4, "num_train_epochs": 3,
+            "learning_rate": 0.02, "optim": "adamw_torch", "save_strategy": "steps", "save_steps": 5,
+            "logging_steps": 3, "disable_tqdm": True, "report_to": "none",
+            "fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": ["Linear"]}}
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _same(a, b):
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(b.state_dict()[name], tensor), name
+
+
+def _reads_by_rank(requests, out) -> dict[int, dict[str, int]]:
+    """rank -> object key -> bytes the rank's process fetched (GETs, at the server)."""
+    rank_of = {int(open(os.path.join(out, f"pid-rank{r}")).read()): r for r in (0, 1)}  # noqa: SIM115
+    reads: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for req in requests:
+        if req["method"] == "GET" and req["key"] and req["pid"] in rank_of:
+            reads[rank_of[req["pid"]]][req["key"]] += req["bytes_out"]
+    return reads
+
+
+def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tmp_path, s3_bucket):
+    uri = f"{s3_bucket.uri}/runs/fsdp"
+    data = make_data(48)
+    full = Trainer(model=WideDropoutRegressor(), train_dataset=data,
+                   args=_args(tmp_path / "full", storage_path=uri, save_total_limit=2))
+    assert full.train().global_step == 18
+    committed = s3_bucket.committed("runs/fsdp")  # manifests match the objects, sha256 included
+    assert set(committed) == {"checkpoint-15", "checkpoint-18"}  # rotation: 5 and 10 deleted by the driver
+    shards = {"optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp", "optimizer_0/.metadata"}
+    assert shards | {"model.safetensors", "rng_state_0.safetensors", "rng_state_1.safetensors"} \
+        <= set(committed["checkpoint-15"]["files"])
+    assert not os.path.exists("s3:") and not any("s3:" in p for p in os.listdir(tmp_path / "full"))
+
+    # as if the run had been stopped before its last save: resume_from_checkpoint=True finds checkpoint-15
+    # in the bucket and ends bitwise where the uninterrupted run did
+    Storage.from_uri(f"{uri}/checkpoint-18").delete_dir(strip_scheme(f"{uri}/checkpoint-18"))
+    again = Trainer(model=WideDropoutRegressor(), args=_args(tmp_path / "again", storage_path=uri),
+                    train_dataset=data)
+    assert again.train(resume_from_checkpoint=True).global_step == 18
+    _same(full.model, again.model)
+
+    # from an s3:// checkpoint path into a fresh, local output_dir; requests counted per rank
+    s3_bucket.server.clear_requests()
+    fresh_dir = tmp_path / "fresh"
+    fresh = Trainer(model=WideDropoutRegressor(), args=_args(fresh_dir, save_strategy="no"),
+                    train_dataset=data, callbacks=[RecordPid()])
+    fresh.train(resume_from_checkpoint=f"{uri}/checkpoint-15")
+    _same(full.model, fresh.model)
+    reads = _reads_by_rank(s3_bucket.server.requests(), str(fresh_dir))
+    sizes = {n: m["size"] for n, m in committed["checkpoint-15"]["files"].items()}
+    prefix = "runs/fsdp/checkpoint-15/"
+    requests = s3_bucket.server.requests()
+    for rank in (0, 1):  # the figures docs/cluster.md quotes
+        mine = [r for r in requests if r["pid"] == int((fresh_dir / f"pid-rank{rank}").read_text())]
+        total = sum(r["bytes_out"] for r in mine)
+        print(f"S3 resume, rank {rank}: {len(mine)} requests, {total} bytes read; "
+              f"by object: {dict(reads[rank])}; checkpoint files: {sizes}")
+    for rank, other in ((0, 1), (1, 0)):
+        own = reads[rank][f"{prefix}optimizer_0/__{rank}_0.distcp"]
+        foreign = reads[rank][f"{prefix}optimizer_0/__{other}_0.distcp"]
+        assert own == sizes[f"optimizer_0/__{rank}_0.distcp"], (rank, dict(reads[rank]))  # once, whole
+        assert foreign < sizes[f"optimizer_0/__{other}_0.distcp"] / 4, (rank, dict(reads[rank]))  # slices
+        assert reads[rank][f"{prefix}rng_state_{other}.safetensors"] == 0  # each rank its own RNG state
