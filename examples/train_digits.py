@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> float:
         model=DigitsMLP(demo_args.hidden_size), args=args, train_dataset=train, eval_dataset=test,
         compute_metrics=accuracy,
     )
-    result = trainer.train()
+    # --resume_from_checkpoint takes a checkpoint's path or URI, or "latest": the newest committed checkpoint
+    # in --storage_path (a bucket on a cluster), found by the Trainer
+    resume = args.resume_from_checkpoint
+    result = trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
     per_epoch = [round(h["eval_accuracy"], 4) for h in trainer.state.log_history if "eval_accuracy" in h]
     final = per_epoch[-1]
     print(f"trained {result.global_step} steps on {max(args.num_workers, 1)} worker(s) "

@@ -26,17 +26,20 @@ DRIVER = os.path.join(os.path.dirname(__file__), "multinode_driver.py")
 TOKEN = "hf_multinode_secret_7c1d"  # the driver's hub_token
 
 
-@pytest.fixture
-def cluster():
+@pytest.fixture(scope="module")
+def cluster(s3_server):
+    """Two nodes with the dashboard (Jobs API), holding the S3 test server's endpoint and credentials in
+    their environment, as a cluster's nodes hold theirs (instance roles, secrets)."""
     state = tempfile.mkdtemp(prefix="rt-mn-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": "12",
+    env = {**os.environ, **s3_server.env, "RAY_MN_STATE": state, "RAY_MN_IP_START": "12",
            "RAY_MN_WORKER_PORT_BASE": "25000", "RAY_MN_CPUS": "2", "RAY_MN_AUTH_MODE": "disabled",
-           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
+           "RAY_MN_DASHBOARD": "true",
+           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "1200"}
     up = subprocess.run(["bash", SCRIPT, "up", "2"], env=env, capture_output=True, text=True, timeout=180)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        with open(os.path.join(state, "address")) as f:
-            yield f.read().strip()
+        with open(os.path.join(state, "address")) as f, open(os.path.join(state, "dashboard")) as g:
+            yield {"address": f.read().strip(), "dashboard": g.read().strip()}
     finally:
         subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
         shutil.rmtree(state, ignore_errors=True)
@@ -57,8 +60,8 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
-    proc = subprocess.run([sys.executable, DRIVER, cluster, str(work)], env=env, capture_output=True,
-                          text=True, timeout=480, cwd=str(work))
+    proc = subprocess.run([sys.executable, DRIVER, cluster["address"], str(work)], env=env,
+                          capture_output=True, text=True, timeout=480, cwd=str(work))
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
@@ -99,3 +102,36 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
         for name in names:
             with open(os.path.join(root, name), "rb") as f:
                 assert TOKEN.encode() not in f.read(), os.path.join(root, name)
+
+
+@pytest.mark.timeout(600)
+def test_submit_the_docs_example_with_checkpoints_in_a_bucket(cluster, s3_bucket, tmp_path):
+    """docs/cluster.md's example: `raytrainer submit ... -- python train_digits.py --num_workers 2
+    --storage_path s3://...` on two nodes; the job's driver and both workers reach the bucket through their
+    nodes' environment (the submitting process passes no credential). A second job resumes from the
+    bucket's latest committed checkpoint and trains one more epoch."""
+    uri = f"{s3_bucket.uri}/runs/digits"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "AWS_"))}
+    env.update(OMP_NUM_THREADS="1", HOME=str(tmp_path))
+
+    def submit(epochs: int, *extra: str):
+        cmd = [sys.executable, "-m", "raytrainer.cli", "submit", "--address", cluster["dashboard"],
+               "--working-dir", "examples", "--", "python", "train_digits.py", "--num_workers", "2",
+               "--placement_strategy", "STRICT_SPREAD", "--storage_path", uri, "--save_strategy", "epoch",
+               "--num_train_epochs", str(epochs), "--output_dir", f"/tmp/rt-mn-demo-{s3_bucket.name}",
+               "--disable_tqdm", "true", *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        per_epoch = json.loads(proc.stdout.split("test accuracy per epoch: ")[1].splitlines()[0])
+        return proc.stdout, per_epoch
+
+    _, first = submit(5)  # the demo exits 1 below 90% test accuracy: 5 epochs are past it
+    committed = s3_bucket.committed("runs/digits")  # manifests match the bucket's objects
+    steps = sorted(m["global_step"] for m in committed.values())
+    assert len(steps) == 5 and steps == [steps[0] * e for e in range(1, 6)]
+
+    _, resumed = submit(6, "--resume_from_checkpoint", "latest")
+    committed = s3_bucket.committed("runs/digits")
+    assert sorted(m["global_step"] for m in committed.values()) == [*steps, 6 * steps[0]]
+    # the first five evaluations came back from the checkpoint's log history, not from training again
+    assert len(resumed) == 6 and resumed[:5] == first and resumed[5] > 0.9

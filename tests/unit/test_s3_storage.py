@@ -251,3 +251,25 @@ def test_wrong_credentials(tmp_path, auth_server, monkeypatch, which):
     message = _fails_fast(tmp_path, "s3://guarded/rw/run", r"rejected the credentials")
     assert "AWS_ACCESS_KEY_ID" in message and "'s3://guarded/rw/run'" in message
     assert secret not in message and "wrong-secret" not in message
+
+
+def test_search_trials_folders_in_a_bucket_with_uri_options(tmp_path, s3_bucket, monkeypatch):
+    import optuna
+
+    from raytrainer.search.common import TrialSummary
+
+    endpoint = s3_bucket.server.endpoint.split("://", 1)[1]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    query = f"?endpoint_override={endpoint}&scheme=http"
+    run_args = args(tmp_path, storage_path=f"{s3_bucket.uri}/search{query}", max_steps=8,
+                    eval_strategy="steps", eval_steps=4, save_total_limit=1)
+    trainer = Trainer(model_init=lambda trial=None: Net(), train_dataset=data(),
+                      eval_dataset=data(16, seed=2), args=run_args)
+    best = trainer.hyperparameter_search(
+        hp_space=lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-1, log=True)},
+        n_trials=2, sampler=optuna.samplers.TPESampler(seed=0))
+    for trial in ("0", "1"):  # each trial's run folder in the bucket, rotated to its latest checkpoint
+        assert set(s3_bucket.committed(f"search/run-{trial}")) == {"checkpoint-8"}
+        summary = TrialSummary.load(str(tmp_path / f"run-{trial}"))
+        assert summary.checkpoints == [f"{s3_bucket.uri}/search/run-{trial}/checkpoint-8{query}"]
+    assert best.run_summary.best_checkpoint == f"{s3_bucket.uri}/search/run-{best.run_id}/checkpoint-8{query}"
