@@ -109,13 +109,16 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ray_tune_asha_two_workers_per_trial(tmp_path):
+def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket):
+    """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's
+    run-<id> folder are there."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
     calls = tmp_path / "calls"
     calls.mkdir()
-    args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4)
+    storage = f"{s3_bucket.uri}/search"
+    args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4, storage_path=storage)
     trainer = Trainer(model_init=_record_model_init(str(calls)), args=args, train_dataset=make_data(64),
                       eval_dataset=make_data(32, seed=5))
     rates = [0.5, 0.0, 0.2, 1e-4]
@@ -125,7 +128,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path):
         max_concurrent_trials=2)
 
     assert isinstance(best, BestRun) and best.hyperparameters["learning_rate"] in rates
-    results = tune.ExperimentAnalysis(str(tmp_path / "search" / "tune"))
+    results = tune.ExperimentAnalysis(f"{storage}/tune")
     last = {df["run_id"].iloc[-1]: df for df in results.trial_dataframes.values() if len(df)}
     assert len(last) == 4
     # the best run's objective is the lowest last-reported objective of all trials (scope "last")
@@ -139,7 +142,9 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path):
         assert ran.global_step == df["global_step"].iloc[-1] == 4 * len(df), (tid, ran.global_step)
     summary = best.run_summary
     assert summary.output_dir == str(tmp_path / "search" / f"run-{best.run_id}")
-    assert summary.best_checkpoint and os.path.exists(os.path.join(summary.best_checkpoint, "manifest.json"))
+    assert summary.best_checkpoint.startswith(f"{storage}/run-{best.run_id}/checkpoint-")
+    committed = s3_bucket.committed(f"search/run-{best.run_id}")  # manifests match the objects
+    assert summary.best_checkpoint.rsplit("/", 1)[1] in committed
     # model_init: once per trial, with the Tune config dict
     assert sorted(c["learning_rate"] for c in _calls(str(calls))) == sorted(rates)
     assert {c["type"] for c in _calls(str(calls))} == {"dict"}
