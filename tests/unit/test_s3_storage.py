@@ -273,3 +273,26 @@ def test_search_trials_folders_in_a_bucket_with_uri_options(tmp_path, s3_bucket,
         summary = TrialSummary.load(str(tmp_path / f"run-{trial}"))
         assert summary.checkpoints == [f"{s3_bucket.uri}/search/run-{trial}/checkpoint-8{query}"]
     assert best.run_summary.best_checkpoint == f"{s3_bucket.uri}/search/run-{best.run_id}/checkpoint-8{query}"
+
+
+def test_uris_are_joined_on_their_path_part():
+    import pyarrow.fs as pafs
+
+    from raytrainer.checkpoint import step_of
+    from raytrainer.storage import filesystem_matches, join_uri, strip_scheme, uri_basename
+
+    q = "?endpoint_override=minio:9000&scheme=http"
+    assert join_uri(f"s3://b/runs/x{q}", "checkpoint-4") == f"s3://b/runs/x/checkpoint-4{q}"
+    assert join_uri(f"s3://b{q}", "run-1") == f"s3://b/run-1{q}"
+    assert join_uri("gs://b/runs/", "run-1", "checkpoint-2") == "gs://b/runs/run-1/checkpoint-2"
+    assert join_uri("file:///tmp/x", "c") == "file:///tmp/x/c"
+    assert join_uri("/tmp/x", "c") == "/tmp/x/c"
+    assert uri_basename(f"s3://b/runs/x/checkpoint-4{q}") == "checkpoint-4"
+    assert step_of(f"s3://b/runs/x/checkpoint-4{q}") == 4 and step_of(f"s3://b/x{q}") is None
+    assert strip_scheme(f"s3://b/runs/x{q}") == "b/runs/x"
+    assert strip_scheme("gs://b/runs/x/") == "b/runs/x" and strip_scheme("file:///tmp/x") == "/tmp/x"
+    s3 = pafs.S3FileSystem(endpoint_override="http://127.0.0.1:9", region="us-east-1")
+    assert filesystem_matches(s3, "s3://b/x") and not filesystem_matches(s3, "gs://b/x")
+    assert not filesystem_matches(s3, "/tmp/x")
+    assert filesystem_matches(pafs.LocalFileSystem(), "/tmp/x")
+    assert filesystem_matches(pafs.LocalFileSystem(), "file:///tmp/x")
