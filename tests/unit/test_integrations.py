@@ -12,6 +12,7 @@ import pytest
 
 from raytrainer import Trainer
 from raytrainer.integrations import get_available_reporting_integrations, get_reporting_integration_callbacks
+from raytrainer.integrations.wandb import wait_for_record_file
 
 TOKEN = "hf_integration_secret_token_123"
 
@@ -101,13 +102,62 @@ def test_wandb_offline_run_is_written(tmp_path, monkeypatch, make_args, make_cla
     trainer = _train(make_args, make_classifier, make_examples, "wandb")
     runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
     assert len(runs) == 1
+    (path,) = glob.glob(os.path.join(runs[0], "run-*.wandb"))
+    # train() returned: the file is complete, its last block (with the exit record) already on disk. Read
+    # once, no waiting: wandb-core writes that block only after finish() returns (see wait_for_record_file).
+    assert wait_for_record_file(path, timeout=0), "train() returned before the W&B record file was written"
     # wandb 0.31 ships no reader for its offline record file (a protobuf log that `wandb sync` uploads);
     # the records hold the keys and JSON values as plain bytes, which is what we check here.
-    with open(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0], "rb") as f:
+    with open(path, "rb") as f:
         records = f.read()
     for key in (b"train/loss", b"eval/loss", b"train/global_step", b"learning_rate", b"unit-run"):
-        assert key in records, key
+        assert key in records, (key, len(records))
     final_eval = _logged(trainer, "eval_loss")[-1][1]
     assert json.dumps(final_eval).encode() in records  # the value logged, as W&B's JSON encodes it
     assert TOKEN.encode() not in records
     assert trainer.state.global_step == 8
+
+
+def test_wandb_wait_for_record_file_returns_once_the_last_block_is_written(tmp_path, monkeypatch):
+    """wandb-core writes a run's last block when it closes the run's stream, just after run.finish()
+    returns: the callback waits for it. Simulated here with a file whose tail arrives late."""
+    import threading
+    import time
+
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="raytrainer-unit", dir=str(tmp_path), reinit="create_new")
+    for step in range(200):  # enough for several 32 KiB blocks, and records split across two blocks
+        run.log({f"train/metric_{k}": step + k / 7 for k in range(20)})
+    finished = run.settings.sync_file
+    run.finish()
+    assert wait_for_record_file(finished)
+    with open(finished, "rb") as f:
+        complete = f.read()
+    block = 32 * 1024
+    assert len(complete) > 3 * block
+
+    late = tmp_path / "late.wandb"
+    late.write_bytes(complete[:len(complete) // block * block])  # the full blocks: written as they fill
+
+    def write_the_rest():
+        with open(late, "ab") as f:
+            f.write(complete[len(complete) // block * block:])  # the last block: when the stream closes
+
+    writer = threading.Timer(0.3, write_the_rest)
+    start = time.monotonic()
+    writer.start()
+    assert wait_for_record_file(str(late))
+    assert time.monotonic() - start >= 0.3
+    writer.join()
+    assert late.read_bytes() == complete
+
+    unfinished = tmp_path / "unfinished.wandb"
+    unfinished.write_bytes(complete[:7])
+    assert not wait_for_record_file(str(unfinished), timeout=0.2)  # never completed: gives up, no error
+    unknown = tmp_path / "unknown.wandb"
+    unknown.write_bytes(b"not a W&B record file")
+    assert not wait_for_record_file(str(unknown))  # a format it does not read: no waiting
+    assert not wait_for_record_file(str(tmp_path / "missing.wandb"))
