@@ -12,18 +12,10 @@ from collections import defaultdict
 
 import torch
 from models import RecordPid, WideDropoutRegressor, make_data
+from test_fsdp import _args  # FSDP full_shard on 2 workers, saving every 5 steps
 
-from raytrainer import Trainer, TrainingArguments
+from raytrainer import Trainer
 from raytrainer.storage import Storage, strip_scheme
-
-
-def _args(out, **kw) -> TrainingArguments:
-    base = {"output_dir": str(out), "num_workers": 2, "per_device_train_batch_size": 4, "num_train_epochs": 3,
-            "learning_rate": 0.02, "optim": "adamw_torch", "save_strategy": "steps", "save_steps": 5,
-            "logging_steps": 3, "disable_tqdm": True, "report_to": "none",
-            "fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": ["Linear"]}}
-    base.update(kw)
-    return TrainingArguments(**base)
 
 
 def _same(a, b):
