@@ -1,8 +1,9 @@
 """Launching a Trainer method on Ray Train worker actors and following it from the driver.
 
 The run spec is the pickled Trainer itself (made once by the preflight), so a subclass's overrides run
-on the workers. While Ray Train's ``fit()`` blocks, a pump thread drains the event channel: worker log
-records are printed, rank 0's callback events are replayed into the driver's display callbacks.
+on the workers; it is put in the object store once and ``train_loop_config`` holds only its reference.
+While Ray Train's ``fit()`` blocks, a pump thread drains the event channel: worker log records are printed,
+rank 0's callback events are replayed into the driver's display callbacks.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 def _worker_main(config: dict) -> None:
     """Entry point of every Ray Train worker."""
+    import ray
+
     from raytrainer.driver.channel import ChannelClient
     from raytrainer.driver.runner import run_rank
     from raytrainer.worker.context import ray_train_context
 
-    trainer = cloudpickle.loads(config.pop("spec"))  # drop the bytes: the model is in `trainer` now
+    trainer = cloudpickle.loads(ray.get(config["spec"]))  # the spec: an object-store reference
     ctx = ray_train_context(trainer.args.use_gpu)
     client = ChannelClient(config["channel"], ctx.rank)
     payload = run_rank(trainer, ctx, client, config["method"], config["kwargs"])
@@ -172,16 +175,20 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     from ray.train import TrainingFailedError
 
     from raytrainer.driver.channel import Channel
-    from raytrainer.driver.ray_runtime import ensure_ray
+    from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray, warn_if_gpus_missing
 
     args = trainer.args
+    check_gpus_before_start(args)
     ensure_ray(args)
+    warn_if_gpus_missing(args)
     datasets = _ray_datasets(trainer, method)
     if datasets:
         _check_cpus_for_ray_data(args)
     channel = Channel.remote()
     pump = _Pump(channel, DriverDisplay(trainer), registry)
-    config = {"spec": spec, "method": method, "kwargs": kwargs, "channel": channel}
+    config = loop_config(ray.put(spec), method, kwargs, channel)
+    logger.debug("run spec: %d bytes in the object store; train_loop_config: %d bytes", len(spec),
+                 len(cloudpickle.dumps(config)))
     started = time.time()
     pump.start()
     try:
@@ -195,6 +202,14 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     ray.kill(channel)
     logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
     return results[0]
+
+
+def loop_config(spec_ref, method: str, kwargs: dict, channel) -> dict:
+    """Ray Train's ``train_loop_config``. Ray keeps a copy of it in the controller and in every worker for the
+    whole run, so it holds a reference to the spec (the pickled Trainer, with its model and datasets) put in
+    the object store once, never the spec itself: each worker fetches the bytes, unpickles them, and drops
+    them."""
+    return {"spec": spec_ref, "method": method, "kwargs": kwargs, "channel": channel}
 
 
 def _ray_datasets(trainer, method: str) -> dict | None:

@@ -46,7 +46,7 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
     for key in ("eval_dataset", "test_dataset"):
         if key in kwargs:
             kwargs[key] = _materialized(kwargs[key])
-    return pickled_spec(trainer, kwargs)
+    return pickled_spec(trainer, kwargs, method)
 
 
 def _materialized(dataset):
@@ -193,9 +193,16 @@ def _check_returns_loss(trainer, dataset) -> None:
 
 
 # -- picklability ------------------------------------------------------------------------------------
-def pickled_spec(trainer, kwargs: dict) -> bytes:
-    """The Trainer pickled for the workers; on failure, the error names the object that fails."""
+def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
+    """The Trainer pickled for the workers; on failure, the error names the object that fails.
+
+    ``train`` with ``model_init`` ships no model: every worker builds its own (``training_loop``), so the
+    driver's instance -- built, as HF does, in ``Trainer.__init__`` -- never crosses the network."""
     shipped = copy.copy(trainer)  # workers may run in another directory: paths become absolute
+    if method == "train" and trainer.model_init is not None:
+        shipped.model = shipped.model_wrapped = None
+        shipped.callback_handler = copy.copy(trainer.callback_handler)
+        shipped.callback_handler.model = None
     shipped.eval_dataset = _materialized(trainer.eval_dataset)
     shipped.args = copy.copy(trainer.args)
     shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)

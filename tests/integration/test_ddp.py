@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from models import LoggingTrainer, Regressor, StopAtStepOnRank, make_data
+from models import LoggingTrainer, Regressor, StopAtStepOnRank, UnusedHead, make_data
 
 from raytrainer import ArgumentParser, Trainer, TrainingArguments
 
@@ -86,8 +86,13 @@ def test_override_stop_and_log_levels_on_two_workers(tmp_path, capfd):
     assert "warning from rank 0" in (logs / "rank-0.log").read_text()
 
 
-def test_predict_two_workers_every_example_once_in_order(tmp_path):
-    """33 examples (odd), eval batch 4 on 2 workers: 33 rows, in dataset order, equal to a local forward."""
+def test_predict_two_workers_every_example_once_in_order(tmp_path, caplog):
+    """33 examples (odd), eval batch 4 on 2 workers: 33 rows, in dataset order, equal to a local forward.
+    Ray Train's train_loop_config (kept by the controller and every worker for the run) holds a reference
+    to the spec, not the spec."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="raytrainer.driver.launch")
     data = make_data(33, seed=3)
     model = Regressor(seed=5)
     with torch.no_grad():
@@ -100,6 +105,9 @@ def test_predict_two_workers_every_example_once_in_order(tmp_path):
     np.testing.assert_array_equal(out.label_ids, [d["labels"] for d in data])
     assert out.metrics["test_loss"] > 0
     assert set(k.split("_")[0] for k in out.metrics) == {"test"}
+    sizes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run spec: ")]
+    spec_bytes, config_bytes = (int(w) for w in sizes[0].replace(";", " ").split() if w.isdigit())
+    assert spec_bytes > 5000 > config_bytes  # the datasets and model go by reference
 
 
 def test_bad_input_fails_on_the_driver_before_any_worker(tmp_path, ray_session):
@@ -173,3 +181,16 @@ def test_auto_find_batch_size_agrees_on_one_size_across_workers(tmp_path, capfd)
     console = "".join(capfd.readouterr())
     assert "batch size 8 does not fit on another worker; trying 7" in console  # rank 0's view
     assert "training with per_device_train_batch_size=5" in console
+
+
+def test_a_parameter_the_loss_does_not_use_trains_on_two_workers(tmp_path):
+    """transformers.Trainer's default, find_unused_parameters=True for such models (ddp_find_unused_parameters
+    unset): the used weights train, the unused head stays as it was."""
+    model = UnusedHead()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model=model, train_dataset=make_data(32),
+                      args=_args(tmp_path, "unused", num_workers=2, max_steps=4))
+    assert trainer.train().global_step == 4
+    after = trainer.model.state_dict()
+    assert torch.equal(after["unused.weight"], before["unused.weight"])
+    assert not torch.equal(after["net.0.weight"], before["net.0.weight"])

@@ -969,3 +969,19 @@ def test_label_smoothing_is_used_in_training_and_evaluation(make_args, make_clas
     with torch.no_grad():
         expected = nn.functional.cross_entropy(model.linear(x), y, label_smoothing=0.3)
     assert metrics["eval_loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_examples):
+    """train() with model_init: the workers build the model, so the spec the driver ships holds no weights
+    (evaluate/predict need the trained model, and ship it)."""
+    from raytrainer.driver.preflight import pickled_spec
+
+    def big():  # 1M parameters: 4 MB of float32 weights
+        return nn.Sequential(nn.Linear(4, 1000), nn.Linear(1000, 996), nn.Linear(996, 3))
+
+    data, _, _ = make_examples(16)
+    trainer = Trainer(model_init=big, args=make_args(num_workers=2), train_dataset=data)
+    kwargs = {"resume_from_checkpoint": None, "trial": None, "ignore_keys_for_eval": None}
+    assert len(pickled_spec(trainer, kwargs, "train")) < 200_000
+    assert len(pickled_spec(trainer, {}, "evaluate")) > 4_000_000
+    assert trainer.model is not None and trainer.callback_handler.model is trainer.model  # the driver's own
