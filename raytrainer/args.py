@@ -387,7 +387,9 @@ class TrainingArguments:
         },
     )
     ddp_find_unused_parameters: bool | None = field(
-        default=None, metadata={"help": "find_unused_parameters passed to DistributedDataParallel."}
+        default=None,
+        metadata={"help": "find_unused_parameters passed to DistributedDataParallel; unset: True, except for "
+                          "a transformers model with gradient checkpointing (transformers' rule)."},
     )
     ddp_bucket_cap_mb: int | None = field(
         default=None, metadata={"help": "bucket_cap_mb passed to DistributedDataParallel."}

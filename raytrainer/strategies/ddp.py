@@ -13,7 +13,7 @@ class DDPStrategy(Strategy):
 
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.ctx.device)
-        kwargs = {"find_unused_parameters": bool(self.args.ddp_find_unused_parameters)}
+        kwargs = {"find_unused_parameters": find_unused_parameters(self.args, model)}
         if self.args.ddp_bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.args.ddp_bucket_cap_mb
         if self.args.ddp_broadcast_buffers is not None:
@@ -27,3 +27,15 @@ class DDPStrategy(Strategy):
 
     def no_sync(self, model: torch.nn.Module, sync: bool):
         return super().no_sync(model, sync) if sync else model.no_sync()
+
+
+def find_unused_parameters(args, model: torch.nn.Module) -> bool:
+    """transformers.Trainer's rule: ``ddp_find_unused_parameters`` when set; else True -- a head whose
+    parameters the loss does not use (a pooler, say) would otherwise stop DDP at the next step with
+    "Expected to have finished reduction" -- except for a transformers model with gradient checkpointing,
+    which that search breaks."""
+    if args.ddp_find_unused_parameters is not None:
+        return bool(args.ddp_find_unused_parameters)
+    if any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
+        return not getattr(model, "is_gradient_checkpointing", False)
+    return True

@@ -171,3 +171,12 @@ class WideDropoutRegressor(torch.nn.Module):
     def forward(self, x, labels=None):
         logits = self.net(x)
         return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+class UnusedHead(Regressor):
+    """A head the loss never uses (as a pooler in a token-classification model): DDP must be told to look
+    for unused parameters, or the second step fails with "Expected to have finished reduction"."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.unused = torch.nn.Linear(16, 2)

@@ -266,3 +266,24 @@ def test_bf16_turns_on_a_missing_deepspeed_bf16_section(tmp_path):
     assert fill_from_args(args.deepspeed, args, 2)["bf16"] == {"enabled": True}
     plain = _ds_args(tmp_path, {"zero_optimization": {"stage": 3}}, bf16=False)
     assert "bf16" not in fill_from_args(plain.deepspeed, plain, 2)
+
+
+def test_find_unused_parameters_follows_transformers_rule():
+    from types import SimpleNamespace
+
+    from raytrainer.strategies.ddp import find_unused_parameters
+
+    class PreTrainedModel(torch.nn.Module):  # stands for transformers' base class (matched by name)
+        is_gradient_checkpointing = False
+
+    class Bert(PreTrainedModel):
+        pass
+
+    unset = SimpleNamespace(ddp_find_unused_parameters=None)
+    off = SimpleNamespace(ddp_find_unused_parameters=False)
+    assert find_unused_parameters(unset, torch.nn.Linear(2, 2)) is True
+    assert find_unused_parameters(unset, Bert()) is True
+    checkpointing = Bert()
+    checkpointing.is_gradient_checkpointing = True
+    assert find_unused_parameters(unset, checkpointing) is False
+    assert find_unused_parameters(off, torch.nn.Linear(2, 2)) is False
