@@ -22,6 +22,40 @@ def cpus_needed(args) -> float:
     return args.num_workers * per_worker
 
 
+def gpus_needed(args) -> float:
+    return args.num_workers * (args.resources_per_worker or {}).get("GPU", 1) if args.use_gpu else 0
+
+
+def check_gpus_before_start(args) -> None:
+    """``use_gpu=True`` where raytrainer would start a local Ray instance on a machine without enough GPUs:
+    an error now, naming the fix, instead of a run that waits forever for resources that cannot come."""
+    import ray
+
+    needed = gpus_needed(args)
+    if not needed or ray.is_initialized() or args.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < needed:
+        raise ValueError(
+            f"use_gpu=True asks for {needed:g} GPUs ({args.num_workers} workers), but this machine has "
+            f"{have}, and without ray_address / RAY_ADDRESS raytrainer starts a local Ray instance here. Run "
+            "on a machine with GPUs, give a cluster's address (ray_address= or RAY_ADDRESS), or set "
+            "use_gpu=False.")
+
+
+def warn_if_gpus_missing(args) -> None:
+    """On a running Ray instance with fewer GPUs than asked, Ray Train waits: for an autoscaler to add GPU
+    nodes on a cluster -- or forever. Say so once, with the numbers."""
+    import ray
+
+    needed, have = gpus_needed(args), ray.cluster_resources().get("GPU", 0)
+    if needed and have < needed:
+        logger.warning("use_gpu=True: the workers need %g GPUs and the Ray cluster has %g now; the run waits "
+                       "until an autoscaler adds GPU nodes (without one it never starts).", needed, have)
+
+
 def ensure_ray(args) -> None:
     """Attach to the cluster in ``ray_address`` / ``RAY_ADDRESS``, or start a local instance."""
     import ray

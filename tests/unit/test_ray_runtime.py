@@ -15,3 +15,26 @@ def test_hub_tokens_are_out_of_the_environment_ray_inherits_and_back_after(monke
         assert "HF_TOKEN" not in os.environ and "HUGGING_FACE_HUB_TOKEN" not in os.environ
         assert os.environ["KEEP_ME"] == "1"
     assert os.environ["HF_TOKEN"] == "hf_secret" and os.environ["HUGGING_FACE_HUB_TOKEN"] == "hf_other"
+
+
+def test_use_gpu_without_gpus_fails_before_ray_starts(monkeypatch, make_args, make_classifier, make_examples):
+    """On this CPU machine, with no cluster address, raytrainer would start a local Ray instance that can
+    never hold a GPU worker: the error comes at once, and no Ray instance is started."""
+    import time
+
+    import pytest
+    import ray
+    import torch
+
+    from raytrainer import Trainer
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert torch.cuda.device_count() == 0
+    data, _, _ = make_examples(16)
+    args = make_args(num_workers=2, use_gpu=True)
+    trainer = Trainer(model=make_classifier(), args=args, train_dataset=data)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"use_gpu=True asks for 2 GPUs \(2 workers\), but this machine "
+                                         r"has 0.*ray_address.*use_gpu=False"):
+        trainer.train()
+    assert time.monotonic() - started < 5 and not ray.is_initialized()
