@@ -28,10 +28,12 @@ def _worker_main(config: dict) -> None:
     from raytrainer.driver.runner import run_rank
     from raytrainer.worker.context import ray_train_context
 
-    trainer = cloudpickle.loads(ray.get(config["spec"]))  # the spec: an object-store reference
+    spec, kwargs = ray.get(config["spec"])  # an object-store reference: the bytes are fetched here
+    trainer = cloudpickle.loads(spec)
+    del spec
     ctx = ray_train_context(trainer.args.use_gpu)
     client = ChannelClient(config["channel"], ctx.rank)
-    payload = run_rank(trainer, ctx, client, config["method"], config["kwargs"])
+    payload = run_rank(trainer, ctx, client, config["method"], kwargs)
     client.set_result(payload)
 
 
@@ -186,7 +188,7 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
         _check_cpus_for_ray_data(args)
     channel = Channel.remote()
     pump = _Pump(channel, DriverDisplay(trainer), registry)
-    config = loop_config(ray.put(spec), method, kwargs, channel)
+    config = loop_config(ray.put((spec, kwargs)), method, channel)
     logger.debug("run spec: %d bytes in the object store; train_loop_config: %d bytes", len(spec),
                  len(cloudpickle.dumps(config)))
     started = time.time()
@@ -204,12 +206,12 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     return results[0]
 
 
-def loop_config(spec_ref, method: str, kwargs: dict, channel) -> dict:
+def loop_config(spec_ref, method: str, channel) -> dict:
     """Ray Train's ``train_loop_config``. Ray keeps a copy of it in the controller and in every worker for the
-    whole run, so it holds a reference to the spec (the pickled Trainer, with its model and datasets) put in
-    the object store once, never the spec itself: each worker fetches the bytes, unpickles them, and drops
-    them."""
-    return {"spec": spec_ref, "method": method, "kwargs": kwargs, "channel": channel}
+    whole run, so it holds a reference to the spec -- the pickled Trainer (model, datasets) and the method's
+    arguments (predict's dataset, say), put in the object store once -- never the spec itself: each worker
+    fetches the bytes, unpickles them, and drops them."""
+    return {"spec": spec_ref, "method": method, "channel": channel}
 
 
 def _ray_datasets(trainer, method: str) -> dict | None:
