@@ -96,6 +96,12 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "Path to a checkpoint folder to resume training from."}
     )
+    restore_callback_states_from_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "On resume, restore the saved state of stateful callbacks (EarlyStoppingCallback, "
+                          "the TrainerControl, ...) also passed to this Trainer, as transformers does. A "
+                          "restart after a worker failure (max_failures) always restores them."},
+    )
 
     # --- Evaluation ---
     eval_strategy: IntervalStrategy | str = field(

@@ -214,6 +214,16 @@ class Trainer:
                                      hp_name, **kwargs)
 
     # -- model -------------------------------------------------------------------------------------
+    def _load_callback_state(self) -> None:
+        """On resume, with ``restore_callback_states_from_checkpoint``: the saved states of the callbacks
+        (and the TrainerControl) in ``self.state.stateful_callbacks`` replace those passed in."""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        from raytrainer.worker.checkpointing import restore_callbacks
+
+        self.control = restore_callbacks(self.state.stateful_callbacks, self.callback_handler, self.control,
+                                         logger)
+
     def call_model_init(self, trial=None) -> torch.nn.Module:
         n_args = len(inspect.signature(self.model_init).parameters)
         if n_args == 0:

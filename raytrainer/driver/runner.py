@@ -69,7 +69,7 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     trainer._ctx = ctx
     if channel is not None:
         trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
-        kwargs = _after_restart(ctx, channel, method, kwargs)
+        kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
         # Display callbacks run on the driver; rank 0 relays the events they need.
         driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
         for cb in driver_side:
@@ -91,13 +91,14 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     return {"output": output, "state": trainer.state.to_dict(), "weights": weights}
 
 
-def _after_restart(ctx, channel, method: str, kwargs: dict) -> dict:
+def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
     latest checkpoint this run committed, if any."""
     attempt, latest = channel.begin_attempt() if ctx.is_world_zero else (0, None)
     attempt, latest = ctx.broadcast_object((attempt, latest))
     if method == "train" and attempt > 0 and latest:
         logging.getLogger(__name__).warning("restart %d: resuming from %s", attempt, latest)
+        trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted
         return {**kwargs, "resume_from_checkpoint": latest}
     return kwargs
 

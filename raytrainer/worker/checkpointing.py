@@ -18,6 +18,7 @@ A save is two phases, so the training loop only waits for an in-memory copy of t
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ import threading
 
 import torch
 
-from raytrainer.callbacks import ExportableState, TrainerState
+from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
 from raytrainer.checkpoint import (
     CheckpointReader,
     digest_files,
@@ -37,6 +38,8 @@ from raytrainer.checkpoint import (
 )
 from raytrainer.storage import Storage
 from raytrainer.worker.saving import TRAINER_STATE_NAME, save_model_files
+
+logger = logging.getLogger(__name__)
 
 
 def rng_file(rank: int) -> str:
@@ -186,8 +189,8 @@ class CheckpointWriter:
                 snap.scaler = _copy_tensors(t._strategy.precision.state_dict()) or None
             if state.best_global_step == state.global_step:
                 state.best_model_checkpoint = self.storage.uri_of(name)
-            state.stateful_callbacks = TrainerState._export_callbacks(
-                [cb for cb in t.callback_handler.callbacks if isinstance(cb, ExportableState)])
+            state.stateful_callbacks = TrainerState._export_callbacks(  # the control too, as transformers
+                [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)])
             snap.trainer_state = state.to_json_string()
             if t.processing_class is not None and hasattr(t.processing_class, "save_pretrained"):
                 t.processing_class.save_pretrained(stage)  # rare and small: written right away
@@ -273,18 +276,35 @@ class Resume:
         """A strategy's own training state: the files in sub-folders (optimizer_0/, global_step<N>/)."""
         return sorted(n for n in self.reader.files if "/" in n)
 
-    def restore_callbacks(self, callbacks) -> None:
-        stored = self.state.stateful_callbacks or {}
-        for cb in callbacks:
-            if isinstance(cb, ExportableState) and type(cb).__name__ in stored:
-                entry = stored[type(cb).__name__]
-                entry = entry[0] if isinstance(entry, list) else entry
-                for key, value in entry.get("attributes", {}).items():
-                    setattr(cb, key, value)
-
     def restore_rng(self) -> None:
         name = rng_file(self.rank)
         if not self.reader.has(name):  # a different number of ranks than at save time
             name = rng_file(0)
         if self.reader.has(name):
             restore_rng_state(self.reader.read(name))
+
+
+def restore_callbacks(stored: dict | None, handler, control, log=logger):
+    """transformers' rule (``restore_callback_states_from_checkpoint``): each saved callback state whose
+    class is among the Trainer's callbacks (or is the TrainerControl) is rebuilt from its saved constructor
+    arguments and attributes and replaces those instances, in place; several instances of one class are
+    matched in order. Returns the control to train with."""
+    not_found = []
+    for name, data in (stored or {}).items():
+        data = data if isinstance(data, list) else [data]
+        present = [cb for cb in [*handler.callbacks, control] if type(cb).__name__ == name]
+        if not present:
+            not_found.append(name)
+            continue
+        for callback, saved in zip(present, data):
+            rebuilt = type(callback)(**saved.get("args", {}))
+            for key, value in saved.get("attributes", {}).items():
+                setattr(rebuilt, key, value)
+            if isinstance(callback, TrainerControl):
+                control = rebuilt
+            else:
+                handler.callbacks[handler.callbacks.index(callback)] = rebuilt
+    if not_found:
+        log.warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
+                    f"({', '.join(not_found)})")
+    return control

@@ -115,9 +115,11 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     state.max_steps, state.num_train_epochs = schedule.max_steps, schedule.num_epochs
     handler = trainer.callback_handler
     epochs_trained, skip_updates = 0, 0
+    control = trainer.control = TrainerControl()
     if resume is not None:
         _restore_state(state, resume.state)
-        resume.restore_callbacks(handler.callbacks)
+        trainer._load_callback_state()  # with restore_callback_states_from_checkpoint, as transformers
+        control = trainer.control
         epochs_trained, skip_updates = divmod(state.global_step, schedule.updates_per_epoch)
         if args.ignore_data_skip:
             skip_updates = 0
@@ -126,7 +128,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     handler.model, handler.optimizer, handler.lr_scheduler = trainer.model, optimizer, scheduler
     handler.train_dataloader = train_dataloader
 
-    control = trainer.control = handler.on_train_begin(args, state, TrainerControl())
+    control = trainer.control = handler.on_train_begin(args, state, control)
     tr_loss = torch.zeros((), device=ctx.device)
     loop = _LogState(total_loss=0.0, last_logged=0, grad_norm=None)
     strategy.zero_grad(wrapped)

@@ -236,7 +236,7 @@ def test_a_failed_upload_is_an_error_naming_files_and_destination(tmp_path):
 def test_early_stopping_state_survives_resume(tmp_path):
     from raytrainer import EarlyStoppingCallback
 
-    def run(out, **kw):
+    def run(out, restore=False, **kw):
         calls = {"n": 0}
 
         def worsening(pred):  # each evaluation scores worse than the one before (lower is better)
@@ -248,11 +248,17 @@ def test_early_stopping_state_survives_resume(tmp_path):
                           callbacks=[EarlyStoppingCallback(early_stopping_patience=3)],
                           args=args(out, eval_strategy="steps", eval_steps=2, save_steps=2,
                                     metric_for_best_model="score", greater_is_better=False,
-                                    load_best_model_at_end=True))
+                                    load_best_model_at_end=True,
+                                    restore_callback_states_from_checkpoint=restore))
         return trainer.train(**kw)
 
     assert run(tmp_path / "full").global_step == 8  # best at 2, then 3 evaluations without improvement
     # resumed at 6 with the callback's counter (2) and best score (1.0) restored: the next evaluation
     # (scoring 1.0 again, no improvement) is the third without improvement -> stop at 8, not 12
-    resumed = run(tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
+    checkpoint = str(tmp_path / "full" / "checkpoint-6")
+    resumed = run(tmp_path / "resumed", restore=True, resume_from_checkpoint=checkpoint)
     assert resumed.global_step == 8
+    # transformers' default (restore_callback_states_from_checkpoint=False): the callback starts afresh,
+    # its counter reaches 3 at the third evaluation after the resume (steps 8, 10, 12)
+    fresh = run(tmp_path / "fresh", resume_from_checkpoint=checkpoint)
+    assert fresh.global_step == 12
