@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> float:
         "output_dir": "demo_output", "num_workers": 2, "num_train_epochs": 8,
         "per_device_train_batch_size": 32, "per_device_eval_batch_size": 64, "learning_rate": 5e-3,
         "eval_strategy": "epoch", "logging_steps": 10, "save_strategy": "no",
+        # the MLP uses every parameter: no per-step search for unused ones (transformers' default searches)
+        "ddp_find_unused_parameters": False,
     }
     parser = ArgumentParser((DemoArguments, TrainingArguments))
     parser.set_defaults(**defaults)
