@@ -388,6 +388,17 @@ class Trainer:
     def _get_learning_rate(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    def get_num_trainable_parameters(self) -> int:
+        """The number of parameters that require gradients (as transformers.Trainer)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each of the optimizer's parameter groups (as transformers.Trainer)."""
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer "
+                             "before.")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
     # -- one step --------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
         device = self._ctx.device if self._ctx is not None else torch.device("cpu")

@@ -985,3 +985,16 @@ def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_exam
     assert len(pickled_spec(trainer, kwargs, "train")) < 200_000
     assert len(pickled_spec(trainer, {}, "evaluate")) > 4_000_000
     assert trainer.model is not None and trainer.callback_handler.model is trainer.model  # the driver's own
+
+
+def test_trainable_parameters_and_learning_rates(make_args, make_examples):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    trainer = Trainer(model=model, args=make_args(), train_dataset=make_examples(8)[0])
+    assert trainer.get_num_trainable_parameters() == (4 * 8 + 8) + (8 * 3 + 3)
+    for p in model[-1].parameters():
+        p.requires_grad = False
+    assert trainer.get_num_trainable_parameters() == 4 * 8 + 8
+    with pytest.raises(ValueError, match="optimizer is None"):
+        trainer.get_learning_rates()
+    trainer.create_optimizer()
+    assert trainer.get_learning_rates() == [trainer.args.learning_rate] * len(trainer.optimizer.param_groups)
