@@ -17,6 +17,9 @@ _LOCAL_ENV = {
 }
 
 
+_STARTED_HERE = False  # this process started the local Ray instance it uses (no autoscaler behind it)
+
+
 def cpus_needed(args) -> float:
     per_worker = (args.resources_per_worker or {}).get("CPU", 1)
     return args.num_workers * per_worker
@@ -27,20 +30,29 @@ def gpus_needed(args) -> float:
 
 
 def check_gpus_before_start(args) -> None:
-    """``use_gpu=True`` where raytrainer would start a local Ray instance on a machine without enough GPUs:
-    an error now, naming the fix, instead of a run that waits forever for resources that cannot come."""
+    """``use_gpu=True`` where no GPU can come -- on a local Ray instance (the one raytrainer starts when no
+    address is given, or one it started earlier in this process) without enough GPUs: an error now, naming
+    the fix, instead of a run that waits forever for resources. A cluster may add GPU nodes (an autoscaler):
+    there ``warn_if_gpus_missing`` only warns."""
     import ray
 
     needed = gpus_needed(args)
-    if not needed or ray.is_initialized() or args.ray_address or os.environ.get("RAY_ADDRESS"):
+    if not needed:
         return
-    import torch
+    if ray.is_initialized():
+        if not _STARTED_HERE:
+            return
+        have, where = ray.cluster_resources().get("GPU", 0), "the local Ray instance raytrainer started has"
+    elif args.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    else:
+        import torch
 
-    have = torch.cuda.device_count()
+        have = torch.cuda.device_count()
+        where = "this machine (where raytrainer starts a local Ray instance without ray_address) has"
     if have < needed:
         raise ValueError(
-            f"use_gpu=True asks for {needed:g} GPUs ({args.num_workers} workers), but this machine has "
-            f"{have}, and without ray_address / RAY_ADDRESS raytrainer starts a local Ray instance here. Run "
+            f"use_gpu=True asks for {needed:g} GPUs ({args.num_workers} workers), but {where} {have:g}. Run "
             "on a machine with GPUs, give a cluster's address (ray_address= or RAY_ADDRESS), or set "
             "use_gpu=False.")
 
@@ -73,6 +85,8 @@ def ensure_ray(args) -> None:
     # would wait forever behind training workers holding every CPU of a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999) + 2)
     logger.info("starting a local Ray instance with %d CPUs", num_cpus)
+    global _STARTED_HERE
+    _STARTED_HERE = True
     # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
     with _without_secrets():  # only the driver pushes to the Hub: its processes need no token
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,

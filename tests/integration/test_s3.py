@@ -76,3 +76,32 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
         assert own == sizes[f"optimizer_0/__{rank}_0.distcp"], (rank, dict(reads[rank]))  # once, whole
         assert foreign < sizes[f"optimizer_0/__{other}_0.distcp"] / 4, (rank, dict(reads[rank]))  # slices
         assert reads[rank][f"{prefix}rng_state_{other}.safetensors"] == 0  # each rank its own RNG state
+
+
+def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_partition(tmp_path, s3_bucket):
+    """DeepSpeed's loader reads files by path: from a bucket each rank downloads (verified) its own ZeRO
+    partition files and the shared ones, none of the other rank's; the resume is bitwise."""
+    from test_deepspeed import _args as ds_args
+
+    uri = f"{s3_bucket.uri}/runs/zero3"
+    data = make_data(48)
+    full = Trainer(model=WideDropoutRegressor(), train_dataset=data,
+                   args=ds_args(tmp_path / "full", 3, bf16=True, storage_path=uri))
+    assert full.train().global_step == 18
+    files = s3_bucket.committed("runs/zero3")["checkpoint-10"]["files"]
+    partitions = {r: {n for n in files if f"zero_pp_rank_{r}_" in n} for r in (0, 1)}
+    assert partitions[0] and partitions[1]
+
+    s3_bucket.server.clear_requests()
+    fresh_dir = tmp_path / "fresh"
+    fresh = Trainer(model=WideDropoutRegressor(), train_dataset=data, callbacks=[RecordPid()],
+                    args=ds_args(fresh_dir, 3, bf16=True, save_strategy="no"))
+    fresh.train(resume_from_checkpoint=f"{uri}/checkpoint-10")
+    _same(full.model, fresh.model)
+    reads = _reads_by_rank(s3_bucket.server.requests(), str(fresh_dir))
+    prefix = "runs/zero3/checkpoint-10/"
+    for rank, other in ((0, 1), (1, 0)):
+        for name in partitions[rank]:
+            assert reads[rank][prefix + name] == files[name]["size"], (rank, name)  # once, whole
+        for name in partitions[other]:
+            assert reads[rank][prefix + name] == 0, (rank, name)
