@@ -51,10 +51,13 @@ def step_of(name: str) -> int | None:
 
 
 # -- manifest ------------------------------------------------------------------------------------------
-def _sha256(stream) -> str:
+def _sha256(stream, sink=None) -> str:
+    """The stream's sha256, read in 4 MiB blocks; each block also goes to ``sink`` when given."""
     h = hashlib.sha256()
     for block in iter(lambda: stream.read(1 << 22), b""):
         h.update(block)
+        if sink is not None:
+            sink.write(block)
     return h.hexdigest()
 
 
@@ -189,12 +192,9 @@ class CheckpointReader:
     def download(self, name: str, dest: str) -> None:
         """One file to a local path, streamed and hashed on the way: a mismatch leaves no file behind."""
         os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-        h = hashlib.sha256()
         with self.storage.fs.open_input_stream(self.storage.path(name)) as src, open(dest, "wb") as out:
-            for block in iter(lambda: src.read(1 << 22), b""):
-                h.update(block)
-                out.write(block)
-        if h.hexdigest() != self.files[name]["sha256"]:
+            digest = _sha256(src, sink=out)
+        if digest != self.files[name]["sha256"]:
             os.remove(dest)
             raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
 
