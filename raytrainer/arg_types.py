@@ -255,9 +255,14 @@ def check_optim_features(args) -> None:
             raise _error("optim", name,
                          "GaLore projects whole weight matrices; sharded strategies split them",
                          "use GaLore with DDP (or one worker), or another optimizer with FSDP/DeepSpeed")
-    if args.tf32 and not args.use_gpu:
+    if args.tf32 and args.num_workers > 0 and not args.use_gpu:
         raise _error("tf32", True, "is a GPU (Ampere or newer) setting, but use_gpu=False",
                      "pass --use_gpu true on a GPU cluster, or drop --tf32")
+    if args.tf32 and args.num_workers == 0 and args.device.type != "cuda":
+        where = "use_cpu=True" if args.use_cpu else "it has no CUDA device"
+        raise _error("tf32", True, "is a GPU (Ampere or newer) setting, but with num_workers=0 training runs "
+                     f"in this process, and {where}",
+                     "run on a machine with a GPU, or drop --tf32")
     if args.fp16_full_eval and args.bf16_full_eval:
         raise _error("fp16_full_eval", True, "cannot be combined with bf16_full_eval=True",
                      "pass only one of --fp16_full_eval and --bf16_full_eval")

@@ -466,6 +466,7 @@ class TrainingArguments:
         self._process_index = 0
         self._local_process_index = 0
         self._node_rank = 0
+        self._device = None
 
     def _fill_defaults(self) -> None:
         if self.output_dir is None:
@@ -685,7 +686,8 @@ class TrainingArguments:
 
     # --- The process view ----------------------------------------------------------------------------------
 
-    def _set_process(self, world_size: int, rank: int, local_rank: int, node_rank: int) -> None:
+    def _set_process(self, world_size: int, rank: int, local_rank: int, node_rank: int,
+                     device=None) -> None:
         """Record which process of the run this copy lives in (called by each worker)."""
         if not (world_size >= 1 and 0 <= rank < world_size and 0 <= local_rank <= rank and node_rank >= 0):
             raise ValueError(
@@ -696,6 +698,7 @@ class TrainingArguments:
         self._process_index = rank
         self._local_process_index = local_rank
         self._node_rank = node_rank
+        self._device = device
 
     @property
     def world_size(self) -> int:
@@ -721,6 +724,21 @@ class TrainingArguments:
     def eval_batch_size(self) -> int:
         """The batch size of one evaluation step on one worker."""
         return self.per_device_eval_batch_size
+
+    @property
+    def device(self):
+        """The device this process trains on (transformers' name): a worker's own device; on the driver,
+        its GPU when it has one and ``use_cpu`` is off (where a ``num_workers=0`` run trains)."""
+        if getattr(self, "_device", None) is not None:
+            return self._device
+        from raytrainer.worker.context import local_device
+
+        return local_device(self)
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 on a CUDA device, else 0 (one device per process, as under DDP)."""
+        return int(self.device.type == "cuda")
 
     @property
     def ddp_timeout_delta(self) -> timedelta:

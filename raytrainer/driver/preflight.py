@@ -16,11 +16,16 @@ import torch
 from torch.utils.data import IterableDataset
 
 from raytrainer import data as rdata
+from raytrainer.deps import require
 from raytrainer.trainer_utils import has_length
 
 
 def check(trainer, method: str, kwargs: dict) -> bytes | None:
     args = trainer.args
+    if args.num_workers > 0:
+        require("ray.train", f"num_workers={args.num_workers} (training on Ray Train workers)")
+    if args.deepspeed:
+        require("deepspeed", "--deepspeed")
     if any(rdata.is_ray_dataset(d) for d in (trainer.train_dataset, trainer.eval_dataset, *kwargs.values())):
         # Ray Data would start Ray on its own (with no spare CPUs) on first use: start it our way first.
         from raytrainer.driver.ray_runtime import ensure_ray

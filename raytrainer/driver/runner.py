@@ -40,7 +40,7 @@ def run(trainer, method: str, kwargs: dict):
 
 
 def _run_local(trainer, method: str, kwargs: dict, registry: CheckpointRegistry):
-    ctx = local_context(trainer.args.use_gpu)
+    ctx = local_context(trainer.args)
     trainer._checkpoint_sink = registry.add
     try:
         return run_rank(trainer, ctx, None, method, kwargs)["output"]
@@ -65,7 +65,7 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     """What every rank does: take its place, route its logs, run ``method``, hand back its part."""
     from raytrainer.worker.relay import RelayCallback
 
-    trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank)
+    trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
     trainer._ctx = ctx
     if channel is not None:
         trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+from raytrainer.deps import require
 from raytrainer.storage import join_uri
 
 logger = logging.getLogger(__name__)
@@ -104,16 +105,19 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
 
 
 def pick_backend(backend: str | None) -> str:
+    """HF's choice: the backend asked for, else optuna when installed, else Ray Tune."""
     if backend is None:
         try:
             import optuna  # noqa: F401
 
             return "optuna"
         except ImportError:
-            return "ray"
-    name = getattr(backend, "value", backend)
-    if name not in ("optuna", "ray"):
-        raise ValueError(f"backend={backend!r}: raytrainer searches with backend='optuna' or 'ray'.")
+            name = "ray"
+    else:
+        name = getattr(backend, "value", backend)
+        if name not in ("optuna", "ray"):
+            raise ValueError(f"backend={backend!r}: raytrainer searches with backend='optuna' or 'ray'.")
+    require("optuna" if name == "optuna" else "ray.tune", f"hyperparameter_search(backend={name!r})")
     return name
 
 

@@ -93,7 +93,11 @@ def ray_train_context(use_gpu: bool) -> RankContext:
     )
 
 
-def local_context(use_gpu: bool) -> RankContext:
-    """The context of the driver's own process (``num_workers=0``)."""
-    device = torch.device("cuda") if use_gpu and torch.cuda.is_available() else torch.device("cpu")
-    return RankContext(device=device)
+def local_context(args) -> RankContext:
+    """The context of the driver's own process (``num_workers=0``): its GPU when it has one and
+    ``use_cpu`` is off, as transformers.Trainer places a one-process run."""
+    return RankContext(device=local_device(args))
+
+
+def local_device(args) -> torch.device:
+    return torch.device("cuda") if not args.use_cpu and torch.cuda.is_available() else torch.device("cpu")

@@ -138,6 +138,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     # Count label tokens only when something uses the count (HF's loss normalisation, or an override).
     count_items = normalised_loss or (trainer._overrides("compute_loss")
                                       and trainer._compute_loss_takes_num_items())
+    shifted = count_items and _loss_shifts_labels(trainer.model)
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
     must_sync = ctx.distributed and not all(
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
@@ -168,13 +169,15 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 resume.restore_rng()  # after the skipped batches: the next step draws what it drew
             control = trainer.control = handler.on_step_begin(args, state, control)
             trainer._micro_steps = len(micro)
-            num_items = _num_items_in_batch(micro, args, ctx, normalised_loss) if count_items else None
+            num_items = (_num_items_in_batch(micro, args, ctx, normalised_loss, shifted)
+                         if count_items else None)
             for i, inputs in enumerate(micro):
                 last = i == len(micro) - 1
                 with strategy.no_sync(wrapped, sync=last):
                     loss = trainer.training_step(model, inputs, num_items)
-                if args.logging_nan_inf_filter and not torch.isfinite(loss):
-                    loss = tr_loss / (1 + state.global_step - loop.last_logged)  # keep the running mean
+                if args.logging_nan_inf_filter:  # a non-finite loss adds the running mean (no host sync)
+                    loss = torch.where(torch.isfinite(loss), loss,
+                                       tr_loss / (1 + state.global_step - loop.last_logged))
                 tr_loss = tr_loss + loss
                 state.total_flos += float(trainer.floating_point_ops(inputs))
                 samples_seen += batch_size_of(inputs, default=0)
@@ -293,15 +296,35 @@ def _restore_state(state: TrainerState, saved: TrainerState) -> None:
         setattr(state, name, getattr(saved, name))
 
 
-def _num_items_in_batch(micro: list, args, ctx, global_count: bool) -> int | None:
-    """Label tokens (not -100) in one accumulation window; summed across ranks (one all-reduce) only
-    when the loss is normalised by it and ``average_tokens_across_devices`` is on."""
+def _loss_shifts_labels(model) -> bool:
+    """transformers' rule: a causal-LM loss (``ForCausalLMLoss``, not an encoder-decoder) predicts label i+1
+    at position i, so position 0 of each row is never a target and is not counted."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+
+
+def _num_items_in_batch(micro: list, args, ctx, global_count: bool, shifted: bool = False) -> int | None:
+    """Label tokens (not -100) in one accumulation window, counted as transformers does (``shift_labels``
+    when the batch has them, else ``labels[..., 1:]`` for a loss that shifts, else ``labels``); summed across
+    ranks (one all-reduce) only when the loss is normalised by it and ``average_tokens_across_devices``."""
     if not micro or "labels" not in micro[0]:
         return None
-    count = sum(int(b["labels"].ne(-100).sum()) for b in micro)
+    count = sum(int(_targets(b, shifted).ne(-100).sum()) for b in micro)
     if global_count and args.average_tokens_across_devices and ctx.world_size > 1:
         count = int(ctx.sum([float(count)])[0])
     return count
+
+
+def _targets(batch, shifted: bool):
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return batch["labels"][..., 1:] if shifted else batch["labels"]
 
 
 def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:

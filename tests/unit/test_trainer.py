@@ -206,6 +206,28 @@ def test_compute_loss_func_receives_num_items_in_batch(make_args, make_classifie
     assert received[0] + received[2] == 6
 
 
+def test_causal_lm_loss_counts_shifted_labels_as_transformers(make_args):
+    """A causal LM's loss predicts token i+1 at position i: transformers counts ``labels[..., 1:]`` for
+    ``num_items_in_batch``. The logged loss of a one-batch step is then the model's own mean loss on that
+    batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                         max_position_embeddings=16))
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    ids[0, 10:] = -100  # padding in the labels: not counted either
+    with torch.no_grad():
+        expected = model(input_ids=ids.clamp(min=0), labels=ids).loss.item()
+    dataset = [{"input_ids": row.clamp(min=0), "labels": row} for row in ids]
+    args = make_args(per_device_train_batch_size=4, max_steps=1, logging_steps=1, learning_rate=1e-3)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == [pytest.approx(expected, abs=2e-4)]  # counting every position: 54/58 of it
+
+
 # -- 2. gradient accumulation --------------------------------------------------------------------------------
 class DigitsClassifier(nn.Module):
     def __init__(self):
