@@ -57,6 +57,8 @@ SIDES = {
 VARIANTS = {
     "plain_compile": ("hand-written loop + torch.compile", {"compile": True}),
     "rt0_compile": ("raytrainer num_workers=0, torch_compile=True", {"compile": True}),
+    "rt1_compile": ("raytrainer num_workers=1 (Ray Train worker), torch_compile=True",
+                    {"num_workers": 1, "compile": True}),
     "rt0_unfused": ("raytrainer num_workers=0, optim=adamw_torch (foreach, not fused)",
                     {"optim": "adamw_torch"}),
     "rt0_nopin": ("raytrainer num_workers=0, dataloader_pin_memory=False", {"pin_memory": False}),

@@ -130,7 +130,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
 
     control = trainer.control = handler.on_train_begin(args, state, control)
     tr_loss = torch.zeros((), device=ctx.device)
-    loop = _LogState(total_loss=0.0, last_logged=0, grad_norm=None)
+    # a resumed run logs its first loss over the steps since the resume (as transformers)
+    loop = _LogState(total_loss=0.0, last_logged=state.global_step, grad_norm=None)
     strategy.zero_grad(wrapped)
     ga = args.gradient_accumulation_steps
     samples_seen = 0

@@ -182,15 +182,13 @@ def test_torch_compile_trains_the_compiled_graph(tmp_path):
 
     torch._dynamo.reset()
     counters.clear()
-    eager = Trainer(model=tiny_llama(), args=make_args(tmp_path / "eager", max_steps=8),
-                    train_dataset=token_data())
+    eager = Trainer(model=tiny_llama(), args=make_args(tmp_path / "eager"), train_dataset=token_data())
     eager.train()
-    compiled = Trainer(model=tiny_llama(),
-                       args=make_args(tmp_path / "compiled", max_steps=8, torch_compile=True),
+    compiled = Trainer(model=tiny_llama(), args=make_args(tmp_path / "compiled", torch_compile=True),
                        train_dataset=token_data())
     compiled.train()
     assert counters["stats"]["unique_graphs"] >= 1  # inductor compiled the training forward
-    assert losses(compiled)[-1] < 0.8 * losses(compiled)[0]
+    assert_learns(compiled)
     # the same computation, other kernels: losses agree to float rounding
     assert losses(compiled) == pytest.approx(losses(eager), rel=2e-3)
 

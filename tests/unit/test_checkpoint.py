@@ -64,16 +64,19 @@ def test_layout_and_manifest(tmp_path):
 
 @pytest.mark.parametrize("stop_at", [4, 12])  # mid-epoch (10 steps per epoch), and in the 2nd epoch
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, stop_at):
-    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full"), train_dataset=data())
+    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full", logging_steps=2), train_dataset=data())
     full.train()
-    resumed = Trainer(model=DropoutNet(), args=args(tmp_path / "resumed"), train_dataset=data())
+    resumed = Trainer(model=DropoutNet(), args=args(tmp_path / "resumed", logging_steps=2),
+                      train_dataset=data())
     out = resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{stop_at}"))
     assert out.global_step == full.state.global_step == 30
     for name, tensor in full.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
-    # the resumed run's log history continues the saved one
-    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == \
-           [h["step"] for h in full.state.log_history if "loss" in h]
+    # the resumed run's log history continues the saved one, and each loss after the resume is the mean of
+    # its own window (the first one too: not divided by the steps before the resume as well)
+    logged = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
+    assert [(h["step"], h["loss"]) for h in resumed.state.log_history if "loss" in h] == logged
+    assert len(logged) == 15
 
 
 def test_resume_true_takes_the_latest_committed_and_skips_a_partial_one(tmp_path, caplog):
