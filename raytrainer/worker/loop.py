@@ -203,7 +203,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 any_busy = sync_control(control, ctx, busy=writer.busy())
                 if writer.pending and not any_busy:
                     writer.commit()  # every rank's part is written: commit in this same step
-            tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
+            tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval, must_sync)
             control = trainer.control
             if control.should_epoch_stop or control.should_training_stop:
                 break
@@ -212,7 +212,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         control = trainer.control = handler.on_epoch_end(args, state, control)
         if must_sync:
             sync_control(control, ctx)
-        tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval)
+        tr_loss = _maybe_log_evaluate_save(trainer, tr_loss, loop, trial, ignore_keys_for_eval, must_sync)
         control = trainer.control
         if control.should_training_stop or state.global_step >= schedule.max_steps:
             break
@@ -240,7 +240,10 @@ class _LogState:
         self.grad_norm = grad_norm
 
 
-def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys):
+def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys, must_sync: bool = False):
+    """Log, evaluate, save -- as the (agreed) flags say. A flag a callback sets in ``on_log``, ``on_evaluate``
+    or ``on_save`` on any rank is agreed across ranks before anything acts on it (an evaluation, a save, the
+    loop's stop): one more flag all-reduce on the steps that log, evaluate or save, none on the others."""
     args, state, control, ctx = trainer.args, trainer.state, trainer.control, trainer._ctx
     if control.should_log and state.global_step > loop.last_logged:
         loss = _mean_across_ranks(tr_loss, ctx)
@@ -252,6 +255,8 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
         loop.last_logged = state.global_step
         tr_loss = torch.zeros_like(tr_loss)
         trainer.log(logs)
+        if must_sync:
+            sync_control(trainer.control, ctx)  # on_log's flags
 
     metrics = None
     if trainer.control.should_evaluate:
@@ -263,10 +268,14 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
             key = args.metric_for_best_model or "loss"
             key = key if key.startswith("eval_") else f"eval_{key}"
             trainer.lr_scheduler.step(metrics[key])
+        if must_sync:
+            sync_control(trainer.control, ctx)  # on_evaluate's (and the evaluation's on_log) flags
 
     if trainer.control.should_save:
         trainer._save_checkpoint(trainer.model_wrapped, trial, metrics=metrics)
         trainer.control = trainer.callback_handler.on_save(args, state, trainer.control)
+        if must_sync:
+            sync_control(trainer.control, ctx)  # on_save's flags
     return tr_loss
 
 

@@ -48,6 +48,29 @@ class StopAtStepOnRank(TrainerCallback):
         log.error("rank %d ended at step %d", args.process_index, state.global_step)
 
 
+class FlagsOnOneRank(TrainerCallback):
+    """Flags set outside on_step_end, each on one rank only: a save asked in on_evaluate on rank 0, a stop
+    asked in on_log on rank 1. Each rank writes the steps it saved at and where it ended."""
+
+    def __init__(self, save_at: int, stop_at: int):
+        self.save_at, self.stop_at, self.saved = save_at, stop_at, []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == self.save_at and args.process_index == 0:
+            control.should_save = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.global_step == self.stop_at and args.process_index == 1 and "loss" in (logs or {}):
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved.append(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        log.error("rank %d saved at %s and ended at step %d", args.process_index, self.saved,
+                  state.global_step)
+
+
 class LoggingTrainer(Trainer):
     """compute_loss override that says where it runs, at WARNING and at ERROR level, once per rank."""
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from models import LoggingTrainer, Regressor, StopAtStepOnRank, UnusedHead, make_data
+from models import FlagsOnOneRank, LoggingTrainer, Regressor, StopAtStepOnRank, UnusedHead, make_data
 
 from raytrainer import ArgumentParser, Trainer, TrainingArguments
 
@@ -194,3 +194,19 @@ def test_a_parameter_the_loss_does_not_use_trains_on_two_workers(tmp_path):
     after = trainer.model.state_dict()
     assert torch.equal(after["unused.weight"], before["unused.weight"])
     assert not torch.equal(after["net.0.weight"], before["net.0.weight"])
+
+
+def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, capfd):
+    """A save asked in on_evaluate on rank 0 only and a stop asked in on_log on rank 1 only: both ranks save
+    at that step (a collective) and both stop at the other, as one process would."""
+    args = _args(tmp_path, "flags", num_workers=2, max_steps=10, logging_steps=2, eval_strategy="steps",
+                 eval_steps=2, save_strategy="steps", save_steps=1000)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(64),
+                      eval_dataset=make_data(16, 2), callbacks=[FlagsOnOneRank(save_at=2, stop_at=4)])
+    out = trainer.train()
+    assert out.global_step == 4
+    assert (tmp_path / "flags" / "checkpoint-2" / "manifest.json").exists()
+    assert not (tmp_path / "flags" / "checkpoint-4").exists()
+    logs = tmp_path / "flags" / "logs"
+    for rank in (0, 1):
+        assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
