@@ -244,6 +244,11 @@ class TrainingArguments:
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep at most this many checkpoints; older ones are deleted."}
     )
+    enable_jit_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "Save a checkpoint when this process gets SIGTERM (a preemption), then stop; "
+                          "num_workers=0 runs (Ray workers resume from their last checkpoint instead)."},
+    )
     save_only_model: bool = field(
         default=False,
         metadata={"help": "Save only the model, not optimizer, scheduler and RNG states (no resuming)."},
@@ -629,6 +634,14 @@ class TrainingArguments:
 
     def _check_combinations(self) -> None:
         self._check_storage()
+        if self.enable_jit_checkpoint and self.num_workers > 0:
+            raise _error(
+                "enable_jit_checkpoint", True,
+                f"saves when the training process gets SIGTERM, but with num_workers={self.num_workers} "
+                "training runs on Ray workers (a preempted worker is replaced and the run resumes from its "
+                "last committed checkpoint, with max_failures)",
+                "drop --enable_jit_checkpoint and set --max_failures (and save_steps) for preemptible nodes, "
+                "or use --num_workers 0")
         if self.fp16 and self.bf16:
             raise _error(
                 "fp16", self.fp16, "cannot be combined with bf16=True", "pass only one of --fp16 and --bf16"

@@ -12,6 +12,7 @@ INSTALL = {
     "ray": "pip install 'ray[train,tune]'",
     "deepspeed": "pip install deepspeed",
     "optuna": "pip install optuna",
+    "transformers": "pip install transformers",
 }
 
 

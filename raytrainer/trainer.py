@@ -118,6 +118,13 @@ class Trainer:
         self._writer = None  # the rank's CheckpointWriter during train()
         self._checkpoint_sink = None  # told of each committed checkpoint (the driver's registry)
         self._hub = None  # the driver's hub pusher (raytrainer.hub), when pushing
+        if args.enable_jit_checkpoint:  # transformers' own callback: a SIGTERM handler in this process
+            from raytrainer.deps import require
+
+            module = require("transformers.trainer_jit_checkpoint", "enable_jit_checkpoint")
+            jit = module.JITCheckpointCallback()
+            self.callback_handler.add_callback(jit)
+            jit.set_trainer(self)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # -- picklable for the workers ----------------------------------------------------------------
@@ -597,6 +604,10 @@ class Trainer:
         from raytrainer import hub
 
         return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def _get_output_dir(self, trial=None) -> str:
+        """Where this run (or search trial: each has its own ``output_dir``) writes (transformers' name)."""
+        return self.args.output_dir
 
     def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
         """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""
