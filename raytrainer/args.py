@@ -652,7 +652,7 @@ class TrainingArguments:
             raise _error(
                 "metric_for_best_model",
                 None,
-                "must be set when save_strategy='best'",
+                "`args.metric_for_best_model` must be provided when save_strategy='best'",
                 "pass e.g. --metric_for_best_model loss",
             )
         plateau = self.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU

@@ -127,6 +127,21 @@ class Trainer:
             jit.set_trainer(self)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
+    @property
+    def _view(self):
+        """This rank's context in a run; outside one (a user calling get_train_dataloader, say), the view of
+        a one-process run: the whole dataset, this process's device."""
+        if self._ctx is not None:
+            return self._ctx
+        from raytrainer.worker.context import local_context
+
+        return local_context(self.args)
+
+    @property
+    def _train_batch_size(self) -> int:
+        """The per-device training batch size in use (transformers' name; auto_find_batch_size changes it)."""
+        return self.args.per_device_train_batch_size
+
     # -- picklable for the workers ----------------------------------------------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -271,7 +286,7 @@ class Trainer:
     def _loader_kwargs(self) -> dict[str, Any]:
         a = self.args
         kwargs = {"num_workers": a.dataloader_num_workers, "pin_memory": a.dataloader_pin_memory
-                  and self._ctx.device.type == "cuda"}
+                  and self._view.device.type == "cuda"}
         if a.dataloader_num_workers > 0:
             kwargs["persistent_workers"] = a.dataloader_persistent_workers
             kwargs["prefetch_factor"] = a.dataloader_prefetch_factor
@@ -279,7 +294,7 @@ class Trainer:
         return kwargs
 
     def _get_train_sampler(self, dataset):
-        a, ctx = self.args, self._ctx
+        a, ctx = self.args, self._view
         seed = a.data_seed if a.data_seed is not None else a.seed
         common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": seed,
                   "drop_last": a.dataloader_drop_last}
@@ -303,7 +318,7 @@ class Trainer:
         return self._dataloader(test_dataset, self.args.eval_batch_size, train=False)
 
     def _dataloader(self, dataset, batch_size: int, train: bool) -> DataLoader:
-        ctx, a = self._ctx, self.args
+        ctx, a = self._view, self.args
         if rdata.is_ray_dataset(dataset):
             if not train:  # in-process evaluation: every example once, in order (see preflight)
                 dataset = dataset.take_all()
@@ -333,7 +348,7 @@ class Trainer:
     def _ray_data_batches(self, dataset, batch_size: int) -> rdata.RayDataBatches:
         import ray.train
 
-        ctx = self._ctx
+        ctx = self._view
         rows = getattr(self, "_ray_data_rows", None)
         if rows is None:
             rows = self._ray_data_rows = dataset.count()
@@ -408,7 +423,10 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
-        device = self._ctx.device if self._ctx is not None else torch.device("cpu")
+        if self._ctx is not None:
+            device = self._ctx.device
+        else:  # outside a run (a user's own call): where the model is
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         inputs = _to_device(inputs, device)
         return self._strategy.precision.convert_input(inputs) if self._strategy is not None else inputs
 

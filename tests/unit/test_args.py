@@ -173,7 +173,8 @@ BAD_INPUTS = [
     ({"logging_steps": 0}, "logging_steps=0: must be a positive number when logging_strategy is 'steps'"),
     ({"save_total_limit": 0}, "save_total_limit=0: must be a positive integer"),
     ({"fp16": True, "bf16": True}, "fp16=True: cannot be combined with bf16=True"),
-    ({"save_strategy": "best"}, "metric_for_best_model=None: must be set when save_strategy='best'"),
+    ({"save_strategy": "best"},
+     "metric_for_best_model=None: `args.metric_for_best_model` must be provided when save_strategy='best'"),
     (
         {"lr_scheduler_type": "reduce_lr_on_plateau"},
         "lr_scheduler_type='reduce_lr_on_plateau': needs evaluations",

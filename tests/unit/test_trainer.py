@@ -1020,3 +1020,19 @@ def test_trainable_parameters_and_learning_rates(make_args, make_examples):
         trainer.get_learning_rates()
     trainer.create_optimizer()
     assert trainer.get_learning_rates() == [trainer.args.learning_rate] * len(trainer.optimizer.param_groups)
+
+
+def test_dataloaders_outside_a_run_see_the_whole_dataset(make_args, make_classifier, make_examples):
+    """A user's own get_train_dataloader() / get_eval_dataloader() before train(): the view of a one-process
+    run (every example once per epoch), as transformers.Trainer gives in a single process."""
+    dataset, _, _ = make_examples(10)
+    trainer = Trainer(model=make_classifier(), args=make_args(per_device_train_batch_size=4, num_workers=2,
+                                                              per_device_eval_batch_size=3),
+                      train_dataset=dataset, eval_dataset=dataset)
+    train = list(trainer.get_train_dataloader())
+    assert [len(b["labels"]) for b in train] == [4, 4, 2]
+    assert sorted(torch.cat([b["x"] for b in train]).sum(dim=1).tolist()) == \
+        sorted(torch.stack([e["x"] for e in dataset]).sum(dim=1).tolist())
+    evaluation = list(trainer.get_eval_dataloader())
+    assert torch.equal(torch.cat([b["x"] for b in evaluation]), torch.stack([e["x"] for e in dataset]))
+    assert trainer._train_batch_size == 4
