@@ -138,6 +138,18 @@ class Trainer:
         return local_context(self.args)
 
     @property
+    def accelerator(self):
+        """accelerate's ``Accelerator`` API as Trainer subclasses use it (``backward``,
+        ``gather_for_metrics``, ``unwrap_model``, ``is_main_process``...), from this rank's context and
+        strategy."""
+        facade = self.__dict__.get("_accelerator")
+        if facade is None:
+            from raytrainer.rank_accelerator import RankAccelerator
+
+            facade = self._accelerator = RankAccelerator(self)
+        return facade
+
+    @property
     def _train_batch_size(self) -> int:
         """The per-device training batch size in use (transformers' name; auto_find_batch_size changes it)."""
         return self.args.per_device_train_batch_size

@@ -1036,3 +1036,37 @@ def test_dataloaders_outside_a_run_see_the_whole_dataset(make_args, make_classif
     evaluation = list(trainer.get_eval_dataloader())
     assert torch.equal(torch.cat([b["x"] for b in evaluation]), torch.stack([e["x"] for e in dataset]))
     assert trainer._train_batch_size == 4
+
+
+class AcceleratorStepTrainer(Trainer):
+    """A training_step written against transformers.Trainer's accelerator, as many subclasses are."""
+
+    seen: list = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.accelerator.autocast():
+            loss = self.compute_loss(model, inputs)
+        self.accelerator.backward(loss)
+        gathered = self.accelerator.gather_for_metrics(loss.detach())
+        self.seen.append((self.accelerator.is_main_process, self.accelerator.num_processes,
+                          self.accelerator.unwrap_model(model) is self.model, float(gathered)))
+        return loss.detach()
+
+
+def test_a_subclass_using_trainer_accelerator_trains_as_the_base_trainer(make_args, make_classifier,
+                                                                         make_examples):
+    dataset, _, _ = make_examples(16)
+    base = Trainer(model=make_classifier(), args=make_args(max_steps=4, per_device_train_batch_size=4,
+                                                           data_seed=0), train_dataset=dataset)
+    base.train()
+    AcceleratorStepTrainer.seen = []
+    sub = AcceleratorStepTrainer(model=make_classifier(), args=make_args(max_steps=4, data_seed=0,
+                                                                        per_device_train_batch_size=4),
+                                 train_dataset=dataset)
+    sub.train()
+    for name, tensor in base.model.state_dict().items():
+        assert torch.equal(sub.model.state_dict()[name], tensor), name
+    assert [s[:3] for s in AcceleratorStepTrainer.seen] == [(True, 1, True)] * 4
+    assert sub.accelerator.prepare(sub.model) is sub.model and sub.accelerator.mixed_precision == "no"
