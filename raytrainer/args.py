@@ -123,6 +123,16 @@ class TrainingArguments:
         default=1,
         metadata={"help": "Number of forward/backward passes to accumulate before an optimizer step."},
     )
+    eval_use_gather_object: bool = field(
+        default=False,
+        metadata={"help": "transformers' switch for gathering non-tensor evaluation outputs: raytrainer "
+                          "always gathers them as objects, so both values behave the same."},
+    )
+    batch_eval_metrics: bool = field(
+        default=False,
+        metadata={"help": "Call compute_metrics on each evaluation batch (compute_result=True on the last) "
+                          "instead of once on all predictions."},
+    )
     eval_accumulation_steps: int | None = field(
         default=None,
         metadata={"help": "Prediction steps to accumulate on the device before moving outputs to the CPU."},

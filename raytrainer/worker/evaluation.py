@@ -109,18 +109,31 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     handler.eval_dataloader = dataloader
     include = set(args.include_for_metrics or [])
 
+    # batch_eval_metrics: compute_metrics per batch (compute_result=True on the last), as transformers. In one
+    # process it streams (evaluation keeps no predictions); across ranks it runs on rank 0, batch by batch
+    # over the gathered predictions in dataset order.
+    batched = args.batch_eval_metrics and trainer.compute_metrics is not None
+    stream = batched and not ctx.distributed
+    keep_preds = not (stream and description != "Prediction")
+    n_batches = len(dataloader) if stream else None
+    batch_metrics = None
     losses, preds, labels, inputs_acc = (_Accumulator(args.eval_accumulation_steps) for _ in range(4))
     for step, inputs in enumerate(dataloader):
         batch_inputs = inputs.get("input_ids") if "inputs" in include else None
         loss, logits, label_ids = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         batch_size = batch_size_of(inputs)
-        if loss is not None:
-            losses.add(loss.detach().reshape(1).repeat(batch_size), step)
+        batch_losses = loss.detach().reshape(1).repeat(batch_size) if loss is not None else None
+        losses.add(batch_losses, step)
         if logits is not None and trainer.preprocess_logits_for_metrics is not None:
             logits = trainer.preprocess_logits_for_metrics(logits, label_ids)
-        preds.add(logits, step)
-        labels.add(label_ids, step)
-        inputs_acc.add(batch_inputs, step)
+        if stream and logits is not None and label_ids is not None:
+            batch_metrics = trainer.compute_metrics(EvalPrediction(
+                predictions=logits, label_ids=label_ids, inputs=batch_inputs,
+                losses=batch_losses if "loss" in include else None), compute_result=step == n_batches - 1)
+        if keep_preds:
+            preds.add(logits, step)
+            labels.add(label_ids, step)
+            inputs_acc.add(batch_inputs, step)
         trainer.control = handler.on_prediction_step(args, trainer.state, trainer.control)
 
     local = [acc.result() for acc in (losses, preds, labels, inputs_acc)]
@@ -134,7 +147,12 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
             nested_unshard([g[i] for g in gathered], batch_size, num_examples) for i in range(4)
         )
         metrics = {}
-        if (trainer.compute_metrics is not None and all_preds is not None and all_labels is not None):
+        if stream:
+            metrics = dict(batch_metrics or {})
+        elif batched and all_preds is not None and all_labels is not None:
+            metrics = _metrics_by_batch(trainer, all_preds, all_labels, all_inputs, all_losses, include,
+                                        dataloader.batch_size)
+        elif (trainer.compute_metrics is not None and all_preds is not None and all_labels is not None):
             eval_pred = EvalPrediction(
                 predictions=all_preds, label_ids=all_labels,
                 inputs=all_inputs if "inputs" in include else None,
@@ -152,6 +170,33 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     metrics = ctx.broadcast_object(metrics)
     return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics,
                           num_samples=num_examples)
+
+
+def _slice(x, sl):
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice(v, sl) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _slice(v, sl) for k, v in x.items()}
+    return torch.from_numpy(np.ascontiguousarray(x[sl]))
+
+
+def _metrics_by_batch(trainer, preds, labels, inputs, losses, include, batch_size: int) -> dict:
+    """batch_eval_metrics over gathered predictions: compute_metrics on consecutive batches (as tensors,
+    as transformers passes them), compute_result=True on the last."""
+    first = labels
+    while isinstance(first, (tuple, list, Mapping)):
+        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
+    n = len(first)
+    result = {}
+    for start in range(0, n, batch_size):
+        sl = slice(start, start + batch_size)
+        result = trainer.compute_metrics(EvalPrediction(
+            predictions=_slice(preds, sl), label_ids=_slice(labels, sl),
+            inputs=_slice(inputs, sl) if "inputs" in include else None,
+            losses=_slice(losses, sl) if "loss" in include else None), compute_result=start + batch_size >= n)
+    return dict(result or {})
 
 
 def _num_real_examples(dataloader) -> int:

@@ -1070,3 +1070,57 @@ def test_a_subclass_using_trainer_accelerator_trains_as_the_base_trainer(make_ar
         assert torch.equal(sub.model.state_dict()[name], tensor), name
     assert [s[:3] for s in AcceleratorStepTrainer.seen] == [(True, 1, True)] * 4
     assert sub.accelerator.prepare(sub.model) is sub.model and sub.accelerator.mixed_precision == "no"
+
+
+class BatchedAccuracy:
+    """transformers' batch_eval_metrics protocol: called per batch, the result on compute_result=True."""
+
+    def __init__(self):
+        self.calls, self.correct, self.seen = [], 0, 0
+
+    def __call__(self, eval_pred, compute_result):
+        preds, labels = eval_pred.predictions, eval_pred.label_ids
+        assert isinstance(preds, torch.Tensor)  # tensors, as transformers passes them per batch
+        self.calls.append((len(labels), compute_result))
+        self.correct += int((preds.argmax(-1) == labels).sum())
+        self.seen += len(labels)
+        if compute_result:
+            out = {"accuracy": self.correct / self.seen}
+            self.correct = self.seen = 0
+            return out
+        return None
+
+
+def test_batch_eval_metrics_streams_per_batch_and_matches_whole_set(make_args, make_classifier,
+                                                                    make_examples):
+    dataset, _, _ = make_examples(10)
+
+    def accuracy(eval_pred):
+        return {"accuracy": float((eval_pred.predictions.argmax(-1) == eval_pred.label_ids).mean())}
+
+    whole = Trainer(model=make_classifier(), args=make_args(per_device_eval_batch_size=3),
+                    eval_dataset=dataset, compute_metrics=accuracy).evaluate()
+    batched = BatchedAccuracy()
+    args = make_args(per_device_eval_batch_size=3, batch_eval_metrics=True)
+    trainer = Trainer(model=make_classifier(), args=args, eval_dataset=dataset, compute_metrics=batched)
+    metrics = trainer.evaluate()
+    assert batched.calls == [(3, False), (3, False), (3, False), (1, True)]
+    assert metrics["eval_accuracy"] == pytest.approx(whole["eval_accuracy"])
+    assert metrics["eval_loss"] == pytest.approx(whole["eval_loss"])
+    out = trainer.predict(dataset)  # prediction keeps its predictions
+    assert out.predictions.shape == (10, 3) and out.metrics["test_accuracy"] == pytest.approx(
+        whole["eval_accuracy"])
+
+
+def test_batch_eval_metrics_over_gathered_predictions_as_across_ranks(make_args, make_classifier):
+    """Across ranks rank 0 feeds compute_metrics the gathered, dataset-ordered predictions batch by batch."""
+    import numpy as np
+
+    from raytrainer.worker.evaluation import _metrics_by_batch
+
+    trainer = Trainer(model=make_classifier(), args=make_args(), compute_metrics=BatchedAccuracy())
+    preds = np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1, 2, 0]]
+    labels = np.array([0, 1, 2, 1, 1, 2, 2])
+    metrics = _metrics_by_batch(trainer, preds, labels, None, None, set(), batch_size=3)
+    assert trainer.compute_metrics.calls == [(3, False), (3, False), (1, True)]
+    assert metrics == {"accuracy": pytest.approx(5 / 7)}
