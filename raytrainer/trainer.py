@@ -32,6 +32,7 @@ from raytrainer.callbacks import (
 )
 from raytrainer.trainer_utils import (
     EvalLoopOutput,
+    MemoryTracker,
     PredictionOutput,
     TrainOutput,
     has_length,
@@ -68,6 +69,8 @@ class Trainer:
             args = TrainingArguments(output_dir="trainer_output")
             logger.info("No `TrainingArguments` passed, using `output_dir=trainer_output`.")
         self.args = args
+        init_memory = MemoryTracker(args.skip_memory_metrics)  # transformers' init_mem_* metrics
+        init_memory.start("init")
         if model is None and model_init is None:
             raise ValueError("Trainer needs a `model` or a `model_init` function that returns one.")
         if model is not None and model_init is not None:
@@ -126,6 +129,7 @@ class Trainer:
             self.callback_handler.add_callback(jit)
             jit.set_trainer(self)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        self._init_mem_metrics = init_memory.stop("init")  # reported with the first train()'s metrics
 
     @property
     def _view(self):
@@ -197,6 +201,7 @@ class Trainer:
             for name, ds in dataset.items():
                 metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        memory = self._memory_tracker("eval")
         self._prepare_model_for_inference()
         dataloader = self.get_eval_dataloader(dataset)
         start = time.time()
@@ -207,6 +212,7 @@ class Trainer:
         )
         output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
                                             _ceil_div(output.num_samples, self.args.eval_batch_size)))
+        output.metrics.update(memory.stop("eval"))
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics=output.metrics)
@@ -217,6 +223,7 @@ class Trainer:
         if not self._on_rank:
             return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix)
+        memory = self._memory_tracker("test")
         self._prepare_model_for_inference()
         dataloader = self.get_test_dataloader(test_dataset)
         start = time.time()
@@ -224,10 +231,18 @@ class Trainer:
                                       metric_key_prefix=metric_key_prefix)
         output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
                                             _ceil_div(output.num_samples, self.args.eval_batch_size)))
+        output.metrics.update(memory.stop("test"))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control,
                                                         metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
                                 metrics=output.metrics)
+
+    def _memory_tracker(self, stage: str) -> MemoryTracker:
+        """``<stage>_mem_*`` metrics with skip_memory_metrics=False; not inside train(), whose own cover it
+        (as transformers)."""
+        tracker = MemoryTracker(self.args.skip_memory_metrics or self._writer is not None)
+        tracker.start(stage)
+        return tracker
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None,

@@ -34,6 +34,8 @@ def run(trainer, method: str, kwargs: dict):
             output = _absorb(trainer, method, payload)
     finally:
         hub.finish_training(pusher, registry)  # pending pushes end before train() returns
+    if method == "train":
+        trainer.__dict__.pop("_init_mem_metrics", None)  # reported by this run (a worker's copy on Ray)
     if method == "train" and trainer.args.load_best_model_at_end:
         _load_best_model(trainer)
     return output

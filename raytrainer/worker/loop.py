@@ -228,6 +228,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     state.total_flos = metrics["total_flos"]
     metrics["train_loss"] = train_loss
     metrics.update(memory.stop("train"))
+    metrics.update(trainer.__dict__.pop("_init_mem_metrics", None) or {})  # once, as transformers
     trainer.log(metrics)
     trainer.control = handler.on_train_end(args, state, trainer.control)
     return TrainOutput(state.global_step, train_loss, metrics)

@@ -1124,3 +1124,19 @@ def test_batch_eval_metrics_over_gathered_predictions_as_across_ranks(make_args,
     metrics = _metrics_by_batch(trainer, preds, labels, None, None, set(), batch_size=3)
     assert trainer.compute_metrics.calls == [(3, False), (3, False), (1, True)]
     assert metrics == {"accuracy": pytest.approx(5 / 7)}
+
+
+def test_memory_metrics_for_init_train_eval_and_predict_as_transformers(make_args, make_classifier,
+                                                                       make_examples):
+    dataset, _, _ = make_examples(8)
+    trainer = Trainer(model=make_classifier(), args=make_args(skip_memory_metrics=False, max_steps=2),
+                      train_dataset=dataset, eval_dataset=dataset)
+    first = trainer.train().metrics
+    assert isinstance(first["init_mem_cpu_alloc_delta"], int) and first["init_mem_cpu_peaked_delta"] >= 0
+    assert isinstance(first["train_mem_cpu_alloc_delta"], int)
+    assert "init_mem_cpu_alloc_delta" not in trainer.train().metrics  # reported once
+    assert isinstance(trainer.evaluate()["eval_mem_cpu_alloc_delta"], int)
+    assert isinstance(trainer.predict(dataset).metrics["test_mem_cpu_alloc_delta"], int)
+    quiet = Trainer(model=make_classifier(), args=make_args(max_steps=2), train_dataset=dataset,
+                    eval_dataset=dataset)
+    assert not [k for k in [*quiet.train().metrics, *quiet.evaluate()] if "_mem_" in k]
