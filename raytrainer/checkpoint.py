@@ -129,13 +129,15 @@ def resolve_resume(storage: Storage, resume_from_checkpoint) -> str | None:
         found = committed_checkpoints(storage)
         if not found:
             raise CheckpointError(
-                f"resume_from_checkpoint=True, but {storage.uri} holds no committed checkpoint "
-                "(checkpoint-<step> folder with a manifest). Train without resuming, or give a path."
+                "resume_from_checkpoint=True: No valid checkpoint found in output directory "
+                f"({storage.uri}): it holds no committed checkpoint (checkpoint-<step> folder with a "
+                "manifest). Train without resuming, or give a path."
             )
         return storage.uri_of(os.path.basename(found[-1][1]))
     target = storage.at(str(resume_from_checkpoint))
     if not target.is_dir(target.root):
-        raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r} does not exist.")
+        raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r}: Can't find a valid "
+                              f"checkpoint at {resume_from_checkpoint} (the folder does not exist).")
     manifest = read_manifest(target, target.root)
     if manifest is None:
         kind = "a partial checkpoint (its manifest.json is missing: the save did not finish)"

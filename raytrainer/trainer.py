@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -129,6 +130,15 @@ class Trainer:
             self.callback_handler.add_callback(jit)
             jit.set_trainer(self)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        smoothing = self._label_smoothing()
+        self.label_smoother = None  # transformers' attribute, for subclasses' own compute_loss
+        if smoothing:
+            from raytrainer.worker.loss import LabelSmoother
+
+            self.label_smoother = LabelSmoother(epsilon=smoothing)
+        if args.label_smoothing_factor and not smoothing:
+            warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling "
+                          "label smoothing for this training run.", UserWarning, stacklevel=2)
         self._init_mem_metrics = init_memory.stop("init")  # reported with the first train()'s metrics
 
     @property
@@ -459,7 +469,8 @@ class Trainer:
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         labels = None
-        custom = self.compute_loss_func is not None or self.args.label_smoothing_factor > 0
+        smoothing = self._label_smoothing()
+        custom = self.compute_loss_func is not None or smoothing > 0
         if custom and "labels" in inputs:
             labels = inputs.pop("labels")
         if self._model_accepts_loss_kwargs(model) and num_items_in_batch is not None:
@@ -470,10 +481,18 @@ class Trainer:
         elif labels is not None:
             from raytrainer.worker.loss import label_smoothed_loss
 
-            loss = label_smoothed_loss(outputs, labels, self.args.label_smoothing_factor)
+            loss = label_smoothed_loss(outputs, labels, smoothing)
         else:
             loss = _loss_from_outputs(outputs, model)
         return (loss, outputs) if return_outputs else loss
+
+    def _label_smoothing(self) -> float:
+        """label_smoothing_factor, or 0 for a multi-label classifier (warned at init, as transformers)."""
+        factor = self.args.label_smoothing_factor
+        if factor and getattr(getattr(self.model, "config", None), "problem_type", None) == \
+                "multi_label_classification":
+            return 0.0
+        return factor
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()

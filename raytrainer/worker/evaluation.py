@@ -116,12 +116,13 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     stream = batched and not ctx.distributed
     keep_preds = not (stream and description != "Prediction")
     n_batches = len(dataloader) if stream else None
-    batch_metrics = None
+    batch_metrics, seen = None, 0
     losses, preds, labels, inputs_acc = (_Accumulator(args.eval_accumulation_steps) for _ in range(4))
     for step, inputs in enumerate(dataloader):
         batch_inputs = inputs.get("input_ids") if "inputs" in include else None
         loss, logits, label_ids = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         batch_size = batch_size_of(inputs)
+        seen += batch_size
         batch_losses = loss.detach().reshape(1).repeat(batch_size) if loss is not None else None
         losses.add(batch_losses, step)
         if logits is not None and trainer.preprocess_logits_for_metrics is not None:
@@ -138,11 +139,13 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
 
     local = [acc.result() for acc in (losses, preds, labels, inputs_acc)]
     num_examples = _num_real_examples(dataloader)
+    if num_examples is None:  # a loader of the user's own (get_eval_dataloader overridden): what it yielded
+        num_examples = int(ctx.sum([float(seen)])[0])
     gathered = ctx.gather_object(local)
 
     metrics = None
     if ctx.is_world_zero:
-        batch_size = dataloader.batch_size
+        batch_size = getattr(dataloader, "batch_size", None) or args.eval_batch_size
         all_losses, all_preds, all_labels, all_inputs = (
             nested_unshard([g[i] for g in gathered], batch_size, num_examples) for i in range(4)
         )
@@ -151,7 +154,7 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
             metrics = dict(batch_metrics or {})
         elif batched and all_preds is not None and all_labels is not None:
             metrics = _metrics_by_batch(trainer, all_preds, all_labels, all_inputs, all_losses, include,
-                                        dataloader.batch_size)
+                                        getattr(dataloader, "batch_size", None) or args.eval_batch_size)
         elif (trainer.compute_metrics is not None and all_preds is not None and all_labels is not None):
             eval_pred = EvalPrediction(
                 predictions=all_preds, label_ids=all_labels,
@@ -199,8 +202,9 @@ def _metrics_by_batch(trainer, preds, labels, inputs, losses, include, batch_siz
     return dict(result or {})
 
 
-def _num_real_examples(dataloader) -> int:
-    sampler = dataloader.sampler
+def _num_real_examples(dataloader) -> int | None:
+    sampler = getattr(dataloader, "sampler", None)
     if hasattr(sampler, "num_examples"):
         return sampler.num_examples
-    return getattr(dataloader.dataset, "num_real", 0)
+    dataset = getattr(dataloader, "dataset", None)
+    return dataset.num_real if hasattr(dataset, "num_real") else None

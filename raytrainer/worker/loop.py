@@ -149,7 +149,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         sampler = getattr(train_dataloader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        elif hasattr(train_dataloader.dataset, "set_epoch"):
+        elif hasattr(getattr(train_dataloader, "dataset", None), "set_epoch"):
             train_dataloader.dataset.set_epoch(epoch)
         first_resumed_epoch = resume is not None and epoch == epochs_trained
         if first_resumed_epoch and skip_updates == 0:

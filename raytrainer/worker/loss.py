@@ -20,3 +20,17 @@ def label_smoothed_loss(outputs, labels: torch.Tensor, epsilon: float, ignore_in
     nll = nll.sum() / active
     smoothed = smoothed.sum() / (active * log_probs.shape[-1])
     return (1 - epsilon) * nll + epsilon * smoothed
+
+
+class LabelSmoother:
+    """``trainer.label_smoother`` (transformers' name and call), for a subclass's own ``compute_loss``:
+    ``smoother(outputs, labels, shift_labels=False)``."""
+
+    def __init__(self, epsilon: float = 0.1, ignore_index: int = -100):
+        self.epsilon, self.ignore_index = epsilon, ignore_index
+
+    def __call__(self, model_output, labels: torch.Tensor, shift_labels: bool = False) -> torch.Tensor:
+        logits = model_output["logits"] if isinstance(model_output, Mapping) else model_output[0]
+        if shift_labels:
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        return label_smoothed_loss((logits,), labels, self.epsilon, self.ignore_index)

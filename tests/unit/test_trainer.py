@@ -1140,3 +1140,41 @@ def test_memory_metrics_for_init_train_eval_and_predict_as_transformers(make_arg
     quiet = Trainer(model=make_classifier(), args=make_args(max_steps=2), train_dataset=dataset,
                     eval_dataset=dataset)
     assert not [k for k in [*quiet.train().metrics, *quiet.evaluate()] if "_mem_" in k]
+
+
+def test_label_smoother_attribute_and_multi_label_warning(make_args, make_classifier):
+    import warnings
+
+    trainer = Trainer(model=make_classifier(), args=make_args(label_smoothing_factor=0.1))
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3]])
+    labels = torch.tensor([0, 2])
+    log_probs = torch.log_softmax(logits, dim=-1)
+    expected = 0.9 * torch.nn.functional.nll_loss(log_probs, labels) + 0.1 * (-log_probs.mean())
+    smoothed = trainer.label_smoother({"logits": logits}, labels)
+    assert smoothed.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert Trainer(model=make_classifier(), args=make_args()).label_smoother is None
+
+    model = make_classifier()
+    model.config = type("Config", (), {"problem_type": "multi_label_classification"})()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        multi = Trainer(model=model, args=make_args(label_smoothing_factor=0.1))
+    assert [str(w.message) for w in caught if "Label smoothing" in str(w.message)] == [
+        "Label smoothing is not compatible with multi-label classification. Disabling label smoothing for "
+        "this training run."]
+    assert multi.label_smoother is None
+
+
+class OwnLoaderTrainer(Trainer):
+    """get_eval_dataloader returning a plain iterable of batches (no sampler, no dataset attribute)."""
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        batches = torch.utils.data.DataLoader(self.eval_dataset, batch_size=4)
+        return type("Batches", (), {"__iter__": lambda s: iter(batches), "__len__": lambda s: len(batches)})()
+
+
+def test_evaluate_over_a_user_loader_without_sampler(make_args, make_classifier, make_examples):
+    dataset, _, _ = make_examples(10)
+    metrics = OwnLoaderTrainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
+    reference = Trainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"])
