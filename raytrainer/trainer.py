@@ -173,7 +173,7 @@ class Trainer:
         state = self.__dict__.copy()
         for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
             state[name] = None
-        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params"):
+        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders"):
             state.pop(name, None)  # caches: recomputed where the object lands
         return state
 
@@ -208,8 +208,9 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, Mapping):
             metrics = {}
-            for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            for name, ds in dataset.items():  # by name for the Trainer's own (a cached loader each)
+                target = name if eval_dataset is None else ds
+                metrics.update(self.evaluate(target, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         memory = self._memory_tracker("eval")
         self._prepare_model_for_inference()
@@ -346,10 +347,24 @@ class Trainer:
         return self._dataloader(self.train_dataset, self.args.train_batch_size, train=True)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
+        """The evaluation loader for ``eval_dataset`` -- a dataset, the name of one of a dict
+        ``eval_dataset``'s, or None for ``self.eval_dataset``. With dataloader_persistent_workers the loader
+        is built once per name and reused, as transformers does (its workers stay alive between evaluations).
+        """
+        if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        return self._dataloader(dataset, self.args.eval_batch_size, train=False)
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        cache = self.__dict__.setdefault("_eval_dataloaders", {})
+        if self.args.dataloader_persistent_workers and key in cache:
+            return cache[key]
+        if isinstance(eval_dataset, str):
+            dataset = self.eval_dataset[eval_dataset]
+        else:
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        loader = self._dataloader(dataset, self.args.eval_batch_size, train=False)
+        if self.args.dataloader_persistent_workers:
+            cache[key] = loader
+        return loader
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         return self._dataloader(test_dataset, self.args.eval_batch_size, train=False)

@@ -1178,3 +1178,21 @@ def test_evaluate_over_a_user_loader_without_sampler(make_args, make_classifier,
     metrics = OwnLoaderTrainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
     reference = Trainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
     assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"])
+
+
+def test_eval_dataloader_by_name_and_reused_with_persistent_workers(make_args, make_classifier,
+                                                                    make_examples):
+    first, _, _ = make_examples(6)
+    second, _, _ = make_examples(4, seed=3)
+    evals = {"first": first, "second": second}
+    trainer = Trainer(model=make_classifier(), args=make_args(), eval_dataset=evals)
+    assert trainer.get_eval_dataloader("first").dataset is first
+    assert trainer.get_eval_dataloader("first") is not trainer.get_eval_dataloader("first")
+    metrics = trainer.evaluate()
+    assert {"eval_first_loss", "eval_second_loss"} <= set(metrics)
+    persistent = Trainer(model=make_classifier(), eval_dataset=evals, args=make_args(
+        dataloader_persistent_workers=True, dataloader_num_workers=1))
+    loader = persistent.get_eval_dataloader("second")
+    assert loader is persistent.get_eval_dataloader("second") and loader.dataset is second
+    assert persistent.get_eval_dataloader("first") is not loader
+    assert persistent.evaluate()["eval_second_loss"] == pytest.approx(metrics["eval_second_loss"])
