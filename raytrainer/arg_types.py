@@ -23,6 +23,14 @@ class _ValueEnum(str, Enum):
         return [member.value for member in cls]
 
 
+class ParallelMode(_ValueEnum):
+    """transformers' ``ParallelMode`` values (raytrainer runs one process per device: never DataParallel)."""
+
+    NOT_PARALLEL = "not_parallel"
+    NOT_DISTRIBUTED = "not_distributed"
+    DISTRIBUTED = "distributed"
+
+
 class IntervalStrategy(_ValueEnum):
     NO = "no"
     STEPS = "steps"

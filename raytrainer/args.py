@@ -759,6 +759,18 @@ class TrainingArguments:
         return local_device(self)
 
     @property
+    def local_rank(self) -> int:
+        """transformers' (deprecated) name for ``local_process_index``; -1 in a one-process run."""
+        return self.local_process_index if self.world_size > 1 else -1
+
+    @property
+    def parallel_mode(self):
+        """transformers' ParallelMode: ``distributed`` with several processes, else ``not_parallel``."""
+        from raytrainer.arg_types import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
     def n_gpu(self) -> int:
         """GPUs this process uses: 1 on a CUDA device, else 0 (one device per process, as under DDP)."""
         return int(self.device.type == "cuda")

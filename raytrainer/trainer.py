@@ -684,6 +684,21 @@ class Trainer:
 
         return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
+    def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
+                          model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
+                          dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        """Write a draft model card (README.md) to ``output_dir`` from this run's arguments and log history,
+        as transformers does (push_to_hub writes the same card)."""
+        if not self.is_world_process_zero():
+            return
+        from raytrainer.hub.model_card import model_card
+
+        name = model_name or os.path.abspath(self.args.output_dir).rstrip("/").split("/")[-1]
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "README.md"), "w") as f:
+            f.write(model_card(self, name, language=language, license=license, tags=tags,
+                               finetuned_from=finetuned_from, tasks=tasks, dataset=dataset))
+
     def _get_output_dir(self, trial=None) -> str:
         """Where this run (or search trial: each has its own ``output_dir``) writes (transformers' name)."""
         return self.args.output_dir

@@ -374,3 +374,12 @@ def test_pickle_and_cloudpickle_round_trips_keep_fields_and_process_view():
         assert copy.hub_token == "tok"
         assert copy.eval_strategy is IntervalStrategy.NO
         assert (copy.world_size, copy.process_index, copy.local_process_index) == (2, 1, 1)
+
+
+def test_process_view_names_hf_scripts_log(tmp_path):
+    """transformers' example scripts log device, n_gpu, parallel_mode and local_rank before anything else."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    view = (args.device.type, args.n_gpu, str(args.parallel_mode), args.local_rank)
+    assert view == ("cpu", 0, "not_parallel", -1)
+    args._set_process(world_size=4, rank=3, local_rank=1, node_rank=1)
+    assert (str(args.parallel_mode), args.local_rank) == ("distributed", 1)

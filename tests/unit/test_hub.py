@@ -284,3 +284,32 @@ def test_the_workers_trainer_never_holds_the_hub_token(tmp_path, monkeypatch, ma
     assert TOKEN.encode() not in spec
     assert cloudpickle.loads(spec).args.hub_token is None
     assert trainer.args.hub_token == TOKEN  # the driver keeps it
+
+
+def test_create_model_card_writes_readme_from_the_run(tmp_path):
+    import torch
+
+    from raytrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x, labels):
+            return {"loss": ((self.m(x).squeeze(-1) - labels) ** 2).mean()}
+
+    data = [{"x": torch.randn(2), "labels": torch.tensor(1.0)} for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, logging_steps=1, report_to="none",
+                             per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=Wrap(), args=args, train_dataset=data)
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-reg", license="apache-2.0", tags=["regression"])
+    card = (tmp_path / "README.md").read_text()
+    assert "# tiny-reg" in card and 'license: "apache-2.0"' in card and '"regression"' in card
+    assert "- learning_rate: 5e-05" in card and "- training_steps: 2" in card
+    losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
+    assert f"| {losses[0]:.4f} | 0.5000 | 1 |" in card  # the run's own log history
