@@ -12,6 +12,15 @@ import numpy as np
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 
 
+class BestRun(NamedTuple):
+    """HF's ``BestRun``: the best trial's id, objective, hyperparameters, and a summary of its run."""
+
+    run_id: str
+    objective: float | list[float]
+    hyperparameters: dict[str, Any]
+    run_summary: Any = None
+
+
 class EvalPrediction:
     """What ``compute_metrics`` receives: predictions, label_ids and, when asked for, inputs and losses.
 

@@ -21,27 +21,19 @@ import os
 import posixpath
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import cloudpickle
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from raytrainer.deps import require
 from raytrainer.storage import join_uri
+from raytrainer.trainer_utils import BestRun  # noqa: F401  (the backends import it from here)
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "trial_summary.json"
 _MODEL_INIT_LOCK = threading.Lock()  # seeding + model_init touch global RNGs: one trial at a time
-
-
-class BestRun(NamedTuple):
-    """HF's ``BestRun``: the best trial's id, objective, hyperparameters, and a summary of its run."""
-
-    run_id: str
-    objective: float | list[float]
-    hyperparameters: dict[str, Any]
-    run_summary: Any = None
 
 
 @dataclasses.dataclass
