@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -469,7 +469,15 @@ class TrainingArguments:
         if self.accelerate_config:
             from raytrainer.accelerate_config import values_from_accelerate_config
 
+            defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                        for f in fields(self)}
             for name, value in values_from_accelerate_config(self.accelerate_config).items():
+                given = getattr(self, name)
+                explicit = given != defaults.get(name) and given is not None
+                if explicit and _normalized(given) != _normalized(value):
+                    raise _error(name, given, f"conflicts with accelerate_config={self.accelerate_config!r}, "
+                                 f"which sets {name}={value!r}",
+                                 f"drop --{name} (the file decides how the run is laid out) or edit the file")
                 setattr(self, name, value)  # the file decides how the run is laid out
         self._fill_defaults()
         self._convert_types()
@@ -904,3 +912,12 @@ def _initialized_distributed():
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     return dist
+
+
+def _normalized(value):
+    """An argument's value in one form for comparing (``"full_shard auto_wrap"`` and its list of words)."""
+    if isinstance(value, str) and " " in value:
+        return sorted(value.split())
+    if isinstance(value, (list, tuple)):
+        return sorted(str(v) for v in value)
+    return value

@@ -76,3 +76,15 @@ def test_deepspeed_config_file_is_relative_to_the_yaml(tmp_path):
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         TrainingArguments(output_dir=str(tmp_path), accelerate_config=str(tmp_path / "nope.yaml"))
+
+
+def test_an_argument_that_contradicts_the_file_is_refused(tmp_path):
+    """num_workers=2 and the file's num_processes=4: a conflict named with the fix, not a silent override;
+    the same value given twice, or an argument left at its default, is fine."""
+    config = write(tmp_path, processes=4)
+    with pytest.raises(ValueError, match=r"num_workers=2: conflicts with accelerate_config=.*which sets "
+                                         r"num_workers=4; drop --num_workers"):
+        TrainingArguments(output_dir=str(tmp_path), accelerate_config=config, num_workers=2)
+    same = TrainingArguments(output_dir=str(tmp_path), accelerate_config=config, num_workers=4)
+    assert same.num_workers == 4
+    assert TrainingArguments(output_dir=str(tmp_path), accelerate_config=config).num_workers == 4
