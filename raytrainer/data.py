@@ -79,11 +79,15 @@ def batch_size_of(inputs, default: int = 1) -> int:
 
 
 def signature_columns(model: torch.nn.Module, label_names: list[str]) -> set[str] | None:
-    """Input names ``model.forward`` accepts, plus label columns; None when it takes ``**kwargs``."""
-    params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    """Input names ``model.forward`` names, plus label columns, as transformers keeps them: a forward that
+    also takes ``**kwargs`` (every transformers 5 model) still gets only its named inputs. None (remove
+    nothing) for a forward that names no input at all (``forward(self, **batch)``), where transformers
+    would find no column to keep."""
+    named = {name for name, p in inspect.signature(model.forward).parameters.items()
+             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
+    if not named:
         return None
-    return set(params) | set(label_names) | set(LABEL_KEYS)
+    return named | set(label_names) | set(LABEL_KEYS)
 
 
 def first_keys_within(dataset, keep: set[str]) -> bool:

@@ -96,11 +96,19 @@ def test_remove_columns_collator_keeps_only_forward_inputs_and_labels():
     batch = RemoveColumnsCollator(default_data_collator, keep)(features)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
 
+    class NamedAndKwargsModel(torch.nn.Module):  # transformers 5 models: named inputs and **kwargs
+        def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+            return input_ids
+
+    keep = signature_columns(NamedAndKwargsModel(), ["labels"])
+    batch = RemoveColumnsCollator(default_data_collator, keep)(features)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}  # "meta", "idx" dropped, as transformers
+
     class KwargsModel(torch.nn.Module):
         def forward(self, **kwargs):
             return kwargs
 
-    assert signature_columns(KwargsModel(), ["labels"]) is None  # takes everything: remove nothing
+    assert signature_columns(KwargsModel(), ["labels"]) is None  # names nothing: remove nothing
 
 
 # -- evaluation block sharding -------------------------------------------------------------------------------
