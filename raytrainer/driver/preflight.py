@@ -173,12 +173,22 @@ def _check_labels(trainer, example, name: str) -> None:
         )
 
 
+#: Above this many parameters the driver does not run the model's forward to check it returns a loss: on a
+#: CPU-only head node a forward of a multi-billion-parameter model costs minutes (the first training step
+#: then reports a missing loss instead).
+FORWARD_CHECK_MAX_PARAMS = 100_000_000
+
+
 def _check_returns_loss(trainer, dataset) -> None:
-    """Run forward once on two collated examples: the model must return a loss."""
+    """Run forward once on (up to) two collated examples -- no more than the batch size: the model must
+    return a loss. Skipped for a model above FORWARD_CHECK_MAX_PARAMS or not materialised (meta)."""
     from raytrainer.trainer import _loss_from_outputs
 
     model = trainer.model
-    examples = _first_examples(dataset, 2)
+    params = list(model.parameters())
+    if sum(p.numel() for p in params) > FORWARD_CHECK_MAX_PARAMS or any(p.is_meta for p in params):
+        return
+    examples = _first_examples(dataset, max(1, min(2, trainer.args.per_device_train_batch_size)))
     batch = trainer._collator_for(dataset)(examples)
     device = next(model.parameters(), torch.empty(0)).device
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

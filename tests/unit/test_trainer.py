@@ -1196,3 +1196,24 @@ def test_eval_dataloader_by_name_and_reused_with_persistent_workers(make_args, m
     assert loader is persistent.get_eval_dataloader("second") and loader.dataset is second
     assert persistent.get_eval_dataloader("first") is not loader
     assert persistent.evaluate()["eval_second_loss"] == pytest.approx(metrics["eval_second_loss"])
+
+
+class BatchOfOne(nn.Module):
+    """A model that takes exactly one example per batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        assert x.shape[0] == 1, f"batch of {x.shape[0]}"
+        logits = self.linear(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_driver_check_runs_no_bigger_batch_than_training(make_args, make_examples):
+    dataset, _, _ = make_examples(4)
+    out = Trainer(model=BatchOfOne(), args=make_args(per_device_train_batch_size=1, max_steps=2),
+                  train_dataset=dataset).train()
+    assert out.global_step == 2
