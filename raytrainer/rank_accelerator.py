@@ -82,7 +82,8 @@ class RankAccelerator:
         if strategy is not None:
             model = strategy.unwrap(model)
         model = getattr(model, "_orig_mod", model)
-        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        return model.module if isinstance(model, wrappers) else model
 
     # -- collectives --------------------------------------------------------------------------------------
     def wait_for_everyone(self) -> None:

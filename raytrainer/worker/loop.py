@@ -224,7 +224,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     train_loss = total_loss / max(state.global_step - start_step, 1)
     num_samples = int(ctx.sum([float(samples_seen)])[0])
     metrics = speed_metrics("train", start_time, num_samples=num_samples, num_steps=state.global_step)
-    metrics["total_flos"] = int(ctx.sum([state.total_flos])[0])
+    metrics["total_flos"] = float(ctx.sum([state.total_flos])[0])  # a float, as transformers
     state.total_flos = metrics["total_flos"]
     metrics["train_loss"] = train_loss
     metrics.update(memory.stop("train"))

@@ -932,7 +932,7 @@ def test_train_metrics_speed_flos_and_loss(make_args, make_classifier, make_exam
     assert out.global_step == 6
     # no input_ids: one "token" per example, 6 x tokens x parameters (4*3 + 3 = 15)
     assert m["total_flos"] == 6 * 40 * 15
-    assert trainer.state.total_flos == m["total_flos"]
+    assert trainer.state.total_flos == m["total_flos"] and isinstance(m["total_flos"], float)
     assert m["train_loss"] == pytest.approx(np.mean(trainer.step_losses), abs=1e-6)
     assert out.training_loss == m["train_loss"]
     runtime = m["train_runtime"]
@@ -1070,6 +1070,7 @@ def test_a_subclass_using_trainer_accelerator_trains_as_the_base_trainer(make_ar
         assert torch.equal(sub.model.state_dict()[name], tensor), name
     assert [s[:3] for s in AcceleratorStepTrainer.seen] == [(True, 1, True)] * 4
     assert sub.accelerator.prepare(sub.model) is sub.model and sub.accelerator.mixed_precision == "no"
+    assert sub.accelerator.unwrap_model(nn.DataParallel(sub.model)) is sub.model
 
 
 class BatchedAccuracy:
