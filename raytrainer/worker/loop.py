@@ -249,7 +249,7 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
     if control.should_log and state.global_step > loop.last_logged:
         loss = _mean_across_ranks(tr_loss, ctx)
         loop.total_loss += loss
-        logs = {"loss": round(loss / (state.global_step - loop.last_logged), 4)}
+        logs = {"loss": loss / (state.global_step - loop.last_logged)}  # unrounded, as transformers 5
         if loop.grad_norm is not None:
             logs["grad_norm"] = float(loop.grad_norm)
         logs["learning_rate"] = trainer._get_learning_rate()
