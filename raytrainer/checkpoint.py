@@ -266,25 +266,30 @@ def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
-    own = model.state_dict()
+def check_fits(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: str) -> None:
+    """Refuse weights (name -> shape) that do not fit the model's state dict ``own``, naming the first
+    tensor whose shape or name does not fit; a tied weight stored once is fine."""
     for name, mine in own.items():  # in the model's order: the first mismatch is the earliest layer
-        if name in weights and weights[name].shape != mine.shape:
+        if name in shapes and tuple(shapes[name]) != tuple(mine.shape):
             raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)} in the checkpoint but "
+                f"{source}: tensor {name!r} has shape {tuple(shapes[name])} in the checkpoint but "
                 f"{tuple(mine.shape)} in the model: the checkpoint is from another model shape."
             )
-    missing = [k for k in own if k not in weights]
-    shared = {id(v.untyped_storage()) for k, v in own.items() if k in weights}
+    missing = [k for k in own if k not in shapes]
+    shared = {id(v.untyped_storage()) for k, v in own.items() if k in shapes}
     missing = [k for k in missing if id(own[k].untyped_storage()) not in shared]  # tied weights
-    unexpected = [k for k in weights if k not in own]
+    unexpected = [k for k in shapes if k not in own]
     if missing or unexpected:
         first = missing[0] if missing else unexpected[0]
         raise CheckpointError(
             f"{source} does not fit the model: first mismatching tensor {first!r} "
             f"({len(missing)} missing from the checkpoint, {len(unexpected)} unexpected)."
         )
+
+
+def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
+    check_fits(model.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, source)
     model.load_state_dict(weights, strict=False)
 
 

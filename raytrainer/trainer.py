@@ -163,6 +163,25 @@ class Trainer:
             facade = self._accelerator = RankAccelerator(self)
         return facade
 
+    # -- the model; after a run on Ray workers its trained weights come from storage on first use ------
+    @property
+    def model(self):
+        pending = self.__dict__.pop("_pending_weights", None)
+        model = self.__dict__.get("_model")
+        if pending is not None and model is not None:
+            pending(model)  # fills the module in place: model_wrapped and the callbacks hold the same one
+        return model
+
+    @model.setter
+    def model(self, value) -> None:
+        self.__dict__.pop("_pending_weights", None)  # weights meant for the module being replaced
+        self.__dict__["_model"] = value
+
+    def _weights_pending(self, load: Callable) -> None:
+        """``load(model)`` fills ``self.model`` when it is next used (see raytrainer.final_weights): the
+        driver never pulls a trained model it does not use -- a search trial's, say -- onto the head node."""
+        self.__dict__["_pending_weights"] = load
+
     @property
     def _train_batch_size(self) -> int:
         """The per-device training batch size in use (transformers' name; auto_find_batch_size changes it)."""

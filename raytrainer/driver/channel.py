@@ -85,5 +85,33 @@ class ChannelClient:
         return ray.get(self.handle.begin_attempt.remote())
 
     def set_result(self, payload) -> None:
+        refuse_weights(payload)
         self.flush()
         ray.get(self.handle.set_result.remote(self.rank, payload))
+
+
+#: The most tensor bytes a result may carry through the channel: metrics and scalars, never a model.
+MAX_RESULT_TENSOR_BYTES = 1 << 20
+
+
+def refuse_weights(payload) -> None:
+    """The channel carries events and small results; weights go through storage (raytrainer.final_weights).
+    A result holding a module or more than MAX_RESULT_TENSOR_BYTES of torch tensors is a bug: refused here,
+    on the worker, before a copy of a model reaches Ray's object store and the driver."""
+    import torch
+
+    total, stack = 0, [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.nn.Module):
+            raise RuntimeError(f"a worker result holds a {type(item).__name__} module: weights go through "
+                               "storage, never the event channel")
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    if total > MAX_RESULT_TENSOR_BYTES:
+        raise RuntimeError(f"a worker result holds {total} bytes of tensors (more than "
+                           f"{MAX_RESULT_TENSOR_BYTES}): weights go through storage, never the event channel")

@@ -5,9 +5,10 @@ Either way the same code path runs on each rank (``run_rank``); only the transpo
 
 from __future__ import annotations
 
+import functools
 import logging
 
-from raytrainer import hub
+from raytrainer import final_weights, hub
 from raytrainer.callbacks import TrainerState
 from raytrainer.checkpoint import CheckpointReader, load_weights_into, model_weights
 from raytrainer.driver import preflight
@@ -57,10 +58,14 @@ def _load_best_model(trainer) -> None:
     if not best:
         logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the final weights.")
         return
-    reader = CheckpointReader(best, trainer.args.storage_filesystem)
-    load_weights_into(trainer.model, model_weights(reader), best)
-    logger.info("loaded the best model from %s (%s = %s)", best, trainer.args.metric_for_best_model,
-                trainer.state.best_metric)
+    reader = CheckpointReader(best, trainer.args.storage_filesystem)  # a committed checkpoint: checked now
+    trainer._weights_pending(functools.partial(_load_checkpoint_weights, reader=reader))
+    logger.info("the best model is %s (%s = %s): trainer.model loads it on first use", best,
+                trainer.args.metric_for_best_model, trainer.state.best_metric)
+
+
+def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
+    load_weights_into(model, model_weights(reader), reader.uri)
 
 
 def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> dict:
@@ -85,12 +90,12 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
             trainer.callback_handler.add_callback(DriverStopCallback(channel.handle))
     with rank_logging(trainer.args, ctx.rank, channel):
         output = getattr(trainer, method)(**kwargs)
-        weights = None
+        weights_at = None
         if method == "train" and channel is not None:
-            weights = trainer._strategy.full_state_dict(trainer.model_wrapped)  # a collective
+            weights_at = final_weights.write(trainer, ctx)  # a collective; the weights go to storage
     if not ctx.is_world_zero:
         return {"global_step": trainer.state.global_step}
-    return {"output": output, "state": trainer.state.to_dict(), "weights": weights}
+    return {"output": output, "state": trainer.state.to_dict(), "weights_at": weights_at}
 
 
 def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
@@ -106,8 +111,10 @@ def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
 
 
 def _absorb(trainer, method: str, payload: dict):
-    """Take rank 0's answer into the driver's Trainer: trained weights and final state after train()."""
+    """Take rank 0's answer into the driver's Trainer after train(): the final state, and where the trained
+    weights are (``trainer.model`` loads them on first access)."""
     if method == "train":
-        trainer.model.load_state_dict(payload["weights"])
+        trainer._weights_pending(functools.partial(final_weights.load_into, uri=payload["weights_at"],
+                                                   filesystem=trainer.args.storage_filesystem))
         trainer.state = TrainerState.from_dict(payload["state"])
     return payload["output"]

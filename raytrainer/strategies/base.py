@@ -8,6 +8,7 @@ these methods, so adding a backend never touches the loop.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -71,6 +72,17 @@ class Strategy:
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Consolidated CPU weights, complete on rank 0 (a collective: every rank calls it)."""
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def save_final_weights(self, model: torch.nn.Module, folder: str) -> None:
+        """Write the trained weights into the local ``folder`` (a collective; see raytrainer.final_weights).
+        Replicated weights are consolidated once, by rank 0, into ``model.safetensors``."""
+        weights = self.full_state_dict(model)
+        if self.ctx.is_world_zero:
+            from safetensors.torch import save_file
+
+            from raytrainer.worker.saving import WEIGHTS_NAME, dedupe_shared
+
+            save_file(dedupe_shared(weights), os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
 
     def optimizer_state_dict(self, model: torch.nn.Module, optimizer) -> dict:
         """The optimizer state a checkpoint holds, complete on rank 0 (a collective)."""

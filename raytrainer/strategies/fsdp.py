@@ -108,6 +108,13 @@ class FSDPStrategy(Strategy):
 
         return get_model_state_dict(model, options=_full_options())
 
+    def save_final_weights(self, model: torch.nn.Module, folder: str) -> None:
+        """Each rank writes its own shard of the weights (DCP); nothing is gathered."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
+
     def optimizer_state_dict(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

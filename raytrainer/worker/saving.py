@@ -16,7 +16,7 @@ TRAINING_ARGS_NAME = "training_args.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 
 
-def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dedupe_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: dict[tuple, str] = {}
     out = {}
     for name, tensor in state_dict.items():
@@ -36,7 +36,7 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
         model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     else:
         path = os.path.join(output_dir, WEIGHTS_NAME)
-        save_file(_dedupe_shared(state_dict), path, metadata={"format": "pt"})
+        save_file(dedupe_shared(state_dict), path, metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
     with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:

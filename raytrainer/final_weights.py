@@ -1,0 +1,118 @@
+"""The trained weights go from the workers to the driver through storage, never through Ray.
+
+At the end of ``train()`` on Ray workers every rank takes part in writing the final weights into
+``<storage root>/final-model/``, in its strategy's layout (``Strategy.save_final_weights``): one consolidated
+``model.safetensors`` written by rank 0 for replicated strategies, one torch.distributed.checkpoint (DCP)
+file per rank for sharded ones, each rank writing only its own shard. Rank 0's answer through the event
+channel carries the folder's URI, a few bytes.
+
+The driver's ``trainer.model`` is filled from that folder lazily, on first access (``load_into``): a
+hyperparameter search's trials, or a job that only saves checkpoints, never pull a large model onto a
+CPU-only head node. The load goes into the driver's own module in place -- tensor by tensor from a memory
+map for safetensors, DCP's planner for shards -- so the driver holds one copy of the model plus one tensor
+in flight, where pickled state dicts through Ray's object store cost four or five.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+
+import torch
+
+from raytrainer.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+FOLDER = "final-model"
+DCP_METADATA = ".metadata"
+
+
+def write(trainer, ctx) -> str:
+    """On every rank after ``train()``: write the final weights (a collective); returns the folder URI."""
+    storage = Storage.for_run(trainer.args)
+    dest = storage.path(FOLDER)
+    if ctx.is_world_zero and storage.exists(dest):
+        storage.delete_dir(dest)  # an earlier train()'s files (another world size's shards, say)
+    ctx.barrier()
+    if storage.is_local:
+        os.makedirs(dest, exist_ok=True)
+        trainer._strategy.save_final_weights(trainer.model_wrapped, dest)
+    else:
+        stage = tempfile.mkdtemp(prefix="raytrainer-final-")
+        try:
+            trainer._strategy.save_final_weights(trainer.model_wrapped, stage)
+            if os.listdir(stage):
+                storage.upload_dir(stage, dest)  # this rank's files only
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    ctx.barrier()  # every rank's files are in place before rank 0 hands the URI to the driver
+    return storage.uri_of(FOLDER)
+
+
+def load_into(model: torch.nn.Module, uri: str, filesystem=None) -> None:
+    """Fill ``model`` (on the driver) in place from the final weights at ``uri``."""
+    storage = Storage.from_uri(uri, filesystem)
+    files = storage.list_files(storage.root)
+    if DCP_METADATA in files:
+        _load_dcp(model, storage)
+    elif "model.safetensors" in files:
+        _load_safetensors(model, storage)
+    else:
+        raise FileNotFoundError(
+            f"{uri} holds no final weights (model.safetensors or DCP shards): was it deleted while the "
+            "Trainer was alive? The last checkpoint's weights load with load_best_model_at_end or "
+            "resume_from_checkpoint.")
+    logger.debug("driver model filled from %s (%d files)", uri, len(files))
+
+
+def _load_safetensors(model: torch.nn.Module, storage: Storage) -> None:
+    """Tensor by tensor into the model's own: one tensor in flight, not a second copy of the model."""
+    from safetensors import safe_open
+
+    from raytrainer.checkpoint import check_fits
+
+    own = model.state_dict()
+    with _local_file(storage, "model.safetensors") as path, safe_open(path, framework="pt") as f:
+        names = list(f.keys())
+        check_fits(own, {name: tuple(f.get_slice(name).get_shape()) for name in names}, storage.uri)
+        with torch.no_grad():  # a tied weight stored once fills its twin: they share storage
+            for name in names:
+                own[name].copy_(f.get_tensor(name))
+
+
+def _load_dcp(model: torch.nn.Module, storage: Storage) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}  # the driver's tensors, filled in place
+    if storage.is_local:
+        reader = dcp.FileSystemReader(storage.root)
+    else:
+        from raytrainer.dcp_storage import PyArrowReader
+
+        reader = PyArrowReader(storage.fs, storage.root, cache=None)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+class _local_file:
+    """A local path for one file of ``storage``: the file itself, or a streamed temporary copy."""
+
+    def __init__(self, storage: Storage, name: str):
+        self.storage, self.name, self.tmp = storage, name, None
+
+    def __enter__(self) -> str:
+        if self.storage.is_local:
+            return self.storage.path(self.name)
+        self.tmp = tempfile.mkdtemp(prefix="raytrainer-final-")
+        dest = os.path.join(self.tmp, self.name)
+        self.storage.download(self.storage.path(self.name), dest)
+        return dest
+
+    def __exit__(self, *exc) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)

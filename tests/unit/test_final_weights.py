@@ -1,0 +1,122 @@
+"""The trained weights' way from workers to the driver: storage, loaded lazily; the channel refuses weights.
+
+FSDP's sharded layout is written here by a real one-rank gloo process group in this process; the 2-worker
+layout (one file per rank) is checked by tests/integration/test_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from raytrainer import Trainer, TrainingArguments, final_weights
+from raytrainer.driver.channel import MAX_RESULT_TENSOR_BYTES, refuse_weights
+from raytrainer.strategies.base import Strategy
+from raytrainer.worker.context import RankContext
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+class _Rank:
+    """What final_weights.write needs of a Trainer running as a rank."""
+
+    def __init__(self, args, strategy, model):
+        self.args, self._strategy, self.model_wrapped = args, strategy, model
+
+
+def _args(out, **kw) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(out), report_to="none", **kw)
+
+
+@pytest.fixture
+def gloo_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    yield
+    dist.destroy_process_group()
+
+
+def _round_trip(args, strategy, trained):
+    uri = final_weights.write(_Rank(args, strategy, trained), strategy.ctx)
+    driver = _model(seed=1)  # the driver's module: other values, filled in place
+    before = driver[0].weight
+    final_weights.load_into(driver, uri, args.storage_filesystem)
+    assert driver[0].weight is before
+    return uri, driver
+
+
+def test_replicated_weights_are_one_safetensors_file_filled_in_place(tmp_path):
+    args = _args(tmp_path / "out")
+    trained = _model(seed=0)
+    uri, driver = _round_trip(args, Strategy(RankContext(), args), trained)
+    assert os.listdir(uri) == ["model.safetensors"]
+    for name, value in trained.state_dict().items():
+        assert torch.equal(driver.state_dict()[name], value), name
+
+
+def test_fsdp_writes_shards_and_the_driver_loads_them_from_a_bucket(tmp_path, s3_bucket, gloo_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from raytrainer.strategies.fsdp import FSDPStrategy
+
+    args = _args(tmp_path / "out", storage_path=f"{s3_bucket.uri}/run", fsdp="full_shard", num_workers=1)
+    trained = _model(seed=0)
+    expected = {k: v.clone() for k, v in trained.state_dict().items()}
+    strategy = FSDPStrategy(RankContext(), args)
+    fully_shard(trained)
+    uri, driver = _round_trip(args, strategy, trained)
+    assert uri == f"{s3_bucket.uri}/run/final-model"
+    assert sorted(k for k in s3_bucket.list_objects("run/final-model/") if not k.endswith("/")) == [
+        "run/final-model/.metadata", "run/final-model/__0_0.distcp"]
+    for name, value in expected.items():
+        assert torch.equal(driver.state_dict()[name], value), name
+
+
+def test_a_second_write_replaces_the_first(tmp_path):
+    args = _args(tmp_path / "out")
+    strategy = Strategy(RankContext(), args)
+    final_weights.write(_Rank(args, strategy, _model(seed=0)), strategy.ctx)
+    stale = tmp_path / "out" / "final-model" / "__5_0.distcp"
+    stale.write_bytes(b"from a run on more workers")
+    _, driver = _round_trip(args, strategy, _model(seed=2))
+    assert not stale.exists()
+    assert torch.equal(driver[0].weight, _model(seed=2)[0].weight)
+
+
+def test_trainer_model_is_filled_on_first_use_and_a_new_model_cancels_it(tmp_path):
+    args = _args(tmp_path / "out")
+    strategy = Strategy(RankContext(), args)
+    uri = final_weights.write(_Rank(args, strategy, _model(seed=0)), strategy.ctx)
+    trainer = Trainer(model=_model(seed=1), args=args, train_dataset=[{"x": 1}])
+    trainer._weights_pending(functools.partial(final_weights.load_into, uri=uri))
+    assert "_pending_weights" in trainer.__dict__
+    assert torch.equal(trainer.model[0].weight, _model(seed=0)[0].weight)  # loaded by this access
+    assert "_pending_weights" not in trainer.__dict__
+
+    trainer._weights_pending(functools.partial(final_weights.load_into, uri=uri))
+    replacement = _model(seed=3)
+    trainer.model = replacement  # the pending weights were meant for the module it replaces
+    assert torch.equal(trainer.model[0].weight, _model(seed=3)[0].weight)
+
+
+def test_missing_final_weights_name_the_folder(tmp_path):
+    (tmp_path / "final-model").mkdir()
+    with pytest.raises(FileNotFoundError, match="final-model holds no final weights"):
+        final_weights.load_into(_model(0), str(tmp_path / "final-model"))
+
+
+def test_the_channel_refuses_weights_but_takes_metrics():
+    refuse_weights({"output": {"train_loss": 0.5}, "state": {"log_history": [{"loss": 1.0}]},
+                    "small": torch.zeros(16)})
+    with pytest.raises(RuntimeError, match="weights go through storage"):
+        refuse_weights({"weights": _model(0).state_dict(), "big": torch.zeros(MAX_RESULT_TENSOR_BYTES)})
+    with pytest.raises(RuntimeError, match="Sequential module"):
+        refuse_weights({"output": [_model(0)]})
