@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 LABEL_KEYS = ("label", "label_ids", "labels")
 
@@ -155,6 +155,34 @@ class LengthGroupedDistributedSampler(DistributedSampler):
         else:
             indices += indices[: self.total_size - len(indices)]
         return iter(indices[self.rank: self.total_size: self.num_replicas])
+
+
+# -- resuming mid-epoch ----------------------------------------------------------------------------------
+# What a DataLoader is built from, besides its batches; the skipping loader takes them all from the original.
+_LOADER_SETTINGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                    "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
+                    "pin_memory_device", "in_order")
+
+
+def skip_first_batches(loader, num_batches: int) -> DataLoader | None:
+    """A loader yielding ``loader``'s batches after its first ``num_batches``, which are skipped at the batch
+    sampler: their indices are drawn (cheap) but no example is read or collated. None where that cannot be
+    done (an iterable dataset, a loader that is not a plain ``DataLoader``, one without a batch sampler):
+    the caller then reads and drops the batches.
+
+    The original batch sampler is wrapped, not copied, so the sampler the training loop ``set_epoch``s is
+    the one that draws the indices; collate_fn, workers, pinning and the generator are the original's.
+    Unlike accelerate's ``skip_first_batches`` this creates no accelerate state (no ``PartialState``).
+    """
+    if (type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset)
+            or loader.batch_sampler is None):
+        return None
+    from accelerate.data_loader import SkipBatchSampler
+
+    settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS if hasattr(loader, name)}
+    settings["persistent_workers"] = False  # it serves one epoch: its workers end with it
+    return DataLoader(loader.dataset, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches),
+                      **settings)
 
 
 # -- evaluation sharding ---------------------------------------------------------------------------------

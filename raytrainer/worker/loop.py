@@ -25,7 +25,7 @@ import time
 import torch
 
 from raytrainer.callbacks import TrainerControl, TrainerState
-from raytrainer.data import batch_size_of
+from raytrainer.data import batch_size_of, skip_first_batches
 from raytrainer.optim import reapply_hyperparameters
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
@@ -73,19 +73,20 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
     set_seed(args.seed)
+    strategy = trainer._strategy = select_strategy(args, ctx)
     if trainer.model_init is not None:
-        trainer.model = trainer.call_model_init(trial)
+        with strategy.model_init_context():  # a sharded strategy builds only this rank's share
+            trainer.model = trainer.call_model_init(trial)
         trainer.optimizer = trainer.lr_scheduler = None
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
-    if resume is not None:
-        resume.load_model(trainer.model)
+    if resume is not None and not _on_meta(trainer.model):
+        resume.load_model(trainer.model)  # a rank built on meta gets its shard from rank 0 in setup_model
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
     if args.gradient_checkpointing:
         trainer.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
 
-    strategy = trainer._strategy = select_strategy(args, ctx)
     wrapped = strategy.setup_model(trainer.model)
     trainer.model = strategy.unwrap(wrapped)
     if args.auto_find_batch_size:
@@ -143,6 +144,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
     must_sync = ctx.distributed and not all(
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
+    epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
     start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):
@@ -155,12 +157,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         if first_resumed_epoch and skip_updates == 0:
             resume.restore_rng()  # before the epoch's iterator draws its seed, as at save time
         control = trainer.control = handler.on_epoch_begin(args, state, control)
-        batches = iter(train_dataloader)
         updates_this_epoch = schedule.updates_per_epoch
         exhausted = False
         start_update = skip_updates if first_resumed_epoch else 0
-        if start_update:
-            _take(batches, start_update * ga)  # fast-forward to where the checkpoint was taken
+        batches = epoch_batches(start_update * ga)  # from where the checkpoint was taken
         for update in range(start_update, updates_this_epoch):
             micro = _take(batches, ga)
             if not micro:
@@ -307,6 +307,10 @@ def _restore_state(state: TrainerState, saved: TrainerState) -> None:
         setattr(state, name, getattr(saved, name))
 
 
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 def _loss_shifts_labels(model) -> bool:
     """transformers' rule: a causal-LM loss (``ForCausalLMLoss``, not an encoder-decoder) predicts label i+1
     at position i, so position 0 of each row is never a target and is not counted."""
@@ -347,6 +351,39 @@ def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:
 
 def _mean_across_ranks(t: torch.Tensor, ctx) -> float:
     return ctx.sum([float(t.item())])[0] / ctx.world_size
+
+
+class _EpochBatches:
+    """Each epoch's batch iterator; a mid-epoch resume's first epoch starts after its first ``skip`` batches.
+
+    Skipped at the batch sampler where the loader allows it, so a resume reads only the examples it trains
+    on; otherwise (an iterable dataset, Ray Data batches, a custom loader) the skipped batches are read and
+    dropped. Either way the iterator is created, and the skipped batches drawn, before the loop restores
+    the checkpoint's RNG state, as the uninterrupted run had drawn them before that state was saved.
+
+    A loader with persistent workers draws its workers' base seed from the global RNG once, at its first
+    iterator. The uninterrupted run drew it in its first epoch, before any checkpoint saved the RNG state;
+    so in a resumed run that draw leaves the global RNG as it was, else the steps after it would differ.
+    """
+
+    def __init__(self, loader, resumed: bool):
+        self.loader = loader
+        self.fork_first_iterator = resumed and getattr(loader, "persistent_workers", False)
+
+    def __call__(self, skip: int):
+        skipping = skip_first_batches(self.loader, skip) if skip else None
+        if skipping is not None:
+            return iter(skipping)
+        batches = self._iter()
+        _take(batches, skip)
+        return batches
+
+    def _iter(self):
+        if not self.fork_first_iterator:
+            return iter(self.loader)
+        self.fork_first_iterator = False
+        with torch.random.fork_rng(devices=[]):
+            return iter(self.loader)
 
 
 def _take(iterator, n: int) -> list:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from raytrainer import Trainer, TrainingArguments
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
 from raytrainer.checkpoint import CheckpointError, committed_checkpoints
 from raytrainer.storage import Storage
 
@@ -77,6 +77,66 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, stop_at):
     logged = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
     assert [(h["step"], h["loss"]) for h in resumed.state.log_history if "loss" in h] == logged
     assert len(logged) == 15
+
+
+class CountingDataset:
+    """A map-style dataset that records the positions read, from the start of the training loop on."""
+
+    def __init__(self, examples):
+        self.examples, self.reads = examples, []
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return self.examples[i]
+
+
+class ReadsFromTrainBegin(TrainerCallback):
+    """Forgets the reads made before the loop (column and pre-flight checks): only training's count."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.dataset.reads.clear()
+
+
+def test_a_mid_epoch_resume_reads_only_the_examples_it_trains_on(tmp_path):
+    # 40 examples, batches of 4, 2 batches per update: 5 updates an epoch, 15 in 3 epochs; checkpoint-3
+    # is 6 batches (24 examples) into epoch 0, which the resume skips at the sampler, reading none of them
+    def run(out, **kw):
+        dataset = CountingDataset(data())
+        trainer = Trainer(model=DropoutNet(), train_dataset=dataset, callbacks=[ReadsFromTrainBegin(dataset)],
+                          args=args(out, gradient_accumulation_steps=2, save_steps=3))
+        trainer.train(**kw)
+        return trainer, dataset.reads
+
+    full, full_reads = run(tmp_path / "full")
+    assert len(full_reads) == 120
+    resumed, resumed_reads = run(tmp_path / "resumed",
+                                 resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    assert len(resumed_reads) == 16 + 80  # the rest of epoch 0, then epochs 1 and 2
+    assert resumed_reads == full_reads[24:]  # the same examples, in the same order
+    assert resumed.state.global_step == 15
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("stop_at", [3, 10])  # mid-epoch (skipped at the sampler), and at an epoch's end
+def test_resume_with_persistent_loader_workers_is_bitwise_equal(tmp_path, stop_at):
+    # the loader's one draw of its workers' seed, made by the uninterrupted run in epoch 0, must not move
+    # the global RNG (dropout here) when a resumed run makes it at a later epoch
+    workers = {"dataloader_num_workers": 1, "dataloader_persistent_workers": True, "num_train_epochs": 2}
+    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full", save_steps=stop_at, **workers),
+                   train_dataset=data())
+    full.train()
+    resumed = Trainer(model=DropoutNet(), args=args(tmp_path / "resumed", **workers), train_dataset=data())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{stop_at}"))
+    assert resumed.state.global_step == 20
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
 
 def test_resume_true_takes_the_latest_committed_and_skips_a_partial_one(tmp_path, caplog):
