@@ -29,6 +29,11 @@ class Strategy:
             torch.backends.cudnn.allow_tf32 = args.tf32
 
     # -- setup ---------------------------------------------------------------------------------
+    def model_init_context(self):
+        """The context ``model_init`` builds the model in on this rank (Fabric's ``module_init_context``):
+        sharded strategies build only this rank's share; the default builds the whole model."""
+        return contextlib.nullcontext()
+
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
         return model.to(self.ctx.device)

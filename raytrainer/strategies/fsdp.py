@@ -37,6 +37,7 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, ctx, args):
         super().__init__(ctx, args)
+        self._from_rank0 = False  # model_init built real weights on rank 0 only (model_init_context)
         kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
         # SHARDED_STATE_DICT: the optimizer state (2x the weights for Adam) stays sharded, one DCP file per
         # rank in optimizer_0/; FULL_STATE_DICT: consolidated into optimizer.pt on rank 0.
@@ -76,6 +77,17 @@ class FSDPStrategy(Strategy):
                 units.append(module)
         return units
 
+    def model_init_context(self):
+        """With ``model_init`` on several ranks, rank 0 alone builds the model with real weights (a
+        ``from_pretrained`` inside reads the files there only); the other ranks build it on the meta device,
+        which allocates nothing. ``setup_model`` then shards it, allocates each rank's shard and broadcasts
+        rank 0's values into the shards (accelerate's ``cpu_ram_efficient_loading``). Not with ``offload``,
+        whose shards live on the CPU while buffers go to the device: every rank builds the model then."""
+        if self.ctx.world_size == 1 or "offload" in self.args.fsdp:
+            return contextlib.nullcontext()
+        self._from_rank0 = True
+        return contextlib.nullcontext() if self.ctx.is_world_zero else torch.device("meta")
+
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -83,9 +95,12 @@ class FSDPStrategy(Strategy):
         config = self.args.fsdp_config or {}
         kwargs = {"mesh": self._mesh(options),
                   "reshard_after_forward": not options & {"shard_grad_op", "hybrid_shard_zero2"}}
+        # rank 0's full weights, kept (the same tensors) until broadcast into every rank's shard
+        full = ({n: p.detach() for n, p in model.named_parameters()}
+                if self._from_rank0 and self.ctx.is_world_zero else None)
         if "offload" in options:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        else:
+        elif not self._from_rank0 or self.ctx.is_world_zero:
             model = model.to(self.ctx.device)
         units = self._units(model, config) if "auto_wrap" in options else []
         if config.get("activation_checkpointing"):
@@ -93,7 +108,37 @@ class FSDPStrategy(Strategy):
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        if self._from_rank0:
+            self._fill_from_rank0(model, full)
         return model
+
+    def _fill_from_rank0(self, model: torch.nn.Module, full: dict | None) -> None:
+        """Allocate the meta ranks' shards, then fill every rank's shard from rank 0's full weights one
+        tensor at a time: a rank holds its shard plus one full tensor in flight, never the model. Buffers
+        (non-persistent ones too: rotary tables, say) and the RNG follow rank 0's."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not self.ctx.is_world_zero:
+            model.to_empty(device=self.ctx.device)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if full is not None:
+                    value = full.pop(name).to(self.ctx.device)
+                else:
+                    value = torch.empty(param.shape, dtype=param.dtype, device=self.ctx.device)
+                dist.broadcast(value, src=0)
+                if isinstance(param, DTensor):  # this rank's slice, cut locally (no further collective)
+                    shard = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(shard.to_local())
+                else:
+                    param.copy_(value)
+                del value
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        # meta ranks drew no random numbers in model_init: all ranks go on from rank 0's generator state
+        state = torch.get_rng_state() if self.ctx.is_world_zero else None
+        torch.set_rng_state(self.ctx.broadcast_object(state))
 
     def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # sharded parameters are gathered in forward: every rank must run it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -203,3 +204,63 @@ class UnusedHead(Regressor):
     def __init__(self, seed: int = 0):
         super().__init__(seed)
         self.unused = torch.nn.Linear(16, 2)
+
+
+# -- memory of sharded construction ------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class WideStack(torch.nn.Module):
+    """``layers`` x Linear(width, width) and a bias-free head: a model whose size dominates a worker's
+    memory (16 x 2048^2 fp32 = 256 MiB), with a non-persistent buffer (as rotary tables are)."""
+
+    def __init__(self, width: int = 2048, layers: int = 16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 2)
+        self.register_buffer("scale", torch.full((width,), 0.5), persistent=False)
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = torch.tanh(layer(x * self.scale) + x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def build_wide_stack() -> WideStack:
+    """model_init: records this process's resident memory, and resets its peak, before building."""
+    import torch.distributed.fsdp  # imports are not the model: loaded before the baseline
+    import torch.distributed.tensor  # noqa: F401
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"] = str(_status_kib("VmRSS"))  # this worker process's
+    return WideStack()
+
+
+def wide_data(n: int, width: int = 2048) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, width, generator=g)
+    return [{"x": x[i], "labels": int(x[i, 0] > 0)} for i in range(n)]
+
+
+class ReportParameterMemory(TrainerCallback):
+    """On every rank before the first step: the bytes of parameter storage the rank holds (a DTensor's local
+    shard, a ZeRO-3 partition), the model's full size, and the peak growth of resident memory since
+    model_init began."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        held = full = 0
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", p)
+            held += local.numel() * local.element_size()
+            full += getattr(p, "ds_numel", p.numel()) * p.element_size()
+        growth = (_status_kib("VmHWM") - int(os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"])) * 1024
+        log.error("rank %d: held=%d full=%d peak_growth=%d", args.process_index, held, full, growth)

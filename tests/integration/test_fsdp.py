@@ -69,3 +69,40 @@ def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
     console = "".join(capfd.readouterr())
     for rank in (0, 1):
         assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console
+
+
+def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_path, capfd):
+    """model_init: rank 1 builds on the meta device and receives its shard from rank 0, so before the first
+    step each rank holds half the parameters, and rank 1's resident memory grew by its shard and a transient
+    of about the same size (to_empty's allocation, kept by the allocator), where building the model costs 1x
+    plus the shard (rank 0); the run trains exactly as the same model handed in built (by every rank)."""
+    import re
+
+    from models import ReportParameterMemory, WideStack, build_wide_stack, wide_data
+
+    from raytrainer.trainer_utils import set_seed
+
+    data = wide_data(16)
+    kw = {"fsdp": "full_shard", "fsdp_config": {}, "max_steps": 2, "save_strategy": "no", "logging_steps": 1,
+          "per_device_train_batch_size": 2, "learning_rate": 1e-3}
+    built = Trainer(model_init=build_wide_stack, args=_args(tmp_path / "init", **kw), train_dataset=data,
+                    callbacks=[ReportParameterMemory()])
+    built.train()
+    console = "".join(capfd.readouterr())
+    report = {int(r): (int(h), int(f), int(g)) for r, h, f, g in
+              re.findall(r"rank (\d): held=(\d+) full=(\d+) peak_growth=(-?\d+)", console)}
+    assert sorted(report) == [0, 1], console[-3000:]
+    full = report[0][1]
+    assert full > 256 << 20  # 256 MiB of weights
+    for rank, (held, _, _) in report.items():
+        assert abs(held - full / 2) < 0.01 * full, (rank, held, full)  # half each, before the first step
+    assert report[1][2] < 1.35 * full, report  # its shard twice at most, never the model plus its shard
+    assert report[0][2] < 2.25 * full, report  # the full build it broadcasts from, plus its shard
+
+    set_seed(42)  # what the Trainer does before model_init
+    given = Trainer(model=WideStack(), args=_args(tmp_path / "given", **kw), train_dataset=data)
+    given.train()
+    for name, tensor in given.model.state_dict().items():
+        assert torch.equal(built.model.state_dict()[name], tensor), name
+    assert [h["loss"] for h in built.state.log_history if "loss" in h] == \
+        [h["loss"] for h in given.state.log_history if "loss" in h]
