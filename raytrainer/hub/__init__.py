@@ -3,6 +3,7 @@
 - ``targets``: the Hugging Face Hub through ``huggingface_hub.HfApi``, or any pyarrow filesystem URI
   given as ``hub_model_id`` (a plain model repository, one folder per revision).
 - ``pusher``: the background thread that pushes, with HF's skip / wait rules.
+- ``staging``: which files of a checkpoint a push takes (transformers' selection), streamed to local disk.
 - ``model_card``: the README.md pushed with the final model.
 
 The token (``hub_token``, ``HF_TOKEN`` or a stored login) stays in the driver: it is withheld from the

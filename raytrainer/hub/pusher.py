@@ -8,23 +8,17 @@ failed (the token scrubbed) and kept in ``failures``; the checkpoint stays in st
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from raytrainer.arg_types import HubStrategy, SaveStrategy
+from raytrainer.hub import staging
 from raytrainer.storage import Storage
 
 logger = logging.getLogger(__name__)
-
-# Files of a checkpoint that are training state, not the model: not pushed to the repository's root.
-_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "manifest.json")
-
-
-def _is_model_file(rel: str) -> bool:
-    return rel not in _STATE_FILES and not rel.startswith("rng_state_")
 
 
 class HubPusher:
@@ -98,50 +92,36 @@ class HubPusher:
             self.registry.pinned = self.registry.pinned - {name}
 
     def _push_checkpoint(self, info: dict):
+        """The model's files at the repository's root (see ``staging``); with hub_strategy checkpoint /
+        all_checkpoints also the whole checkpoint, optimizer state included, so it can be resumed from."""
         name = info["name"]
         try:
+            storage = Storage.from_uri(info["uri"], self.args.storage_filesystem)
             with tempfile.TemporaryDirectory(prefix="raytrainer-hub-") as tmp:
                 whole = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
-                folder = _local_copy(info["uri"], os.path.join(tmp, name), self.args.storage_filesystem,
-                                     None if whole else _needed_for_model)
-                model_dir = os.path.join(tmp, "model")
-                os.makedirs(model_dir)
-                for rel in os.listdir(folder):
-                    if os.path.isfile(os.path.join(folder, rel)) and _is_model_file(rel):
-                        shutil.copy(os.path.join(folder, rel), os.path.join(model_dir, rel))
-                message = self._message(folder, info)
+                folder = staging.local_checkpoint(storage, os.path.join(tmp, name)) if whole else None
+                source = Storage.from_uri(folder) if whole else storage  # not downloaded twice
+                model_dir = staging.stage(source, staging.model_files(source), os.path.join(tmp, "model"))
+                self._save_processing_class(model_dir)
+                message = self._message(source, info)
                 revision = self.args.hub_revision
                 results = [self.target.upload(model_dir, "", message, revision)]
-                if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+                if whole:
                     path = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else name
                     results.append(self.target.upload(folder, path, message + ", checkpoint", revision))
                 return results
         finally:
             self._unpin(name)
 
-    def _message(self, folder: str, info: dict) -> str:
+    def _save_processing_class(self, folder: str) -> None:
+        """Saved again rather than picked from the checkpoint, as transformers does: its files have no
+        fixed names (tokenizer.json, vocab.txt, spiece.model, preprocessor_config.json, ...)."""
+        processing_class = getattr(self.trainer, "processing_class", None)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(folder)
+
+    def _message(self, storage: Storage, info: dict) -> str:
         if self.args.save_strategy == SaveStrategy.STEPS:
             return f"Training in progress, step {info['step']}"
-        import json
-
-        with open(os.path.join(folder, "trainer_state.json")) as f:
-            epoch = json.load(f).get("epoch") or 0
+        epoch = json.loads(storage.read_bytes(storage.path("trainer_state.json"))).get("epoch") or 0
         return f"Training in progress, epoch {round(epoch)}"
-
-
-def _needed_for_model(rel: str) -> bool:
-    """The files a model-only push reads: the model's own, and the state for the commit message."""
-    return "/" not in rel and (_is_model_file(rel) or rel == "trainer_state.json")
-
-
-def _local_copy(uri: str, dest: str, filesystem=None, keep=None) -> str:
-    """A local folder with the checkpoint's files (those ``keep`` accepts): the folder itself when local,
-    else a streamed download -- of the model files alone for a model-only push, not the optimizer state."""
-    storage = Storage.from_uri(uri, filesystem)
-    if storage.is_local:
-        return storage.root
-    os.makedirs(dest)
-    for rel in storage.list_files(storage.root):
-        if keep is None or keep(rel):
-            storage.download(storage.path(rel), os.path.join(dest, rel))
-    return dest

@@ -47,11 +47,111 @@ def test_every_save_pushes_model_files_at_each_committed_checkpoint(tmp_path, ma
     trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
                        hub_strategy="every_save")
     trainer.train()
-    assert _files(repo / "main") == {"model.safetensors", "training_args.json"}  # no training state
+    pushed = _files(repo / "main")
+    assert pushed == {"model.safetensors", "training_args.json"}  # no training state:
+    assert not pushed & {"optimizer.pt", "scheduler.pt", "rng_state_0.safetensors", "trainer_state.json",
+                         "manifest.json"}
+    for name in pushed:  # the checkpoint's own bytes
+        assert (repo / "main" / name).read_bytes() == (tmp_path / "checkpoint-8" / name).read_bytes(), name
     _assert_weights(repo / "main" / "model.safetensors", trainer.model)  # step 8 = the final model
     commits = FilesystemTarget(f"file://{repo}").commits()
     assert [c["message"] for c in commits] == ["Training in progress, step 4", "Training in progress, step 8"]
     assert {c["revision"] for c in commits} == {"main"}
+
+
+# A checkpoint with every kind of file: a sharded model with its index, a PEFT adapter, its generation
+# config, the training arguments; optimizer / scheduler / RNG / trainer state, a DCP optimizer folder,
+# DeepSpeed's global_step folder with its `latest` and conversion script, a shard no index names.
+_MODEL = {"config.json": b'{"model_type": "tiny"}', "generation_config.json": b"{}",
+          "model-00001-of-00002.safetensors": b"shard one" * 1000, "model-00002-of-00002.safetensors": b"two",
+          "model.safetensors.index.json": json.dumps({"metadata": {}, "weight_map": {
+              "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors",
+              "c.weight": "model-00001-of-00002.safetensors"}}).encode(),
+          "adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"adapter",
+          "training_args.json": b'{"hub_token": "<HUB_TOKEN>"}'}
+_STATE = {"optimizer.pt": b"adam" * 1000, "scheduler.pt": b"sched", "scaler.pt": b"scale",
+          "rng_state_0.safetensors": b"rng0", "rng_state_1.safetensors": b"rng1",
+          "trainer_state.json": b'{"global_step": 8, "epoch": 2.0}', "optimizer_0/__0_0.distcp": b"dcp",
+          "optimizer_0/.metadata": b"meta", "global_step8/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"zero",
+          "latest": b"global_step8", "zero_to_fp32.py": b"print()", "manifest.json": b"{}",
+          "model-00003-of-00003.safetensors": b"old"}
+
+
+class _Tokenizer:
+    def save_pretrained(self, folder):
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            f.write('{"model_max_length": 16}')
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_a_checkpoint_push_streams_the_model_files_only(tmp_path, make_args, monkeypatch, strategy):
+    """What transformers' _push_from_checkpoint copies, streamed from the storage (file://, so through
+    pyarrow) to the staging folder: no optimizer or other training state is read for the model's push, and
+    no file is read whole into memory but the shards' index and trainer_state.json (an epoch's commit
+    message). The checkpoint push (hub_strategy="checkpoint") is the whole folder, downloaded once."""
+    from types import SimpleNamespace
+
+    from raytrainer.storage import Storage
+
+    checkpoint = tmp_path / "run" / "checkpoint-8"
+    for rel, body in {**_MODEL, **_STATE}.items():
+        (checkpoint / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkpoint / rel).write_bytes(body)
+    downloads, whole_reads = [], []
+    monkeypatch.setattr(Storage, "download", _spy(Storage.download, downloads))
+    monkeypatch.setattr(Storage, "download_dir", _spy(Storage.download_dir, downloads))
+    monkeypatch.setattr(Storage, "read_bytes", _spy(Storage.read_bytes, whole_reads))
+    repo = tmp_path / "hub"
+    args = make_args(push_to_hub=True, hub_strategy=strategy, save_strategy="epoch")
+    trainer = SimpleNamespace(processing_class=_Tokenizer())
+    pusher = HubPusher(FilesystemTarget(f"file://{repo}"), args, trainer)
+    pusher.submit("checkpoint-8", pusher._push_checkpoint,
+                  {"name": "checkpoint-8", "uri": f"file://{checkpoint}", "step": 8}).result()
+
+    pushed = _files(repo / "main") - {os.path.join("last-checkpoint", f) for f in [*_MODEL, *_STATE]}
+    assert pushed == {*_MODEL, "tokenizer_config.json"}
+    assert not pushed & {"optimizer.pt", "scheduler.pt", "rng_state_0.safetensors", "trainer_state.json",
+                         "latest", "zero_to_fp32.py", "model-00003-of-00003.safetensors", "manifest.json"}
+    assert not any(p.startswith(("optimizer_0", "global_step8")) for p in pushed)
+    for rel, body in _MODEL.items():
+        assert (repo / "main" / rel).read_bytes() == body, rel
+    message = "Training in progress, epoch 2"
+    if strategy == "every_save":
+        # only the model's files left the storage, one streamed copy each
+        assert sorted(downloads) == sorted(f"{checkpoint}/{rel}" for rel in _MODEL)
+        assert [c["message"] for c in FilesystemTarget(f"file://{repo}").commits()] == [message]
+    else:  # the whole checkpoint once; the model's files then come from that local copy
+        assert [d for d in downloads if d.startswith(str(tmp_path))] == [str(checkpoint)]
+        for rel, body in {**_MODEL, **_STATE}.items():
+            assert (repo / "main" / "last-checkpoint" / rel).read_bytes() == body, rel
+        assert [c["message"] for c in FilesystemTarget(f"file://{repo}").commits()] == [
+            message, message + ", checkpoint"]
+    assert {os.path.basename(p) for p in whole_reads} <= {"model.safetensors.index.json",
+                                                          "trainer_state.json", "commits.json"}
+
+
+def _spy(method, calls: list):
+    def spy(storage, path, *rest):
+        calls.append(path)
+        return method(storage, path, *rest)
+
+    return spy
+
+
+def test_a_push_from_a_bucket_never_fetches_the_optimizer_state(tmp_path, make_args, make_classifier,
+                                                               make_examples, s3_bucket):
+    """Checkpoints in a bucket, pushed every save: the bucket serves the model's files and nothing else."""
+    repo = tmp_path / "hub" / "tiny"
+    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
+                       hub_strategy="every_save", storage_path=f"{s3_bucket.uri}/run")
+    trainer.train()
+    fetched = {r["key"].split("/", 1)[1] for r in s3_bucket.server.requests()
+               if r["method"] == "GET" and (r["key"] or "").startswith("run/checkpoint-")}
+    assert fetched == {f"checkpoint-{step}/{name}" for step in (4, 8)
+                       for name in ("model.safetensors", "training_args.json")}
+    for name in ("model.safetensors", "training_args.json"):  # the bucket's bytes, as they were
+        assert (repo / "main" / name).read_bytes() == s3_bucket.get_object(f"run/checkpoint-8/{name}"), name
+    assert s3_bucket.list_objects("run/checkpoint-8/optimizer.pt")  # it was there to fetch
 
 
 def test_checkpoint_strategy_keeps_a_resumable_last_checkpoint(tmp_path, make_args, make_classifier,
