@@ -62,7 +62,29 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
 
     # -- setup -------------------------------------------------------------------------------------------
+    def model_init_context(self):
+        """ZeRO-3 with ``model_init`` on several workers: the model is built partitioned
+        (``deepspeed.zero.Init``): each parameter is cut into world_size pieces as its module is constructed,
+        so no rank ever holds the whole model. transformers sees ZeRO-3 enabled (``HfDeepSpeedConfig``, kept
+        for the run as transformers.Trainer keeps it), so ``from_pretrained`` inside loads partition-wise."""
+        if self.stage != 3 or self.ctx.world_size == 1:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        config = _without_autos(self.config)  # the run's lengths are not known yet: DeepSpeed's defaults
+        for key in ("train_batch_size", "gradient_accumulation_steps"):  # checked against a world size of 1
+            config.pop(key, None)  # before deepspeed.comm is set up; the engine checks them
+        try:
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            self._hf_deepspeed_config = HfDeepSpeedConfig(config)  # transformers holds a weak reference
+        except ImportError:
+            pass
+        return deepspeed.zero.Init(config_dict_or_path=config)
+
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            return model  # partitioned by zero.Init, each piece already where the engine wants it
         return model.to(self.ctx.device)
 
     def setup_optimizer(self, trainer, model: torch.nn.Module, num_training_steps: int) -> torch.nn.Module:
@@ -178,6 +200,13 @@ class DeepSpeedStrategy(Strategy):
                 f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/{tag_of(step)} "
                 f"--output_folder <checkpoint>/{tag_of(step)}_universal`, then set \"checkpoint\": "
                 f"{{\"load_universal\": true}} in the DeepSpeed config (raytrainer then loads that folder).")
+
+
+def _without_autos(node):
+    """The config without its remaining "auto" values (those filled only once the run's length is known)."""
+    if isinstance(node, dict):
+        return {k: _without_autos(v) for k, v in node.items() if v != "auto"}
+    return node
 
 
 def _base_optimizer(optimizer):

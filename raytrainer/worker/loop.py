@@ -80,8 +80,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         trainer.optimizer = trainer.lr_scheduler = None
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
-    if resume is not None and not _on_meta(trainer.model):
-        resume.load_model(trainer.model)  # a rank built on meta gets its shard from rank 0 in setup_model
+    if resume is not None and _whole(trainer.model):
+        # a rank built on meta gets its shard from rank 0 in setup_model; a model partitioned by
+        # zero.Init gets its partition from the engine's checkpoint
+        resume.load_model(trainer.model)
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
     if args.gradient_checkpointing:
         trainer.model.gradient_checkpointing_enable(
@@ -307,8 +309,9 @@ def _restore_state(state: TrainerState, saved: TrainerState) -> None:
         setattr(state, name, getattr(saved, name))
 
 
-def _on_meta(model: torch.nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+def _whole(model: torch.nn.Module) -> bool:
+    """This rank built the whole model (not on the meta device, not partitioned by deepspeed.zero.Init)."""
+    return not any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _loss_shifts_labels(model) -> bool:

@@ -240,7 +240,9 @@ def build_wide_stack() -> WideStack:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"] = str(_status_kib("VmRSS"))  # this worker process's
-    return WideStack()
+    model = WideStack()
+    os.environ["TESTS_PEAK_AFTER_MODEL_INIT_KIB"] = str(_status_kib("VmHWM"))  # construction's peak
+    return model
 
 
 def wide_data(n: int, width: int = 2048) -> list[dict]:
@@ -252,7 +254,7 @@ def wide_data(n: int, width: int = 2048) -> list[dict]:
 class ReportParameterMemory(TrainerCallback):
     """On every rank before the first step: the bytes of parameter storage the rank holds (a DTensor's local
     shard, a ZeRO-3 partition), the model's full size, and the peak growth of resident memory since
-    model_init began."""
+    model_init began, until now and until model_init returned (construction alone)."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from torch.distributed.tensor import DTensor
@@ -262,5 +264,8 @@ class ReportParameterMemory(TrainerCallback):
             local = p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", p)
             held += local.numel() * local.element_size()
             full += getattr(p, "ds_numel", p.numel()) * p.element_size()
-        growth = (_status_kib("VmHWM") - int(os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"])) * 1024
-        log.error("rank %d: held=%d full=%d peak_growth=%d", args.process_index, held, full, growth)
+        base = int(os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"])
+        growth = (_status_kib("VmHWM") - base) * 1024
+        built = (int(os.environ["TESTS_PEAK_AFTER_MODEL_INIT_KIB"]) - base) * 1024
+        log.error("rank %d: held=%d full=%d peak_growth=%d init_growth=%d", args.process_index, held, full,
+                  growth, built)

@@ -89,13 +89,14 @@ def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_p
                     callbacks=[ReportParameterMemory()])
     built.train()
     console = "".join(capfd.readouterr())
-    report = {int(r): (int(h), int(f), int(g)) for r, h, f, g in
-              re.findall(r"rank (\d): held=(\d+) full=(\d+) peak_growth=(-?\d+)", console)}
+    report = {int(r): (int(h), int(f), int(g), int(i)) for r, h, f, g, i in re.findall(
+        r"rank (\d): held=(\d+) full=(\d+) peak_growth=(-?\d+) init_growth=(-?\d+)", console)}
     assert sorted(report) == [0, 1], console[-3000:]
     full = report[0][1]
     assert full > 256 << 20  # 256 MiB of weights
-    for rank, (held, _, _) in report.items():
+    for rank, (held, _, _, _) in report.items():
         assert abs(held - full / 2) < 0.01 * full, (rank, held, full)  # half each, before the first step
+    assert report[1][3] < 0.1 * full, report  # model_init on the meta device allocates nothing
     assert report[1][2] < 1.35 * full, report  # its shard twice at most, never the model plus its shard
     assert report[0][2] < 2.25 * full, report  # the full build it broadcasts from, plus its shard
 
