@@ -240,7 +240,20 @@ class CheckpointReader:
             yield PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=os.path.join(tmp, subdir))
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return load_safetensors(self.read(name))
+        """A safetensors file's tensors, verified while streaming: hashed in blocks as it is read (a local
+        file) or downloaded (a bucket), then loaded from disk -- never a whole-file copy in memory beside
+        the tensors."""
+        from safetensors.torch import load_file
+
+        if name not in self.files:
+            raise CheckpointError(f"{self.uri} does not hold {name}.")
+        if self.storage.is_local:
+            self.verify(name)
+            return load_file(self.storage.path(name))
+        with tempfile.TemporaryDirectory(prefix="raytrainer-weights-") as tmp:
+            local = os.path.join(tmp, os.path.basename(name))
+            self.download(name, local)
+            return load_file(local)
 
     def torch_state(self, name: str):
         """A state dict saved with torch.save, loaded without running any pickled code."""
