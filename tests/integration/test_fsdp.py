@@ -83,7 +83,7 @@ def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_p
     from raytrainer.trainer_utils import set_seed
 
     data = wide_data(16)
-    kw = {"fsdp": "full_shard", "fsdp_config": {}, "max_steps": 2, "save_strategy": "no", "logging_steps": 1,
+    kw = {"fsdp": "full_shard", "fsdp_config": {}, "max_steps": 2, "save_steps": 1, "logging_steps": 1,
           "per_device_train_batch_size": 2, "learning_rate": 1e-3}
     built = Trainer(model_init=build_wide_stack, args=_args(tmp_path / "init", **kw), train_dataset=data,
                     callbacks=[ReportParameterMemory()])
@@ -107,3 +107,9 @@ def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_p
         assert torch.equal(built.model.state_dict()[name], tensor), name
     assert [h["loss"] for h in built.state.log_history if "loss" in h] == \
         [h["loss"] for h in given.state.log_history if "loss" in h]
+
+    # resumed with model_init: rank 0 reads the checkpoint's weights and broadcasts them into the shards
+    resumed = Trainer(model_init=build_wide_stack, args=_args(tmp_path / "resumed", **kw), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "init" / "checkpoint-1"))
+    for name, tensor in built.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
