@@ -137,6 +137,15 @@ class TrainingArguments:
         default=None,
         metadata={"help": "Prediction steps to accumulate on the device before moving outputs to the CPU."},
     )
+    eval_on_start: bool = field(
+        default=False,
+        metadata={"help": "Run a whole evaluation before the first training step, as a sanity check."},
+    )
+    eval_do_concat_batches: bool = field(
+        default=True,
+        metadata={"help": "Concatenate predictions, labels and losses across batches; False returns them as "
+                          "lists, one entry per batch."},
+    )
     eval_delay: float = field(
         default=0,
         metadata={"help": "Epochs or steps (per eval_strategy) to wait before the first evaluation."},
@@ -270,6 +279,11 @@ class TrainingArguments:
     # --- Reproducibility and devices ---
     seed: int = field(default=42, metadata={"help": "Random seed set at the beginning of training."})
     data_seed: int | None = field(default=None, metadata={"help": "Random seed for the data samplers."})
+    full_determinism: bool = field(
+        default=False,
+        metadata={"help": "Seed and make torch use deterministic algorithms on every worker (slower; for "
+                          "debugging), instead of seeding alone."},
+    )
     use_cpu: bool = field(default=False, metadata={"help": "Train on CPU even when a GPU is available."})
     bf16: bool = field(default=False, metadata={"help": "Use bfloat16 mixed precision."})
     fp16: bool = field(default=False, metadata={"help": "Use float16 mixed precision."})
@@ -291,6 +305,15 @@ class TrainingArguments:
     )
     dataloader_prefetch_factor: int | None = field(
         default=None, metadata={"help": "Batches loaded in advance by each data loading subprocess."}
+    )
+    dataloader_in_order: bool = field(
+        default=True,
+        metadata={"help": "Yield batches in the order the loading subprocesses were dispatched; False yields "
+                          "each as soon as it is ready."},
+    )
+    dataloader_multiprocessing_context: str | None = field(
+        default=None,
+        metadata={"help": "Start method of the data loading subprocesses: fork, spawn or forkserver."},
     )
     past_index: int = field(
         default=-1, metadata={"help": "Index of the model output holding past memory states, if any."}
@@ -414,6 +437,9 @@ class TrainingArguments:
     )
     ddp_bucket_cap_mb: int | None = field(
         default=None, metadata={"help": "bucket_cap_mb passed to DistributedDataParallel."}
+    )
+    ddp_static_graph: bool | None = field(
+        default=None, metadata={"help": "static_graph passed to DistributedDataParallel."}
     )
     ddp_broadcast_buffers: bool | None = field(
         default=None, metadata={"help": "broadcast_buffers passed to DistributedDataParallel."}
@@ -681,6 +707,9 @@ class TrainingArguments:
                 "needs evaluations, but eval_strategy='no'",
                 "pass e.g. --eval_strategy epoch",
             )
+        if self.dataloader_multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
+            raise _error("dataloader_multiprocessing_context", self.dataloader_multiprocessing_context,
+                         "is not a start method", "pass fork, spawn or forkserver, or leave it unset")
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise _error(
                 "dataloader_prefetch_factor",

@@ -99,6 +99,9 @@ class Trainer:
         self.can_return_loss = self.label_names == [] or "return_loss" in _forward_params(self.model)
 
         eval_strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+        if args.eval_on_start and eval_dataset is None:
+            raise ValueError("eval_on_start=True needs an eval_dataset: pass `eval_dataset=` to Trainer or "
+                             "drop eval_on_start.")
         if eval_strategy != "no" and eval_dataset is None:
             raise ValueError(
                 f"eval_strategy={eval_strategy!r} needs an eval_dataset: pass `eval_dataset=` to Trainer "
@@ -348,6 +351,9 @@ class Trainer:
             kwargs["persistent_workers"] = a.dataloader_persistent_workers
             kwargs["prefetch_factor"] = a.dataloader_prefetch_factor
             kwargs["worker_init_fn"] = seed_worker
+            kwargs["in_order"] = a.dataloader_in_order
+            if a.dataloader_multiprocessing_context is not None:
+                kwargs["multiprocessing_context"] = a.dataloader_multiprocessing_context
         return kwargs
 
     def _get_train_sampler(self, dataset):

@@ -16,6 +16,8 @@ class DDPStrategy(Strategy):
         kwargs = {"find_unused_parameters": find_unused_parameters(self.args, model)}
         if self.args.ddp_bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.args.ddp_bucket_cap_mb
+        if self.args.ddp_static_graph is not None:
+            kwargs["static_graph"] = self.args.ddp_static_graph
         if self.args.ddp_broadcast_buffers is not None:
             kwargs["broadcast_buffers"] = self.args.ddp_broadcast_buffers
         if self.ctx.device.type == "cuda":

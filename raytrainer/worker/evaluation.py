@@ -149,6 +149,10 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
         all_losses, all_preds, all_labels, all_inputs = (
             nested_unshard([g[i] for g in gathered], batch_size, num_examples) for i in range(4)
         )
+        mean_loss = float(np.mean(all_losses)) if all_losses is not None and len(all_losses) else None
+        if not args.eval_do_concat_batches:  # transformers' lists, one entry per batch (of one process)
+            all_losses, all_preds, all_labels, all_inputs = (
+                _per_batch(x, batch_size) for x in (all_losses, all_preds, all_labels, all_inputs))
         metrics = {}
         if stream:
             metrics = dict(batch_metrics or {})
@@ -163,8 +167,8 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
             )
             metrics = dict(trainer.compute_metrics(eval_pred))
         metrics = denumpify_detensorize(metrics)
-        if all_losses is not None and len(all_losses):
-            metrics[f"{metric_key_prefix}_loss"] = float(np.mean(all_losses))
+        if mean_loss is not None:
+            metrics[f"{metric_key_prefix}_loss"] = mean_loss
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
@@ -173,6 +177,26 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     metrics = ctx.broadcast_object(metrics)
     return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics,
                           num_samples=num_examples)
+
+
+def _rows(x, sl):
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rows(v, sl) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _rows(v, sl) for k, v in x.items()}
+    return x[sl]
+
+
+def _per_batch(x, batch_size: int) -> list | None:
+    """Dataset-ordered outputs cut back into the batches one process would have seen."""
+    if x is None:
+        return None
+    first = x
+    while isinstance(first, (tuple, list, Mapping)):
+        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
+    return [_rows(x, slice(i, i + batch_size)) for i in range(0, len(first), batch_size)]
 
 
 def _slice(x, sl):

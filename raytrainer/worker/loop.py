@@ -72,7 +72,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     args, ctx = trainer.args, trainer._ctx
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
-    set_seed(args.seed)
+    set_seed(args.seed, deterministic=args.full_determinism)  # every rank, as enable_full_determinism
     strategy = trainer._strategy = select_strategy(args, ctx)
     if trainer.model_init is not None:
         with strategy.model_init_context():  # a sharded strategy builds only this rank's share
@@ -132,6 +132,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     handler.train_dataloader = train_dataloader
 
     control = trainer.control = handler.on_train_begin(args, state, control)
+    if args.eval_on_start:  # a sanity check before the first step (no best-model or scheduler update)
+        trainer.evaluate(ignore_keys=ignore_keys_for_eval)
     tr_loss = torch.zeros((), device=ctx.device)
     # a resumed run logs its first loss over the steps since the resume (as transformers)
     loop = _LogState(total_loss=0.0, last_logged=state.global_step, grad_norm=None)
