@@ -95,7 +95,8 @@ DDP_BACKENDS = (None, "gloo", "nccl", "mpi", "ccl", "hccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 INCLUDE_FOR_METRICS = ("inputs", "loss")
 _DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker", "fsdp_config",
-                "gradient_checkpointing_kwargs")
+                "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+TRAIN_SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "offload",
                 "auto_wrap")
 

@@ -34,6 +34,7 @@ from raytrainer.arg_types import (
     INCLUDE_FOR_METRICS,
     LOG_LEVELS,
     PLACEMENT_STRATEGIES,
+    TRAIN_SAMPLING_STRATEGIES,
     HubStrategy,
     IntervalStrategy,
     OptimizerNames,
@@ -324,6 +325,11 @@ class TrainingArguments:
     label_names: list[str] | None = field(
         default=None, metadata={"help": "The keys of the input dict that hold the labels."}
     )
+    train_sampling_strategy: str = field(
+        default="random",
+        metadata={"help": "Training sampler: random, sequential or group_by_length.",
+                  "choices": list(TRAIN_SAMPLING_STRATEGIES)},
+    )
     group_by_length: bool = field(
         default=False, metadata={"help": "Group samples of similar length into batches."}
     )
@@ -386,6 +392,21 @@ class TrainingArguments:
     gradient_checkpointing_kwargs: dict | str | None = field(
         default=None,
         metadata={"help": "Keyword arguments for gradient_checkpointing_enable (a dict or JSON)."},
+    )
+    activation_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "transformers 5's name for gradient checkpointing: "
+                          "activation_checkpointing_enable() where the model has it, else "
+                          "gradient_checkpointing_enable()."},
+    )
+    activation_checkpointing_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for activation checkpointing (a dict or JSON): every_n_layers, "
+                          "offload, and torch.utils.checkpoint's."},
+    )
+    use_cache: bool = field(
+        default=False,
+        metadata={"help": "Set on the model's config (model.config.use_cache); training rarely needs it."},
     )
     torch_compile: bool = field(
         default=False, metadata={"help": "Train through torch.compile (set too by a backend or a mode)."}
@@ -707,6 +728,10 @@ class TrainingArguments:
                 "needs evaluations, but eval_strategy='no'",
                 "pass e.g. --eval_strategy epoch",
             )
+        if self.train_sampling_strategy not in TRAIN_SAMPLING_STRATEGIES:
+            raise _error("train_sampling_strategy", self.train_sampling_strategy,
+                         "is not a sampling strategy raytrainer has",
+                         f"pass one of {', '.join(TRAIN_SAMPLING_STRATEGIES)}")
         if self.dataloader_multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise _error("dataloader_multiprocessing_context", self.dataloader_multiprocessing_context,
                          "is not a start method", "pass fork, spawn or forkserver, or leave it unset")

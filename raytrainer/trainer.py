@@ -95,6 +95,8 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        if getattr(self.model, "config", None) is not None and hasattr(self.model.config, "use_cache"):
+            self.model.config.use_cache = args.use_cache  # as transformers.Trainer
         self.label_names = args.label_names or rdata.default_label_names(self.model)
         self.can_return_loss = self.label_names == [] or "return_loss" in _forward_params(self.model)
 
@@ -361,10 +363,10 @@ class Trainer:
         seed = a.data_seed if a.data_seed is not None else a.seed
         common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": seed,
                   "drop_last": a.dataloader_drop_last}
-        if a.group_by_length:
+        if a.group_by_length or a.train_sampling_strategy == "group_by_length":
             return rdata.LengthGroupedDistributedSampler(
                 dataset, batch_size=a.train_batch_size, length_column_name=a.length_column_name, **common)
-        return DistributedSampler(dataset, shuffle=True, **common)
+        return DistributedSampler(dataset, shuffle=a.train_sampling_strategy != "sequential", **common)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:

@@ -88,9 +88,13 @@ def _check_train(trainer) -> None:
 
 
 def _check_gradient_checkpointing(trainer) -> None:
-    if trainer.args.gradient_checkpointing and not hasattr(trainer.model, "gradient_checkpointing_enable"):
+    wanted = trainer.args.gradient_checkpointing or trainer.args.activation_checkpointing
+    if wanted and not hasattr(trainer.model, "gradient_checkpointing_enable") and not hasattr(
+            trainer.model, "activation_checkpointing_enable"):
+        flag = ("activation_checkpointing" if trainer.args.activation_checkpointing
+                else "gradient_checkpointing")
         raise ValueError(
-            f"gradient_checkpointing=True, but {type(trainer.model).__name__} has no "
+            f"{flag}=True, but {type(trainer.model).__name__} has no "
             "gradient_checkpointing_enable() (transformers models do). For another model use "
             "torch.utils.checkpoint in its forward, or fsdp_config={'activation_checkpointing': True} "
             "with FSDP."

@@ -39,5 +39,7 @@ def find_unused_parameters(args, model: torch.nn.Module) -> bool:
     if args.ddp_find_unused_parameters is not None:
         return bool(args.ddp_find_unused_parameters)
     if any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
-        return not getattr(model, "is_gradient_checkpointing", False)
+        checkpointing = (model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing")
+                         else getattr(model, "is_gradient_checkpointing", False))
+        return not (checkpointing or args.activation_checkpointing)
     return True

@@ -85,7 +85,9 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         # zero.Init gets its partition from the engine's checkpoint
         resume.load_model(trainer.model)
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
-    if args.gradient_checkpointing:
+    if args.activation_checkpointing:
+        _checkpoint_activations(trainer.model, args)
+    elif args.gradient_checkpointing:
         trainer.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
 
@@ -309,6 +311,18 @@ def _restore_state(state: TrainerState, saved: TrainerState) -> None:
                  "best_model_checkpoint", "total_flos", "num_input_tokens_seen", "stateful_callbacks",
                  "trial_name", "trial_params"):
         setattr(state, name, getattr(saved, name))
+
+
+def _checkpoint_activations(model: torch.nn.Module, args) -> None:
+    """activation_checkpointing, as transformers 5: every_n_layers and offload go to the model's
+    activation_checkpointing_enable(); a model with only gradient_checkpointing_enable() gets the rest."""
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                              every_n_layers=every_n_layers, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
 
 
 def _whole(model: torch.nn.Module) -> bool:

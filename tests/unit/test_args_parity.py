@@ -58,7 +58,7 @@ def test_dataloader_order_and_start_method_reach_the_loader(make_args, make_clas
 
 
 def test_a_start_method_that_does_not_exist_is_named(tmp_path):
-    with pytest.raises(ValueError, match="dataloader_multiprocessing_context='thread'.*fork, spawn or forkserver"):
+    with pytest.raises(ValueError, match=r"context='thread'.*fork, spawn or forkserver"):
         TrainingArguments(output_dir=str(tmp_path), dataloader_multiprocessing_context="thread")
 
 
@@ -75,3 +75,41 @@ def test_ddp_static_graph_reaches_distributed_data_parallel(tmp_path, make_class
         assert wrapped.static_graph is True
     finally:
         dist.destroy_process_group()
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=2))
+
+
+def _token_examples(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (n, 8), generator=g)
+    return [{"input_ids": ids[i], "labels": int(ids[i, 0] > 25)} for i in range(n)]
+
+
+def test_activation_checkpointing_and_use_cache_reach_a_transformers_model(make_args):
+    model = _tiny_bert()
+    model.config.use_cache = True
+    args = make_args(activation_checkpointing=True, max_steps=2, per_device_train_batch_size=4)
+    trainer = Trainer(model=model, train_dataset=_token_examples(8), args=args)
+    assert model.config.use_cache is False  # transformers.Trainer sets args.use_cache (False) on the config
+    assert trainer.train().global_step == 2
+    assert model.is_activation_checkpointing
+
+
+def test_sequential_sampling_keeps_dataset_order(make_args, make_classifier, make_examples):
+    train, x, _ = make_examples(12)
+    trainer = Trainer(model=make_classifier(), train_dataset=train,
+                      args=make_args(train_sampling_strategy="sequential", per_device_train_batch_size=4))
+    batches = [b["x"] for b in trainer.get_train_dataloader()]
+    torch.testing.assert_close(torch.cat(batches), x)
+
+
+def test_an_unknown_sampling_strategy_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"train_sampling_strategy='batch_rebalance'.*random, sequential"):
+        TrainingArguments(output_dir=str(tmp_path), train_sampling_strategy="batch_rebalance")
