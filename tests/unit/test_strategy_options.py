@@ -279,11 +279,13 @@ def test_find_unused_parameters_follows_transformers_rule():
     class Bert(PreTrainedModel):
         pass
 
-    unset = SimpleNamespace(ddp_find_unused_parameters=None)
-    off = SimpleNamespace(ddp_find_unused_parameters=False)
+    unset = SimpleNamespace(ddp_find_unused_parameters=None, activation_checkpointing=None)
+    off = SimpleNamespace(ddp_find_unused_parameters=False, activation_checkpointing=None)
     assert find_unused_parameters(unset, torch.nn.Linear(2, 2)) is True
     assert find_unused_parameters(unset, Bert()) is True
     checkpointing = Bert()
     checkpointing.is_gradient_checkpointing = True
     assert find_unused_parameters(unset, checkpointing) is False
     assert find_unused_parameters(off, torch.nn.Linear(2, 2)) is False
+    asked = SimpleNamespace(ddp_find_unused_parameters=None, activation_checkpointing=True)
+    assert find_unused_parameters(asked, Bert()) is False  # transformers 5's activation_checkpointing
