@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 from collections.abc import Mapping
 
@@ -18,6 +19,8 @@ from torch.utils.data import IterableDataset
 from raytrainer import data as rdata
 from raytrainer.deps import require
 from raytrainer.trainer_utils import has_length
+
+logger = logging.getLogger(__name__)
 
 
 def check(trainer, method: str, kwargs: dict) -> bytes | None:
@@ -124,6 +127,13 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
         world = max(args.num_workers, 1)
         step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
         strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
+        saved = sum(1 for name in reader.files if name.startswith("rng_state_"))
+        if saved and saved != world:
+            logger.warning(
+                "resuming %s, written by %d workers, on %d: the data position carries over as the share of "
+                "the epoch already seen, but the random number streams cannot (a rank without a saved one of "
+                "its own starts from rank 0's), so dropout masks and data order differ from an uninterrupted "
+                "run's.", resume, saved, world)
     if getattr(args.save_strategy, "value", args.save_strategy) != "no":
         storage.check_writable()
 

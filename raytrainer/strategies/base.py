@@ -115,6 +115,9 @@ class Strategy:
 
         load_optimizer(model, optimizer, reader, self.ctx)
 
+    def before_resume(self, files: list[str], step: int) -> None:
+        """Told, before the optimizer exists, which committed checkpoint files this run resumes from."""
+
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
         """On the driver: refuse a checkpoint this strategy cannot resume on ``world_size`` workers."""

@@ -13,8 +13,8 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
   floating inputs are cast to the engine's dtype, as HF does.
 - Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
   ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0). A ZeRO
-  checkpoint resumes on the same number of workers; on another number it needs DeepSpeed's universal
-  checkpoint conversion -- ``check_resume`` says so on the driver, before any worker starts.
+  checkpoint resumes on the same number of workers as written; on another number rank 0 first converts it
+  with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import re
+import tempfile
 
 import torch
 
@@ -60,6 +61,7 @@ class DeepSpeedStrategy(Strategy):
             dtype = torch.float16
         self.precision = CastPrecision(dtype)  # the engine casts the module; inputs follow
         self.engine = None
+        self._to_universal = False  # resuming a ZeRO checkpoint written by another number of ranks
 
     # -- setup -------------------------------------------------------------------------------------------
     def model_init_context(self):
@@ -94,6 +96,8 @@ class DeepSpeedStrategy(Strategy):
         # filled again: auto_find_batch_size may have changed the batch size since __init__
         config = fill_from_args(load_config(self.args.deepspeed), self.args, self.ctx.world_size)
         config = fill_for_run(config, self.args, num_training_steps, hidden)
+        if self._to_universal:
+            config.setdefault("checkpoint", {})["load_universal"] = True
         optimizer = scheduler = None
         if "optimizer" not in config:
             optimizer = trainer.create_optimizer()
@@ -162,14 +166,56 @@ class DeepSpeedStrategy(Strategy):
         model.save_checkpoint(folder, tag=tag_of(step), save_latest=False)
         return tag_of(step)
 
+    def before_resume(self, files: list[str], step: int) -> None:
+        saved = _partitions(files, step)
+        universal = (self.config.get("checkpoint") or {}).get("load_universal")
+        self._to_universal = bool(saved) and len(saved) != self.ctx.world_size and not universal
+
     def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
         """DeepSpeed's loader reads files by path: from a bucket, each rank downloads (verified) only the
         files it opens -- its own ZeRO partition and the shared model states -- not every rank's."""
         names = sorted(n for n in reader.files if n.startswith(f"{tag_of(step)}/"))
+        if self._to_universal:
+            self._load_resharded(model, reader, names, step)
+            return
         elastic = (self.config.get("zero_optimization") or {}).get("elastic_checkpoint")
         mine = names if elastic else [n for n in names if _partition_rank(n) in (None, self.ctx.rank)]
         with reader.local_copy(names, self.ctx, mine) as folder:
             self._load_engine_checkpoint(model, folder, step)
+
+    def _load_resharded(self, model, reader, names: list[str], step: int) -> None:
+        """A ZeRO checkpoint of another number of ranks: rank 0 reads every partition and converts them
+        into DeepSpeed's universal checkpoint (one folder per parameter, cut by no rank count) in the run's
+        storage (``universal-<step>/``); every rank then loads its new partition from it, and rank 0 removes
+        it. At full size that is the whole optimizer state read and written once by one process: minutes,
+        paid only when the number of workers changed."""
+        from raytrainer.storage import Storage
+
+        ctx, tag = self.ctx, tag_of(step)
+        storage = Storage.for_run(self.args)
+        dest = storage.path(f"universal-{step}")
+        error = None
+        if ctx.is_world_zero:
+            try:
+                with reader.local_copy(names, _alone(ctx)) as folder, \
+                        tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as out:
+                    _convert_to_universal(os.path.join(folder, tag), os.path.join(out, f"{tag}_universal"))
+                    if storage.exists(dest):
+                        storage.delete_dir(dest)
+                    storage.upload_dir(out, dest)
+            except Exception as exc:  # shared below: no rank waits for a conversion that failed
+                error = exc
+        if ctx.any_flags([error is not None])[0]:
+            raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
+        with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
+            storage.download_dir(dest, local)
+            path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {reader.uri}")
+        ctx.barrier()
+        if ctx.is_world_zero:
+            storage.delete_dir(dest)
 
     def _load_engine_checkpoint(self, model, folder: str, step: int) -> None:
         tag = tag_of(step)
@@ -186,20 +232,36 @@ class DeepSpeedStrategy(Strategy):
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
         """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
         needs DeepSpeed's conversion to a universal checkpoint first. Called on the driver."""
-        prefix = f"{tag_of(step)}/"
-        partitions = [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
-        if not partitions:
-            return  # not a DeepSpeed checkpoint (or stage 0): weights and optimizer load on any world size
-        universal = ((load_config(args.deepspeed).get("checkpoint") or {}).get("load_universal"))
-        saved = len(partitions)
-        if saved != world_size and not universal:
-            raise ValueError(
-                f"resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by {saved} workers "
-                f"and this run has {world_size}; ZeRO's optimizer partitions do not re-split by themselves. "
-                f"Either resume with num_workers={saved}, or convert it to a universal checkpoint: "
-                f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/{tag_of(step)} "
-                f"--output_folder <checkpoint>/{tag_of(step)}_universal`, then set \"checkpoint\": "
-                f"{{\"load_universal\": true}} in the DeepSpeed config (raytrainer then loads that folder).")
+        saved = _partitions(files, step)
+        if saved and len(saved) != world_size:
+            logger.warning("resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by %d workers "
+                           "and this run has %d: rank 0 converts it to DeepSpeed's universal format first "
+                           "(reads every partition once)", len(saved), world_size)
+
+
+def _partitions(files, step: int) -> list[str]:
+    """The ZeRO optimizer partition files of a checkpoint's ``global_step<step>/`` (one per rank)."""
+    prefix = f"{tag_of(step)}/"
+    return [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
+
+
+def _alone(ctx):
+    """Rank 0's context seen as a one-rank world (it reads every file, verifying each, by itself)."""
+    from raytrainer.worker.context import RankContext
+
+    return RankContext(device=ctx.device)
+
+
+def _convert_to_universal(folder: str, output: str) -> None:
+    """DeepSpeed's own ds_to_universal, in this process (no worker pools), with the client state DeepSpeed's
+    conversion expects of Megatron-style trainers injected (a plain engine's checkpoint lacks it)."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    main(argparse.Namespace(input_folder=folder, output_folder=output, num_extract_workers=1,
+                            num_merge_workers=1, keep_temp_folder=False, strict=True,
+                            inject_missing_state=True))
 
 
 def _without_autos(node):

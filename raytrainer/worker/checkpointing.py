@@ -272,6 +272,11 @@ class Resume:
         if self.reader.has("scaler.pt"):
             strategy.precision.load_state_dict(self.reader.torch_state("scaler.pt"))
 
+    @property
+    def world_size(self) -> int | None:
+        """How many ranks wrote the checkpoint (one RNG state file each); None when it holds none."""
+        return sum(1 for n in self.reader.files if n.startswith("rng_state_")) or None
+
     def sharded_files(self) -> list[str]:
         """A strategy's own training state: the files in sub-folders (optimizer_0/, global_step<N>/)."""
         return sorted(n for n in self.reader.files if "/" in n)

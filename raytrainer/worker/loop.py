@@ -80,6 +80,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         trainer.optimizer = trainer.lr_scheduler = None
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
+    if resume is not None:
+        strategy.before_resume(list(resume.reader.files), resume.state.global_step)
     if resume is not None and _whole(trainer.model):
         # a rank built on meta gets its shard from rank 0 in setup_model; a model partitioned by
         # zero.Init gets its partition from the engine's checkpoint
@@ -126,6 +128,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         trainer._load_callback_state()  # with restore_callback_states_from_checkpoint, as transformers
         control = trainer.control
         epochs_trained, skip_updates = divmod(state.global_step, schedule.updates_per_epoch)
+        if resume.world_size not in (None, ctx.world_size) and state.epoch is not None:
+            # another number of workers: the epoch's position carries over as the share of its samples seen
+            epochs_trained = int(state.epoch)
+            skip_updates = round((state.epoch - epochs_trained) * schedule.updates_per_epoch)
         if args.ignore_data_skip:
             skip_updates = 0
     start_step = state.global_step
