@@ -1,10 +1,10 @@
 """The trained weights go from the workers to the driver through storage, never through Ray.
 
 At the end of ``train()`` on Ray workers every rank takes part in writing the final weights into
-``<storage root>/final-model/``, in its strategy's layout (``Strategy.save_final_weights``): one consolidated
-``model.safetensors`` written by rank 0 for replicated strategies, one torch.distributed.checkpoint (DCP)
-file per rank for sharded ones, each rank writing only its own shard. Rank 0's answer through the event
-channel carries the folder's URI, a few bytes.
+``<storage root>/.raytrainer-final-model/``, in its strategy's layout (``Strategy.save_final_weights``):
+one consolidated ``model.safetensors`` written by rank 0 for replicated strategies, one
+torch.distributed.checkpoint (DCP) file per rank for sharded ones, each rank writing only its own shard.
+Rank 0's answer through the event channel carries the folder's URI, a few bytes.
 
 The driver's ``trainer.model`` is filled from that folder lazily, on first access (``load_into``): a
 hyperparameter search's trials, or a job that only saves checkpoints, never pull a large model onto a
@@ -27,7 +27,7 @@ from raytrainer.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-FOLDER = "final-model"
+FOLDER = ".raytrainer-final-model"  # hidden, and never pushed to the Hub (hub.IGNORE_PATTERNS)
 DCP_METADATA = ".metadata"
 
 

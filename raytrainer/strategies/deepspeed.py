@@ -186,14 +186,14 @@ class DeepSpeedStrategy(Strategy):
     def _load_resharded(self, model, reader, names: list[str], step: int) -> None:
         """A ZeRO checkpoint of another number of ranks: rank 0 reads every partition and converts them
         into DeepSpeed's universal checkpoint (one folder per parameter, cut by no rank count) in the run's
-        storage (``universal-<step>/``); every rank then loads its new partition from it, and rank 0 removes
-        it. At full size that is the whole optimizer state read and written once by one process: minutes,
-        paid only when the number of workers changed."""
+        storage (``.raytrainer-universal-<step>/``); every rank then loads its new partition from it, and
+        rank 0 removes it. At full size that is the whole optimizer state read and written once by one
+        process: minutes, paid only when the number of workers changed."""
         from raytrainer.storage import Storage
 
         ctx, tag = self.ctx, tag_of(step)
         storage = Storage.for_run(self.args)
-        dest = storage.path(f"universal-{step}")
+        dest = storage.path(f".raytrainer-universal-{step}")
         error = None
         if ctx.is_world_zero:
             try:

@@ -102,7 +102,7 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
         args=_args(tmp_path / "one", stage, bf16=bf16, num_workers=1, per_device_train_batch_size=8),
     )
     assert one.train(resume_from_checkpoint=str(folder)).global_step == 18
-    assert not os.path.exists(tmp_path / "one" / "universal-10")  # the conversion is removed once loaded
+    assert not os.path.exists(tmp_path / "one" / ".raytrainer-universal-10")  # removed once loaded
     _assert_curve_goes_on(one, full, after=10)
 
     # and back: the 1-worker checkpoint at step 15 on 2 workers
