@@ -28,7 +28,16 @@ Each worker writes ``rank-<r>.json`` into the run's folder; this driver reads th
 ``--repeats`` (sides interleaved, order rotating) and prints a Markdown table with ratios to DDP and the
 verdict against the issue's bar (peak memory per worker below 0.6x of DDP's).
 
+With ``--sizes`` (millions of parameters, e.g. ``25,100,200``) the model is built from ``model_init`` by
+default (``--model-from instance`` ships a driver-built model instead), once per size and side, and the side's
+driver also records its own peak RSS growth during ``train()`` and at the first access of ``trainer.model``
+(VmHWM reset through /proc/self/clear_refs), the run spec's bytes (raytrainer's DEBUG line "run spec: N
+bytes"), and, after a 2-worker checkpoint at step 1, the bytes each rank reads when 2 fresh workers resume
+from it (/proc/self/io rchar minus the same window of the non-resumed run, plus safetensors files loaded by
+mmap).
+
 Usage:
+    python bench/bench_memory.py --sizes 25,100,200 --out results.json      # ~30 minutes
     python bench/bench_memory.py --quick                          # ~2M parameters, 1 repeat, ~2 minutes
     python bench/bench_memory.py --out /tmp/bench-memory.json --md /tmp/bench-memory.md   # ~5 minutes
 
@@ -40,7 +49,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,11 +70,17 @@ SIDES = {
     "ddp": "DDP, 2 workers",
     "fsdp": 'FSDP2 "full_shard auto_wrap" (Block), 2 workers',
     "zero3": "DeepSpeed ZeRO-3, 2 workers",
+    "zero3_small": "DeepSpeed ZeRO-3 with CPU-sized buckets (see ZERO3_SMALL), 2 workers",
 }
 NOT_MEASURED: dict[str, str] = {}
 ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
          "zero_optimization": {"stage": 3}}
+# DeepSpeed's defaults are sized for GPUs (reduce_bucket_size 5e8 elements = a 2 GB float32 bucket,
+# stage3_max_live_parameters 1e9: a 200M model stays gathered); these keep ~2 Blocks of a 200M model live
+ZERO3_SMALL = dict(ZERO3, zero_optimization={
+    "stage": 3, "reduce_bucket_size": 20_000_000, "stage3_prefetch_bucket_size": 20_000_000,
+    "stage3_max_live_parameters": 50_000_000, "stage3_max_reuse_distance": 50_000_000})
 
 
 def side_args(side: str) -> dict:
@@ -71,6 +88,8 @@ def side_args(side: str) -> dict:
         return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"transformer_layer_cls_to_wrap": ["Block"]}}
     if side == "zero3":
         return {"deepspeed": ZERO3}
+    if side == "zero3_small":
+        return {"deepspeed": ZERO3_SMALL}
     return {}
 
 
@@ -141,6 +160,40 @@ def _statm() -> tuple[int, int]:
 _STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
+def _proc_io() -> dict:
+    """This process's /proc/self/io counters (rchar: bytes through read()/readv()/pread() syscalls, page cache
+    or not, sockets and pipes included; read_bytes: bytes fetched from the block device)."""
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/self/io") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            out[name.strip()] = int(value)
+    return out
+
+
+_MMAP_LOADS: list = []  # safetensors files this worker loaded (load_file maps them: no read() syscalls)
+
+
+def _patch_safetensors_load_file() -> None:
+    """Count the bytes of every safetensors file loaded with ``safetensors.torch.load_file`` (it reads through
+    mmap, which /proc/self/io does not see); raytrainer imports it at call time, so the patch applies."""
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        return
+    if getattr(st.load_file, "_bench_memory", False):
+        return
+    original = st.load_file
+
+    def load_file(filename, *args, **kwargs):
+        with contextlib.suppress(OSError):
+            _MMAP_LOADS.append((str(filename), os.path.getsize(filename), time.perf_counter()))
+        return original(filename, *args, **kwargs)
+
+    load_file._bench_memory = True
+    st.load_file = load_file
+
+
 def _status_kb(*keys: str) -> dict:
     out = {}
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
@@ -187,6 +240,8 @@ class MemoryProbe(TrainerCallback):
         self.rss_unpickle = self.rss_train_begin = None
         self.status_unpickle = self.status_train_begin = None
         self.hwm_train_begin = None
+        self.io_unpickle = self.io_train_begin = None
+        self.mmap_train_begin = []
         self.peak = {"rss": 0, "anon": 0, "phase": None}  # whole life from unpickling
         self.peak_loop = {"rss": 0, "anon": 0, "phase": None}  # from on_train_begin
         self.trace: list[tuple[float, float, str]] = []
@@ -207,6 +262,9 @@ class MemoryProbe(TrainerCallback):
         self._reset()
         self.rss_unpickle = _statm()[0]
         self.status_unpickle = _status_kb(*_STATUS_KEYS)
+        self.io_unpickle = _proc_io()
+        self.mmap_mark = len(_MMAP_LOADS)
+        _patch_safetensors_load_file()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="bench-memory-sampler")
         self._thread.start()
@@ -232,6 +290,8 @@ class MemoryProbe(TrainerCallback):
         self.rss_train_begin = _statm()[0]
         self.status_train_begin = _status_kb(*_STATUS_KEYS)
         self.hwm_train_begin = self.status_train_begin.get("VmHWM")
+        self.io_train_begin = _proc_io()
+        self.mmap_train_begin = [list(x[:2]) for x in _MMAP_LOADS[getattr(self, "mmap_mark", 0):]]
         self.sample()
         params = list(model.parameters())
         # ZeRO-3 keeps this rank's partition in ds_tensor (the parameter itself is an empty placeholder)
@@ -281,7 +341,9 @@ class MemoryProbe(TrainerCallback):
             "rss_unpickle": self.rss_unpickle, "rss_train_begin": self.rss_train_begin,
             "vmhwm_train_begin": self.hwm_train_begin, "vmhwm_end": status.get("VmHWM"),
             "status_unpickle": self.status_unpickle, "status_train_begin": self.status_train_begin,
-            "status_end": status, "peak_sampled": self.peak, "peak_sampled_loop": self.peak_loop,
+            "status_end": status, "io_unpickle": self.io_unpickle, "io_train_begin": self.io_train_begin,
+            "mmap_loads_before_train_begin": self.mmap_train_begin, "peak_sampled": self.peak,
+            "peak_sampled_loop": self.peak_loop,
             "params": self.params, "grads": self.grads, "optim": self.optim,
             "step_ends": self.step_ends, "logs": self.logs, "trace": self.trace,
         }
@@ -291,31 +353,128 @@ class MemoryProbe(TrainerCallback):
         os.replace(path + ".tmp", path)
 
 
+def _reset_hwm() -> bool:
+    """Reset this process's VmHWM to its current RSS (``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _SpecBytes(logging.Handler):
+    """Collects the size raytrainer's launcher logs for the run spec (logger raytrainer.driver.launch, DEBUG:
+    "run spec: N bytes in the object store; ...")."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.sizes: list[int] = []
+
+    def emit(self, record):
+        match = re.match(r"run spec: (\d+) bytes", record.getMessage())
+        if match:
+            self.sizes.append(int(match.group(1)))
+
+
+def model_params(width: int, depth: int) -> int:
+    return width * width + width + depth * (width * width + width) + width * 10 + 10
+
+
+def _tree_sizes(root: str) -> dict:
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                out[os.path.relpath(path, root)] = os.path.getsize(path)
+    return out
+
+
 def run_child(cfg_path: str) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
     from raytrainer import Trainer, TrainingArguments
 
-    torch.manual_seed(cfg["seed"])
-    model = BlockStack(cfg["width"], cfg["depth"])
-    g = torch.Generator().manual_seed(cfg["seed"])
-    data = DictDataset(x=torch.randn(cfg["examples"], cfg["width"], generator=g),
+    spec_log = _SpecBytes()
+    launch_logger = logging.getLogger("raytrainer.driver.launch")
+    launch_logger.setLevel(logging.DEBUG)
+    launch_logger.addHandler(spec_log)
+    width, depth, seed = cfg["width"], cfg["depth"], cfg["seed"]
+    from_init = cfg.get("model_from", "instance") == "model_init"
+
+    def make_model():  # cloudpickled by value (defined in __main__); built on the workers under the
+        torch.manual_seed(seed)  # strategy's model_init_context
+        return BlockStack(width, depth)
+
+    g = torch.Generator().manual_seed(seed)
+    data = DictDataset(x=torch.randn(cfg["examples"], width, generator=g),
                        labels=torch.randint(0, 10, (cfg["examples"],), generator=g))
-    args = TrainingArguments(
-        output_dir=cfg["output_dir"], num_workers=cfg["num_workers"], use_cpu=True,
-        per_device_train_batch_size=cfg["batch_size"], max_steps=cfg["max_steps"], learning_rate=1e-4,
-        optim="adamw_torch", save_strategy="no", eval_strategy="no", logging_steps=cfg["logging_steps"],
-        disable_tqdm=True, report_to="none", dataloader_num_workers=0, dataloader_drop_last=True,
-        remove_unused_columns=False, seed=cfg["seed"], **side_args(cfg["side"]))
-    probe = MemoryProbe(cfg["run_dir"], cfg["sample_interval"], cfg["steady_from"])
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[probe])
-    n_params = sum(p.numel() for p in model.parameters())
+
+    def make_trainer(out_dir, probe_dir, max_steps, save_steps=None):
+        args = TrainingArguments(
+            output_dir=out_dir, num_workers=cfg["num_workers"], use_cpu=True,
+            per_device_train_batch_size=cfg["batch_size"], max_steps=max_steps, learning_rate=1e-4,
+            optim="adamw_torch", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+            eval_strategy="no", logging_steps=cfg["logging_steps"], disable_tqdm=True, report_to="none",
+            dataloader_num_workers=0, dataloader_drop_last=True, remove_unused_columns=False, seed=seed,
+            **side_args(cfg["side"]))
+        os.makedirs(probe_dir, exist_ok=True)
+        probe = MemoryProbe(probe_dir, cfg["sample_interval"], cfg["steady_from"])
+        if from_init:
+            return Trainer(model_init=make_model, args=args, train_dataset=data, callbacks=[probe])
+        return Trainer(model=make_model(), args=args, train_dataset=data, callbacks=[probe])
+
+    n_params = model_params(width, depth)
+    model_bytes = n_params * 4
+    rss_start = _status_kb("VmRSS")["VmRSS"]
+    trainer = make_trainer(cfg["output_dir"], cfg["run_dir"], cfg["max_steps"])
+    rss_trainer = _status_kb("VmRSS")["VmRSS"]
+    hwm_reset = _reset_hwm()
+    rss_before = _status_kb("VmRSS")["VmRSS"]
     t0 = time.perf_counter()
     out = trainer.train()
     wall = time.perf_counter() - t0
+    st = _status_kb("VmHWM", "VmRSS")
+    train_growth, rss_after = st["VmHWM"] - rss_before, st["VmRSS"]
+    _reset_hwm()
+    rss_before_access = _status_kb("VmRSS")["VmRSS"]
+    t1 = time.perf_counter()
+    model = trainer.model  # the final weights, loaded from <output_dir>/final-model/ on first access
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    access_s = time.perf_counter() - t1
+    st = _status_kb("VmHWM", "VmRSS")
+    driver = {"n_params": n_params, "model_bytes": model_bytes, "model_from": cfg.get("model_from"),
+              "train_wall_s": wall, "global_step": out.global_step, "train_loss": out.training_loss,
+              "rss_start": rss_start, "rss_after_trainer_init": rss_trainer, "rss_before_train": rss_before,
+              "hwm_reset": hwm_reset, "train_peak_growth": train_growth, "rss_after_train": rss_after,
+              "model_access_peak_growth": st["VmHWM"] - rss_before_access,
+              "rss_after_model_access": st["VmRSS"],
+              "model_access_s": access_s, "final_param_sum": checksum,
+              "final_model_files": _tree_sizes(os.path.join(cfg["output_dir"], "final-model")),
+              "spec_bytes": list(spec_log.sizes)}
+    del model, trainer
+    if cfg.get("resume"):
+        # a 2-worker checkpoint at step 1, then 2 fresh workers resume from it for one more step
+        save_out = os.path.join(cfg["run_dir"], "save-out")
+        t2 = time.perf_counter()
+        make_trainer(save_out, os.path.join(cfg["run_dir"], "save"), 1, save_steps=1).train()
+        ckpt = os.path.join(save_out, "checkpoint-1")
+        t3 = time.perf_counter()
+        make_trainer(os.path.join(cfg["run_dir"], "resume-out"), os.path.join(cfg["run_dir"], "resume"),
+                     2).train(resume_from_checkpoint=ckpt)
+        driver.update(save_wall_s=t3 - t2, resume_wall_s=time.perf_counter() - t3,
+                      checkpoint_files=_tree_sizes(ckpt), spec_bytes=list(spec_log.sizes))
+        if not cfg.get("keep_checkpoints"):
+            for sub in ("save-out", "resume-out"):
+                shutil.rmtree(os.path.join(cfg["run_dir"], sub), ignore_errors=True)
+    shutil.rmtree(cfg["output_dir"], ignore_errors=True)
     with open(os.path.join(cfg["run_dir"], "driver.json"), "w") as f:
-        json.dump({"n_params": n_params, "train_wall_s": wall, "global_step": out.global_step,
-                   "train_loss": out.training_loss}, f)
+        json.dump(driver, f)
+    print(f"[bench_memory] {cfg['side']} driver: train() peak growth {train_growth / MiB:.0f} MiB "
+          f"({train_growth / model_bytes:.2f}x model), first trainer.model access "
+          f"{driver['model_access_peak_growth'] / MiB:.0f} MiB, spec bytes {driver['spec_bytes']}",
+          flush=True)
     for rank in range(cfg["num_workers"]):
         path = os.path.join(cfg["run_dir"], f"rank-{rank}.json")
         if not os.path.exists(path):
@@ -404,6 +563,12 @@ def run_side(side: str, tag: str, cfg: dict, workdir: str, opts) -> dict:
                 result["ranks"].append(json.load(f))
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "driver.json")) as f:
         result["driver"] = json.load(f)
+    if cfg.get("resume"):
+        result["resume_ranks"] = []
+        for rank in range(cfg["num_workers"]):
+            path = os.path.join(run_dir, "resume", f"rank-{rank}.json")
+            with contextlib.suppress(OSError), open(path) as f:
+                result["resume_ranks"].append(json.load(f))
     if rc != 0 or len(result["ranks"]) != cfg["num_workers"]:
         with open(log_path) as f:
             tail = f.read()[-3000:]
@@ -433,7 +598,34 @@ def summarise(result: dict, cfg: dict) -> None:
     global_batch = r0["per_device_batch_size"] * r0["world_size"]
     steady = ((n - k0) * global_batch / (ends[-1] - ends[k0 - 1])) if n > k0 else float("nan")
     step_times = [b - a for a, b in zip(ends[k0 - 1:], ends[k0:])]
+    drv = result.get("driver") or {}
+    extra = {}
+    if drv:
+        extra = {"n_params": drv["n_params"], "model_bytes": drv["model_bytes"],
+                 "driver_train_growth": drv["train_peak_growth"],
+                 "driver_train_growth_x_model": drv["train_peak_growth"] / drv["model_bytes"],
+                 "driver_access_growth": drv["model_access_peak_growth"],
+                 "driver_access_growth_x_model": drv["model_access_peak_growth"] / drv["model_bytes"],
+                 "spec_bytes": drv["spec_bytes"][0] if drv.get("spec_bytes") else float("nan")}
+    if result.get("resume_ranks"):
+        fresh = {r["rank"]: r for r in ranks}
+        per_rank = []
+        for r in sorted(result["resume_ranks"], key=lambda r: r["rank"]):
+            f0 = fresh[r["rank"]]
+            rchar = r["io_train_begin"]["rchar"] - r["io_unpickle"]["rchar"]
+            rchar_fresh = f0["io_train_begin"]["rchar"] - f0["io_unpickle"]["rchar"]
+            mapped = sum(size for _, size in r["mmap_loads_before_train_begin"])
+            per_rank.append({"rank": r["rank"], "rchar": rchar, "rchar_fresh": rchar_fresh,
+                             "read_bytes": r["io_train_begin"]["read_bytes"] - r["io_unpickle"]["read_bytes"],
+                             "safetensors_mapped": mapped, "resume_bytes": rchar - rchar_fresh + mapped,
+                             "vmhwm": r["vmhwm_end"]})
+        extra["resume"] = per_rank
+        extra["checkpoint_bytes"] = sum(drv.get("checkpoint_files", {}).values())
+        for pr in per_rank:
+            extra[f"resume_bytes_rank{pr['rank']}"] = pr["resume_bytes"]
+        extra["resume_peak_rss"] = max(pr["vmhwm"] for pr in per_rank)
     result["summary"] = {
+        **extra,
         "peak_rss": max(r["vmhwm_end"] for r in ranks),
         "peak_rss_sampled": max(r["peak_sampled"]["rss"] for r in ranks),
         "peak_rss_loop": max(r["peak_sampled_loop"]["rss"] for r in ranks),
@@ -476,7 +668,8 @@ def markdown(info: dict, cfg: dict, opts, medians: dict, verdicts: list[str]) ->
         f"- model: input Linear + {cfg['depth']} x Block(Linear({cfg['width']}, {cfg['width']}) + GELU) + "
         f"10-way head, {cfg['n_params'] / 1e6:.2f}M float32 parameters ({cfg['n_params'] * 4 / MB:.1f} MB); "
         f"AdamW (`adamw_torch`); {cfg['num_workers']} Ray Train workers on CPU (gloo), batch "
-        f"{cfg['batch_size']} per worker, {cfg['max_steps']} steps, OMP_NUM_THREADS=1; {opts.repeats} "
+        f"{cfg['batch_size']} per worker, {cfg['max_steps']} steps, OMP_NUM_THREADS=1; model from "
+        f"`{cfg.get('model_from', 'instance')}`; {opts.repeats} "
         "repeat(s), sides interleaved, medians",
         *([f"- extra environment of the sides (and their Ray workers): {opts.env_dict}"]
           if opts.env_dict else []),
@@ -561,6 +754,17 @@ def main() -> None:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--out", help="JSON results")
     p.add_argument("--md", help="Markdown table")
+    p.add_argument("--sizes", help="comma-separated model sizes in millions of parameters (e.g. 25,100,200): "
+                                    "one run per size and side, --depth Blocks (default 11), the width "
+                                    "chosen "
+                                    "for the size; adds the driver's memory, the spec's bytes and the resume "
+                                    "read per rank; default 1 repeat, 3 steps")
+    p.add_argument("--model-from", choices=("model_init", "instance"), default="model_init",
+                   help="model_init (default): the Trainer gets model_init, the workers build the model "
+                        "(sharded construction); instance: a model built on the driver and shipped in the "
+                        "spec")
+    p.add_argument("--no-resume", action="store_true",
+                   help="with --sizes: skip the checkpoint-at-step-1 and resume runs")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the sides and their Ray workers (repeatable), e.g. "
                         "MALLOC_MMAP_THRESHOLD_=131072")
@@ -576,6 +780,9 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from _machine import machine_info
 
+    if opts.sizes:
+        main_sizes(opts, p)
+        return
     quick = opts.quick
     opts.repeats = opts.repeats or (1 if quick else 2)
     width = opts.width or (384 if quick else 1024)
@@ -585,7 +792,7 @@ def main() -> None:
     cfg = {"width": width, "depth": depth, "max_steps": max_steps, "batch_size": opts.batch_size,
            "examples": opts.examples, "num_workers": 2, "seed": 42, "logging_steps": 10,
            "steady_from": min(opts.steady_from, max_steps - 1), "sample_interval": opts.sample_interval,
-           "n_params": n_params}
+           "n_params": n_params, "model_from": opts.model_from}
     sides = [s.strip() for s in opts.sides.split(",") if s.strip()]
     unknown = [s for s in sides if s not in SIDES]
     if unknown:
@@ -653,6 +860,130 @@ def main() -> None:
         with open(opts.out, "w") as f:
             json.dump({"machine": info, "config": cfg, "repeats": opts.repeats, "medians": medians,
                        "verdicts": verdicts, "not_measured": NOT_MEASURED, "runs": results}, f, indent=1)
+    if opts.md:
+        with open(opts.md, "w") as f:
+            f.write(md)
+
+
+def width_for(millions: float, depth: int) -> int:
+    """The width (a multiple of 8) whose model (depth + 1 square Linears + head) is nearest to the size."""
+    target = millions * 1e6
+    return min(range(8, 16384, 8), key=lambda w: abs(model_params(w, depth) - target))
+
+
+def markdown_sizes(info: dict, opts, cfg: dict, table: dict, sizes: list) -> str:
+    sides = list(next(iter(table.values())))
+    lines = [
+        "# raytrainer memory benchmark: DDP, FSDP full_shard and ZeRO-3 by model size, 2 workers",
+        "",
+        f"- date: {info['date']}; machine: {info['cpu']}, {info['nproc']} cores, {info['memory_gib']} GiB, "
+        f"{info['os']}; load average at start {info['load_average_at_start']}, at end "
+        f"{info.get('load_average_at_end')}",
+        f"- python {info['python']}, torch {info['torch']}, ray {info['ray']}, "
+        f"raytrainer {info['raytrainer_commit']}",
+        f"- model: input Linear + {cfg['depth']} x Block(Linear(w, w) + GELU) + 10-way head, float32, model "
+        f"from `{opts.model_from}`; AdamW; 2 Ray Train workers on CPU (gloo), batch {cfg['batch_size']} per "
+        f"worker, {cfg['max_steps']} steps; {opts.repeats} repeat(s), sides interleaved, medians",
+        "",
+        "| params | side | peak RSS / worker (MiB) | x DDP | RSS at train_begin (MiB) "
+        "| training state / worker "
+        "(MB) | x DDP | driver peak growth in train() | x model | first trainer.model access | spec bytes |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sizes:
+        row = table[size]
+        ref = row.get("ddp")
+        for side in sides:
+            m = row[side]
+            r_peak = f"{m['peak_rss'] / ref['peak_rss']:.2f}x" if ref else "-"
+            r_state = f"{m['state_bytes'] / ref['state_bytes']:.2f}x" if ref else "-"
+            lines.append(
+                f"| {m['n_params'] / 1e6:.1f}M | {side} | {m['peak_rss'] / MiB:.0f} | {r_peak} | "
+                f"{m['rss_train_begin'] / MiB:.0f} | {m['state_bytes'] / MB:.0f} | {r_state} | "
+                f"{m['driver_train_growth'] / MiB:.0f} MiB | {m['driver_train_growth_x_model']:.2f}x | "
+                f"{m['driver_access_growth'] / MiB:.0f} MiB ({m['driver_access_growth_x_model']:.2f}x) | "
+                f"{m['spec_bytes']:,.0f} |")
+    if any("resume_bytes_rank0" in table[s][side] for s in sizes for side in sides):
+        lines += ["", "Resume from a 2-worker checkpoint (step 1) on 2 fresh workers: bytes each rank read "
+                  "before on_train_begin", "",
+                  "| params | side | checkpoint (MB) | rank 0 (MB) | rank 1 (MB) "
+                  "| rank 0 raw rchar / safetensors mapped (MB) | rank 1 raw rchar / safetensors mapped (MB) "
+                  "| peak RSS / worker on resume (MiB) |",
+                  "|---:|---|---:|---:|---:|---|---|---:|"]
+        for size in sizes:
+            for side in sides:
+                m = table[size][side]
+                if "resume" not in m:
+                    continue
+                cells = [f"{pr['rchar'] / MB:.0f} (fresh {pr['rchar_fresh'] / MB:.0f}) / "
+                         f"{pr['safetensors_mapped'] / MB:.0f}" for pr in m["resume"]]
+                lines.append(f"| {m['n_params'] / 1e6:.1f}M | {side} | {m['checkpoint_bytes'] / MB:.0f} | "
+                             f"{m['resume_bytes_rank0'] / MB:.0f} | {m['resume_bytes_rank1'] / MB:.0f} | "
+                             f"{cells[0]} | {cells[1]} | {m['resume_peak_rss'] / MiB:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_sizes(opts, p) -> None:
+    from _machine import machine_info
+
+    sizes = [float(x) for x in opts.sizes.split(",") if x.strip()]
+    opts.repeats = opts.repeats or 1
+    depth = opts.depth or 11
+    max_steps = opts.max_steps or 3
+    sides = [s.strip() for s in opts.sides.split(",") if s.strip()]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        p.error(f"unknown side(s) {unknown}; known: {list(SIDES)}")
+    examples = max(opts.batch_size * 2 * max_steps * 2, 64) if opts.examples == 2048 else opts.examples
+    base = {"depth": depth, "max_steps": max_steps, "batch_size": opts.batch_size, "examples": examples,
+            "num_workers": 2, "seed": 42, "logging_steps": 1, "steady_from": 1,
+            "sample_interval": opts.sample_interval, "model_from": opts.model_from,
+            "resume": not opts.no_resume}
+    info = machine_info(REPO)
+    workdir = opts.workdir or tempfile.mkdtemp(prefix="bench-memory-")
+    os.makedirs(workdir, exist_ok=True)
+    print(f"bench_memory: sizes {sizes}M, depth {depth}, sides {sides}, {opts.repeats} repeat(s), model from "
+          f"{opts.model_from}, workdir {workdir}", flush=True)
+    runs: dict = {}
+    table: dict = {}
+    failed = False
+    try:
+        for size in sizes:
+            width = width_for(size, depth)
+            cfg = dict(base, width=width, n_params=model_params(width, depth))
+            results: dict[str, list[dict]] = {s: [] for s in sides}
+            for rep in range(opts.repeats):
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]
+                for side in order:
+                    results[side].append(run_side(side, f"{size:g}M-{side}-r{rep}", cfg, workdir, opts))
+                    r = results[side][-1]["summary"]
+                    print(f"   driver train() growth {r['driver_train_growth'] / MiB:.0f} MiB "
+                          f"({r['driver_train_growth_x_model']:.2f}x model), spec {r['spec_bytes']:,.0f} B"
+                          + (f", resume read rank0 {r['resume_bytes_rank0'] / MB:.0f} MB, rank1 "
+                             f"{r['resume_bytes_rank1'] / MB:.0f} MB" if "resume_bytes_rank0" in r else ""),
+                          flush=True)
+            runs[size] = results
+            table[size] = {side: {k: _median(results[side], k)
+                                  if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                                  for k, v in results[side][0]["summary"].items()} for side in sides}
+            if opts.out:  # after every size: a partial result survives a later failure or deadline
+                with open(opts.out, "w") as f:
+                    json.dump({"machine": info, "config": base, "sizes": sizes, "table": table, "runs": runs},
+                              f, indent=1, default=str)
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if not (failed or opts.keep or opts.workdir):
+            shutil.rmtree(workdir, ignore_errors=True)
+    info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    md = markdown_sizes(info, opts, base, table, sizes)
+    print()
+    print(md)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump({"machine": info, "config": base, "sizes": sizes, "table": table, "runs": runs},
+                      f, indent=1, default=str)
     if opts.md:
         with open(opts.md, "w") as f:
             f.write(md)
