@@ -325,3 +325,18 @@ def test_early_stopping_state_survives_resume(tmp_path):
     # its counter reaches 3 at the third evaluation after the resume (steps 8, 10, 12)
     fresh = run(tmp_path / "fresh", resume_from_checkpoint=checkpoint)
     assert fresh.global_step == 12
+
+
+def test_verification_is_shared_by_bytes_not_by_file_count():
+    from raytrainer.checkpoint import _share_by_size
+    from raytrainer.worker.context import RankContext
+
+    sizes = {"global_step4/mp_rank_00_model_states.pt": 12_600,
+             "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": 1_200_000_000,
+             "global_step4/mp_rank_01_model_states.pt": 12_600,
+             "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt": 1_200_000_000}
+    names = sorted(sizes)
+    shares = [_share_by_size(names, sizes, RankContext(world_size=2, rank=r))[r] for r in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == names  # every file verified once
+    read = [sum(sizes[n] for n in share) for share in shares]
+    assert read[0] == read[1] == 1_200_012_600  # one partition and one small file each
