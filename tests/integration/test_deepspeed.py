@@ -64,6 +64,7 @@ def _args(out, stage: int, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
+@pytest.mark.timeout(900)  # five runs: the full one, a resume, 2 -> 1 and 1 -> 2 with conversions
 @pytest.mark.parametrize(("stage", "bf16"), [(1, False), (3, True)])
 def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage, bf16):
     data = make_data(48)  # 6 updates per epoch with 2 x 4, 18 steps in all
@@ -141,6 +142,7 @@ def test_neftune_noise_under_a_deepspeed_engine(tmp_path, capfd):
         assert f"rank {rank}: neftune hooks at train end=0" in console
 
 
+@pytest.mark.timeout(600)  # a 256 MiB model, two runs
 def test_zero3_model_init_builds_partitioned_and_resumes(tmp_path, capfd):
     """ZeRO-3 with model_init: built under deepspeed.zero.Init, so each rank holds half the parameters and its
     memory grew by less than model + partition while model_init ran; before the first step the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import DropoutRegressor, ReportSharding, make_data
 
@@ -71,6 +72,7 @@ def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
         assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console
 
 
+@pytest.mark.timeout(600)  # a 256 MiB model, three runs
 def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_path, capfd):
     """model_init: rank 1 builds on the meta device and receives its shard from rank 0, so before the first
     step each rank holds half the parameters, and rank 1's resident memory grew by its shard and a transient
