@@ -4,6 +4,7 @@ auto_find_batch_size and fp16/bf16_full_eval."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -120,7 +121,9 @@ def test_bad_deepspeed_settings_fail_when_the_arguments_are_made(tmp_path, confi
         _ds_args(tmp_path, config, **kw)
 
 
-def test_a_zero_checkpoint_on_another_world_size_names_the_conversion(tmp_path):
+def test_a_zero_checkpoint_on_another_world_size_announces_the_conversion(tmp_path, caplog):
+    """Resuming a ZeRO checkpoint on another number of workers is allowed (rank 0 converts it to DeepSpeed's
+    universal format); the driver says so before any worker starts, and says nothing on the same size."""
     args = _ds_args(tmp_path, {"zero_optimization": {"stage": 2}}, bf16=False)
     files = [
         "model.safetensors",
@@ -128,17 +131,13 @@ def test_a_zero_checkpoint_on_another_world_size_names_the_conversion(tmp_path):
         "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
-    DeepSpeedStrategy.check_resume(args, files, 10, 2)  # same world size: fine
-    with pytest.raises(
-        ValueError,
-        match=r"saved by 2 workers and this run has 4.*ds_to_universal "
-        r"--input_folder <checkpoint>/global_step10",
-    ):
+    with caplog.at_level(logging.WARNING, logger="raytrainer.strategies.deepspeed"):
+        DeepSpeedStrategy.check_resume(args, files, 10, 2)  # same world size: nothing to convert
+        assert caplog.records == []
         DeepSpeedStrategy.check_resume(args, files, 10, 4)
-    universal = _ds_args(
-        tmp_path, {"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}, bf16=False
-    )
-    DeepSpeedStrategy.check_resume(universal, files, 10, 4)  # converted: allowed
+    (record,) = caplog.records
+    assert "saved by 2 workers and this run has 4" in record.getMessage()
+    assert "universal format" in record.getMessage()
 
 
 @pytest.mark.parametrize(
