@@ -357,8 +357,10 @@ class CallbackHandler(TrainerCallback):
         instance = callback() if isinstance(callback, type) else callback
         cls = type(instance)
         if any(type(existing) is cls for existing in self.callbacks):
-            logger.warning(
-                "Adding a second %s; the callbacks are now:\n%s", cls.__name__, self.callback_list
+            # transformers' warning, on its logger (see worker/console.py)
+            logging.getLogger("transformers.trainer_callback").warning(
+                f"You are adding a {cls} to the callbacks of this Trainer, but there is already one. "
+                f"The currentlist of callbacks is\n:{self.callback_list}"
             )
         self.callbacks.append(instance)
 

@@ -7,6 +7,7 @@ A checkpoint folder holds (HF's layout)::
     rng_state_<rank>.safetensors python / numpy / torch CPU / CUDA generator states of each rank
     trainer_state.json           TrainerState: log_history, best_metric, callback states, ...
     training_args.json           the arguments, tokens hidden
+    training_args.bin            the same, pickled as transformers writes it (for its tools; never read here)
     manifest.json                every file above with its size and sha256 -- written last, atomically
 
 A folder without a readable manifest, or whose files do not match it, is partial: resume and best-model

@@ -304,9 +304,10 @@ class Trainer:
         if not self.args.restore_callback_states_from_checkpoint:
             return
         from raytrainer.worker.checkpointing import restore_callbacks
+        from raytrainer.worker.console import logger as hf_logger  # transformers' own warning and logger
 
         self.control = restore_callbacks(self.state.stateful_callbacks, self.callback_handler, self.control,
-                                         logger)
+                                         hf_logger)
 
     def call_model_init(self, trial=None) -> torch.nn.Module:
         n_args = len(inspect.signature(self.model_init).parameters)
@@ -414,15 +415,20 @@ class Trainer:
                                         drop_last=a.dataloader_drop_last and train, pad_rounds=train)
             # evaluation counts the stream's examples as it reads them: read in this process
             loader_kwargs = self._loader_kwargs() if train else {}
-            return DataLoader(shard, batch_size=batch_size, collate_fn=collator, **loader_kwargs)
+            loader = DataLoader(shard, batch_size=batch_size, collate_fn=collator, **loader_kwargs)
+            return _with_total_batch_size(loader, batch_size * ctx.world_size)
         if train:
             sampler = self._get_train_sampler(dataset)
             drop_last = a.dataloader_drop_last
-        else:
-            sampler = rdata.EvalBlockSampler(len(dataset), batch_size, ctx.world_size, ctx.rank)
+        else:  # dataloader_drop_last: evaluation reads whole rounds of batches only, as transformers
+            n = len(dataset)
+            if a.dataloader_drop_last:
+                n -= n % (batch_size * ctx.world_size)
+            sampler = rdata.EvalBlockSampler(n, batch_size, ctx.world_size, ctx.rank)
             drop_last = False
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
-                          drop_last=drop_last, **self._loader_kwargs())
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
+                            drop_last=drop_last, **self._loader_kwargs())
+        return _with_total_batch_size(loader, batch_size * ctx.world_size)
 
     def _ray_data_batches(self, dataset, batch_size: int) -> rdata.RayDataBatches:
         import ray.train
@@ -439,13 +445,19 @@ class Trainer:
                                     self.args.dataloader_drop_last)
 
     def num_examples(self, dataloader: DataLoader) -> int:
-        dataset = dataloader.dataset
-        if isinstance(dataset, rdata.IterableShard):
-            dataset = dataset.dataset
+        """The examples a loader reads: its dataset's length, else batches times the batch size (a loader
+        without ``dataset`` or of an unsized one), as transformers."""
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, rdata.EvalBlockSampler):
+            return sampler.num_examples
         try:
+            dataset = dataloader.dataset
+            if isinstance(dataset, rdata.IterableShard):
+                dataset = dataset.dataset
             return len(dataset)
-        except TypeError:
-            return len(dataloader) * dataloader.batch_size
+        except (AttributeError, TypeError):
+            return len(dataloader) * (getattr(dataloader, "batch_size", None)
+                                      or self.args.per_device_train_batch_size)
 
     def num_tokens(self, train_dl: DataLoader, max_steps: int | None = None) -> int:
         tokens = 0
@@ -730,12 +742,29 @@ class Trainer:
         """Where this run (or search trial: each has its own ``output_dir``) writes (transformers' name)."""
         return self.args.output_dir
 
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
+        """An evaluation during training (transformers' hook of the same name): ``evaluate()``, then a
+        ``ReduceLROnPlateau`` scheduler steps on ``metric_for_best_model`` (``eval_loss`` without one)."""
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+            key = self.args.metric_for_best_model or "loss"
+            key = key if key.startswith("eval_") else f"eval_{key}"
+            self.lr_scheduler.step(metrics[key])
+        return metrics
+
     def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
         """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""
         return self._writer.save(metrics)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
+def _with_total_batch_size(loader: DataLoader, total: int) -> DataLoader:
+    """The examples one step reads across all ranks, as on the loaders transformers' Trainer returns
+    (accelerate's ``total_batch_size``): the per-rank batch size times the world size."""
+    loader.total_batch_size = total
+    return loader
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

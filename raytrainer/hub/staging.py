@@ -2,11 +2,12 @@
 
 The repository's root gets what transformers' ``Trainer._push_from_checkpoint`` copies from a checkpoint
 folder, nothing else: the model's config and weights (sharded weights through their index), a PEFT
-adapter's, and the training arguments (our ``training_args.json``, token hidden, for its
-``training_args.bin``); the processing class is saved again by the pusher, as transformers does. Training
-state -- ``optimizer.pt``, ``scheduler.pt``, ``rng_state_*``, ``trainer_state.json``, DCP optimizer
-folders, DeepSpeed ``global_step*`` folders and its ``latest`` -- is never read, so a model-only push of a
-large model's checkpoint moves the model's bytes, not the several times larger optimizer state.
+adapter's, and the training arguments (``training_args.bin`` as transformers, and our readable
+``training_args.json``; neither holds a token); the processing class is saved again by the pusher, as
+transformers does. Training state -- ``optimizer.pt``, ``scheduler.pt``, ``rng_state_*``,
+``trainer_state.json``, DCP optimizer folders, DeepSpeed ``global_step*`` folders and its ``latest`` -- is
+never read, so a model-only push of a large model's checkpoint moves the model's bytes, not the several
+times larger optimizer state.
 
 Files are streamed from the storage filesystem to the staging folder (``pyarrow.fs.copy_files``, in
 chunks): a file never sits whole in the driver's memory. Only a sharded model's index is read whole.
@@ -25,13 +26,13 @@ MODEL_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "mo
                "adapter_config.json", "adapter_model.bin", "adapter_model.safetensors")
 # WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_INDEX_NAME: each names the shards of a sharded save_pretrained
 INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
-TRAINING_ARGS = "training_args.json"
+TRAINING_ARGS = ("training_args.bin", "training_args.json")
 
 
 def model_files(storage: Storage) -> list[str]:
     """The checkpoint's files (paths relative to its folder) that a push puts at the repository's root."""
     present = set(storage.list_files(storage.root))
-    wanted = [*MODEL_FILES, TRAINING_ARGS]
+    wanted = [*MODEL_FILES, *TRAINING_ARGS]
     for index in INDEX_FILES:
         if index in present:
             weight_map = json.loads(storage.read_bytes(storage.path(index)))["weight_map"]

@@ -37,6 +37,7 @@ from raytrainer.checkpoint import (
     write_manifest,
 )
 from raytrainer.storage import Storage
+from raytrainer.worker import console
 from raytrainer.worker.saving import TRAINER_STATE_NAME, save_model_files
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class CheckpointWriter:
         t, args = self.trainer, self.trainer.args
         ctx, state = t._ctx, t.state
         name = f"checkpoint-{state.global_step}"
+        console.saving_checkpoint(self.storage.uri_of(name))
         remote = not self.storage.is_local
         stage = tempfile.mkdtemp(prefix=f"raytrainer-{name}-") if remote else self.storage.path(name)
         if not remote and ctx.is_world_zero and self.storage.exists(stage):

@@ -15,6 +15,7 @@ import torch
 
 from raytrainer.data import batch_size_of, unshard
 from raytrainer.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
+from raytrainer.worker import console
 
 PAD = -100
 
@@ -108,6 +109,7 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     handler = trainer.callback_handler
     handler.eval_dataloader = dataloader
     include = set(args.include_for_metrics or [])
+    console.announce_evaluation(trainer, description, dataloader)
 
     # batch_eval_metrics: compute_metrics per batch (compute_result=True on the last), as transformers. In one
     # process it streams (evaluation keeps no predictions); across ranks it runs on rank 0, batch by batch

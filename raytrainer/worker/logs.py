@@ -2,9 +2,13 @@
 
 On each rank the root and ``raytrainer`` loggers get ``args.get_process_log_level()`` (``log_level`` on
 the main process, ``log_level_replica`` elsewhere; ``log_on_each_node`` decides whether each node's local
-main counts as main). Records that pass are forwarded to the driver's console and written to
-``<output_dir>/logs/rank-<r>.log``. Everything is restored when the call ends, so running the loop in
-the driver's own process (``num_workers=0``) leaves the application's logging as it found it.
+main counts as main). transformers' library logger (which keeps its own handler and does not propagate)
+is routed the same way once transformers' logging is loaded, and gets the level only where it is set
+explicitly: ``passive`` leaves transformers' verbosity as it is, as transformers.Trainer does. Records that
+pass are forwarded to the driver's console and written to ``<output_dir>/logs/rank-<r>.log`` (on Ray
+workers; in the driver's own process, ``num_workers=0``, they go to the application's handlers and
+``output_dir`` holds what transformers' would). Everything is restored when the call ends, so the
+in-process run leaves the application's logging as it found it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 
 from raytrainer.logging_utils import WORKER_FORMAT
 
@@ -42,20 +47,25 @@ class _ForwardHandler(logging.Handler):
 def rank_logging(args, rank: int, channel=None):
     """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process)."""
     level = args.get_process_log_level()
-    loggers = [logging.getLogger(), logging.getLogger("raytrainer")]
+    levels = {logging.getLogger(): level, logging.getLogger("raytrainer"): level}
+    hf = _transformers_logger()
+    if hf is not None:
+        chosen = args.log_level if args.should_log else args.log_level_replica
+        levels[hf] = level if chosen != "passive" else hf.level
+    loggers = list(levels)
     saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
 
-    log_dir = os.path.join(args.output_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    file_handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
-    file_handler.setFormatter(logging.Formatter("%(asctime)s " + WORKER_FORMAT))
-    file_handler.addFilter(_RankFilter(rank))
-    added = [file_handler]
-    if channel is not None:
-        added.append(_ForwardHandler(channel, rank))
+    added = []
+    if channel is not None:  # a worker: its file, and the driver's console
+        log_dir = os.path.join(args.output_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        file_handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
+        file_handler.setFormatter(logging.Formatter("%(asctime)s " + WORKER_FORMAT))
+        file_handler.addFilter(_RankFilter(rank))
+        added = [file_handler, _ForwardHandler(channel, rank)]
     try:
         for lg in loggers:
-            lg.setLevel(level)
+            lg.setLevel(levels[lg])
             if channel is not None:
                 # On a worker our handlers replace the process's stream handlers: the driver prints.
                 for h in list(lg.handlers):
@@ -73,6 +83,16 @@ def rank_logging(args, rank: int, channel=None):
                     lg.addHandler(h)
         for h in added:
             h.close()
+
+
+def _transformers_logger() -> logging.Logger | None:
+    """transformers' library root logger, configured (its handler set up), if transformers' logging is
+    loaded in this process; None otherwise (its records then reach the root logger's handlers)."""
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is None:
+        return None
+    hf_logging.get_verbosity()  # configures the library's root logger if nothing has yet
+    return logging.getLogger("transformers")
 
 
 class _RankFilter(logging.Filter):

@@ -29,6 +29,7 @@ from raytrainer.data import batch_size_of, skip_first_batches
 from raytrainer.optim import reapply_hyperparameters
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
+from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.neftune import NEFTune
@@ -124,6 +125,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     epochs_trained, skip_updates = 0, 0
     control = trainer.control = TrainerControl()
     if resume is not None:
+        console.compare_with_checkpoint(args, resume.state)
         _restore_state(state, resume.state)
         trainer._load_callback_state()  # with restore_callback_states_from_checkpoint, as transformers
         control = trainer.control
@@ -135,6 +137,9 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         if args.ignore_data_skip:
             skip_updates = 0
     start_step = state.global_step
+    resumed_at = (epochs_trained, skip_updates * args.gradient_accumulation_steps) if resume else None
+    console.announce_training(trainer, train_dataloader, schedule.num_epochs, schedule.updates_per_epoch,
+                              schedule.max_steps, resumed_at)
     writer = trainer._writer = CheckpointWriter(trainer, getattr(trainer, "_checkpoint_sink", None))
     handler.model, handler.optimizer, handler.lr_scheduler = trainer.model, optimizer, scheduler
     handler.train_dataloader = train_dataloader
@@ -230,6 +235,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             break
 
     writer.commit()  # the end of training waits for the last save
+    console.training_completed()
     if neftune is not None:
         neftune.remove()
     total_loss = loop.total_loss + _mean_across_ranks(tr_loss, ctx)
@@ -273,14 +279,10 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
 
     metrics = None
     if trainer.control.should_evaluate:
-        metrics = trainer.evaluate(ignore_keys=ignore_keys)
+        metrics = trainer._evaluate(trial, ignore_keys)
         new_best = _update_best(trainer, metrics)
         if getattr(args.save_strategy, "value", args.save_strategy) == "best":
             trainer.control.should_save = new_best
-        if isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            key = args.metric_for_best_model or "loss"
-            key = key if key.startswith("eval_") else f"eval_{key}"
-            trainer.lr_scheduler.step(metrics[key])
         if must_sync:
             sync_control(trainer.control, ctx)  # on_evaluate's (and the evaluation's on_log) flags
 

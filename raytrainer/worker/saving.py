@@ -1,18 +1,25 @@
 """Writing a model's files: what ``save_model()`` and every checkpoint hold.
 
 ``save_model_files`` writes consolidated weights: through ``save_pretrained`` when the model has it,
-else ``model.safetensors`` (shared tensors are written once each, so tied weights load back).
+else ``model.safetensors`` (shared tensors are written once each, so tied weights load back), and the
+arguments twice: ``training_args.json`` (readable) and transformers' ``training_args.bin`` (``torch.save``
+of the arguments, what scripts and tools built for transformers.Trainer load). Neither holds a secret:
+tokens are hidden and the storage filesystem object, whose options may hold credentials, is left out.
+raytrainer never unpickles the ``.bin`` itself.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+from dataclasses import fields
 
 import torch
 from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
 TRAINING_ARGS_NAME = "training_args.json"
+TRAINING_ARGS_BIN = "training_args.bin"  # transformers' TRAINING_ARGS_NAME
 TRAINER_STATE_NAME = "trainer_state.json"
 
 
@@ -41,3 +48,13 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
         processing_class.save_pretrained(output_dir)
     with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
         f.write(args.to_json_string())
+    torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
+
+
+def without_secrets(args):
+    """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None)."""
+    clone = copy.copy(args)
+    for f in fields(args):
+        if f.name == "storage_filesystem" or f.name.endswith("_token"):
+            object.__setattr__(clone, f.name, None)
+    return clone

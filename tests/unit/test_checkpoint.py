@@ -52,7 +52,7 @@ def test_layout_and_manifest(tmp_path):
     folder = tmp_path / "checkpoint-4"
     names = sorted(os.listdir(folder))
     assert names == ["manifest.json", "model.safetensors", "optimizer.pt", "rng_state_0.safetensors",
-                     "scheduler.pt", "trainer_state.json", "training_args.json"]
+                     "scheduler.pt", "trainer_state.json", "training_args.bin", "training_args.json"]
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["global_step"] == 4
     assert set(manifest["files"]) == set(names) - {"manifest.json"}

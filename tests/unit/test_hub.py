@@ -48,7 +48,7 @@ def test_every_save_pushes_model_files_at_each_committed_checkpoint(tmp_path, ma
                        hub_strategy="every_save")
     trainer.train()
     pushed = _files(repo / "main")
-    assert pushed == {"model.safetensors", "training_args.json"}  # no training state:
+    assert pushed == {"model.safetensors", "training_args.bin", "training_args.json"}  # no training state:
     assert not pushed & {"optimizer.pt", "scheduler.pt", "rng_state_0.safetensors", "trainer_state.json",
                          "manifest.json"}
     for name in pushed:  # the checkpoint's own bytes
@@ -148,8 +148,9 @@ def test_a_push_from_a_bucket_never_fetches_the_optimizer_state(tmp_path, make_a
     fetched = {r["key"].split("/", 1)[1] for r in s3_bucket.server.requests()
                if r["method"] == "GET" and (r["key"] or "").startswith("run/checkpoint-")}
     assert fetched == {f"checkpoint-{step}/{name}" for step in (4, 8)
-                       for name in ("model.safetensors", "training_args.json")}
-    for name in ("model.safetensors", "training_args.json"):  # the bucket's bytes, as they were
+                       for name in ("model.safetensors", "training_args.bin", "training_args.json")}
+    # the bucket's bytes, as they were
+    for name in ("model.safetensors", "training_args.bin", "training_args.json"):
         assert (repo / "main" / name).read_bytes() == s3_bucket.get_object(f"run/checkpoint-8/{name}"), name
     assert s3_bucket.list_objects("run/checkpoint-8/optimizer.pt")  # it was there to fetch
 

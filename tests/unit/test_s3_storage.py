@@ -6,6 +6,7 @@ tests/integration/test_s3.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -110,6 +111,10 @@ def test_an_explicit_storage_filesystem(tmp_path, s3_bucket, monkeypatch):
     # the filesystem object (its secret) is in no file: training_args.json names its type only
     saved = json.loads(s3_bucket.get_object("explicit/checkpoint-12/training_args.json"))
     assert saved["storage_filesystem"] == "S3FileSystem"
+    # transformers' training_args.bin too: the arguments, without the filesystem object
+    pickled = torch.load(io.BytesIO(s3_bucket.get_object("explicit/checkpoint-12/training_args.bin")),
+                         weights_only=False)
+    assert pickled.storage_filesystem is None and pickled.max_steps == 12 and pickled.storage_path == uri
     with pytest.raises(ValueError, match=r"storage_path.*not a location of storage_filesystem"):
         TrainingArguments(output_dir=str(tmp_path), storage_path=str(tmp_path), storage_filesystem=fs)
 

@@ -883,9 +883,12 @@ class LoggingTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def test_log_level_routes_to_the_rank_file_and_is_restored(
-    make_args, make_classifier, make_examples, tmp_path
+def test_log_level_applies_in_process_and_is_restored(
+    make_args, make_classifier, make_examples, tmp_path, caplog
 ):
+    """num_workers=0: the run's log_level holds the application's INFO back, its records reach the
+    application's own handlers (no rank file in output_dir, as transformers), and the levels and handlers
+    are as they were afterwards. (Rank files on Ray workers: tests/integration/test_ddp.py.)"""
     examples, _, _ = make_examples(8)
     root, library = logging.getLogger(), logging.getLogger("raytrainer")
     old_root_level = root.level
@@ -898,19 +901,38 @@ def test_log_level_routes_to_the_rank_file_and_is_restored(
     finally:
         root.setLevel(old_root_level)
     assert after == before
-    text = (tmp_path / "logs" / "rank-0.log").read_text()
-    assert "INFO-FROM-COMPUTE-LOSS" not in text
-    assert text.count("WARNING-FROM-COMPUTE-LOSS") == 2  # two steps, once each
-    assert "[rank0] WARNING unit_tests.user_code: WARNING-FROM-COMPUTE-LOSS step=0" in text
-    assert "WARNING-FROM-COMPUTE-LOSS step=1" in text
+    assert not (tmp_path / "logs").exists()
+    user = [r.getMessage() for r in caplog.records if r.name == "unit_tests.user_code"]
+    assert user == ["WARNING-FROM-COMPUTE-LOSS step=0", "WARNING-FROM-COMPUTE-LOSS step=1"]
 
 
-def test_log_level_info_lets_info_through(make_args, make_classifier, make_examples, tmp_path):
+def test_log_level_info_lets_info_through_with_transformers_lines(make_args, make_classifier, make_examples,
+                                                                  caplog):
+    """log_level="info" lets the application's INFO through and transformers.Trainer's own lines, on
+    transformers' logger (which does not propagate: captured by a handler of its own)."""
+    import transformers.utils.logging as hf_logging
+
     examples, _, _ = make_examples(4)
-    args = make_args(per_device_train_batch_size=4, num_train_epochs=1, log_level="info")
-    LoggingTrainer(model=make_classifier(), args=args, train_dataset=examples).train()
-    text = (tmp_path / "logs" / "rank-0.log").read_text()
-    assert "INFO unit_tests.user_code: INFO-FROM-COMPUTE-LOSS step=0" in text
+    hf_root = hf_logging.get_logger("transformers")
+    before = hf_root.level
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf_root.addHandler(handler)
+    try:
+        args = make_args(per_device_train_batch_size=4, num_train_epochs=1, log_level="info",
+                         save_strategy="epoch")
+        LoggingTrainer(model=make_classifier(), args=args, train_dataset=examples).train()
+        args = make_args(per_device_train_batch_size=4, num_train_epochs=1, log_level="error")
+        LoggingTrainer(model=make_classifier(), args=args, train_dataset=examples).train()
+    finally:
+        hf_root.removeHandler(handler)
+    assert hf_root.level == before
+    user = [r.getMessage() for r in caplog.records if r.name == "unit_tests.user_code"]
+    assert "INFO-FROM-COMPUTE-LOSS step=0" in user
+    assert seen.count("***** Running training *****") == 1  # the "error" run printed none
+    assert "  Num examples = 4" in seen and "  Total optimization steps = 1" in seen
+    assert any(m.startswith("Saving model checkpoint to ") for m in seen)
 
 
 # -- 11. speed, flos and memory metrics ----------------------------------------------------------------------
