@@ -246,9 +246,17 @@ def test_handler_add_pop_remove(caplog):
     assert handler.callback_list == "DefaultFlowCallback\nPrinterCallback"
     assert isinstance(handler.callbacks[0], DefaultFlowCallback)
 
-    with caplog.at_level(logging.WARNING, logger="raytrainer.callbacks"):
+    seen = []  # transformers' warning, on its logger (which may not propagate to caplog's root handler)
+    capture = logging.Handler()
+    capture.emit = lambda record: seen.append(record.getMessage())
+    hf_logger = logging.getLogger("transformers.trainer_callback")
+    hf_logger.addHandler(capture)
+    try:
         handler.add_callback(DefaultFlowCallback())
-    assert "second DefaultFlowCallback" in caplog.text
+    finally:
+        hf_logger.removeHandler(capture)
+    assert len(seen) == 1 and "DefaultFlowCallback'> to the callbacks" in seen[0]
+    assert "there is already one" in seen[0]
     assert handler.callback_list == "DefaultFlowCallback\nPrinterCallback\nDefaultFlowCallback"
 
     popped = handler.pop_callback(PrinterCallback)
