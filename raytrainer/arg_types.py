@@ -199,6 +199,48 @@ def _normalize_report_to(value: Any) -> list[str]:
 
 
 # -- checks that read several fields (called from TrainingArguments.__post_init__) --------------------
+# accelerate's dataloader options as transformers' AcceleratorConfig has them by default: what raytrainer's
+# loaders do (non_blocking copies too, whatever the value)
+_ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                         "use_seedable_sampler": True, "gradient_accumulation_kwargs": None,
+                         "use_configured_state": False}
+DEBUG_OPTIONS = ("underflow_overflow", "tpu_metrics_debug")
+
+
+def check_moot(args) -> None:
+    """transformers' fields that have no effect on Ray or are refused: each non-default value that would
+    change what transformers does is an error naming the field and the way to get it with raytrainer."""
+    debug = args.debug
+    debug = debug.split() if isinstance(debug, str) else [getattr(d, "value", d) for d in debug]
+    for option in debug:
+        _check_one_of("debug", option, DEBUG_OPTIONS)
+    if "tpu_metrics_debug" in debug:
+        raise _error("debug", args.debug, "tpu_metrics_debug prints TPU metrics; raytrainer's workers run on "
+                     "CPUs and GPUs", "drop it (underflow_overflow works on any device)")
+    args.debug = debug
+    config = args.accelerator_config
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    config = dict(vars(config)) if config is not None and not isinstance(config, dict) else config
+    for key, value in (config or {}).items():
+        if key != "non_blocking" and _ACCELERATOR_DEFAULTS.get(key, ...) != value:  # unknown keys too
+            raise _error("accelerator_config", args.accelerator_config,
+                         f"sets {key}={value!r}, which raytrainer's loaders do not do (each rank reads its "
+                         "own shard of every step's batch, evenly, from a seeded sampler)",
+                         f"leave {key} at its default ({_ACCELERATOR_DEFAULTS.get(key)!r}) or drop it")
+    if args.parallelism_config is not None:
+        raise _error("parallelism_config", type(args.parallelism_config).__name__,
+                     "tensor, context and sequence parallelism are not part of raytrainer",
+                     "shard the model with --fsdp full_shard or a DeepSpeed ZeRO-3 config instead")
+    if args.use_liger_kernel or args.liger_kernel_config:
+        name = "use_liger_kernel" if args.use_liger_kernel else "liger_kernel_config"
+        raise _error(name, getattr(args, name), "raytrainer does not patch models with Liger "
+                     "kernels", "apply them in model_init (liger_kernel.transformers."
+                     "apply_liger_kernel_to_<arch>() before building the model) so that every worker builds "
+                     "the patched model")
+
+
 def check_neftune(args) -> None:
     alpha = args.neftune_noise_alpha
     if alpha is not None and not (_is_number(alpha) and alpha > 0):

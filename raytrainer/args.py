@@ -52,6 +52,7 @@ from raytrainer.arg_types import (
     _to_enum,
     check_deepspeed,
     check_fsdp,
+    check_moot,
     check_neftune,
     check_optim_features,
 )
@@ -475,6 +476,47 @@ class TrainingArguments:
         default=None, metadata={"help": "Empty the accelerator cache every X steps; None never does."}
     )
 
+    # --- transformers' fields that Ray makes moot, or that raytrainer refuses (arg_types.check_moot) ---
+    debug: str | list[str] = field(
+        default="",
+        metadata={"help": "Debug features: 'underflow_overflow' traces each module's inputs and outputs and "
+                          "stops at the first inf/nan (transformers' DebugUnderflowOverflow, on every rank). "
+                          "'tpu_metrics_debug' is refused (no TPUs on Ray workers here)."},
+    )
+    accelerator_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "transformers' Accelerate options (a dict or a JSON file). raytrainer's loaders "
+                          "behave as their defaults (no split_batches, no dispatch_batches, even_batches, "
+                          "a seedable sampler; non_blocking copies); another value is refused."},
+    )
+    parallelism_config: Any = field(
+        default=None,
+        metadata={"help": "Accelerate's ParallelismConfig (tensor / context parallelism): refused; shard "
+                          "with --fsdp or --deepspeed.", "cli": False},
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Liger kernels: refused (raytrainer does not patch models); apply them in "
+                          "model_init so every worker builds the patched model."},
+    )
+    liger_kernel_config: dict | None = field(
+        default=None, metadata={"help": "Options of the Liger kernels (see use_liger_kernel)."}
+    )
+    project: str = field(
+        default="huggingface",
+        metadata={"help": "The project name of the Trackio integration (transformers'); raytrainer does not "
+                          "ship that integration, so it only travels with the arguments."},
+    )
+    trackio_space_id: str | None = field(
+        default=None, metadata={"help": "Trackio's Space (see project): not used by raytrainer."}
+    )
+    trackio_bucket_id: str | None = field(
+        default=None, metadata={"help": "Trackio's Bucket (see project): not used by raytrainer."}
+    )
+    trackio_static_space_id: str | None = field(
+        default=None, metadata={"help": "Trackio's static Space (see project): not used by raytrainer."}
+    )
+
     # --- Ray (raytrainer's own) ---
     num_workers: int = field(
         default=0,
@@ -636,6 +678,7 @@ class TrainingArguments:
         self._check_ray_values()
 
     def _check_ray_values(self) -> None:
+        check_moot(self)
         check_fsdp(self)
         check_neftune(self)
         check_deepspeed(self)

@@ -88,6 +88,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         # zero.Init gets its partition from the engine's checkpoint
         resume.load_model(trainer.model)
     neftune = NEFTune(trainer.model, args.neftune_noise_alpha) if args.neftune_noise_alpha else None
+    if "underflow_overflow" in args.debug:  # transformers' tracer: stops at the first inf/nan in a module
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        DebugUnderflowOverflow(trainer.model)
     if args.activation_checkpointing:
         _checkpoint_activations(trainer.model, args)
     elif args.gradient_checkpointing:

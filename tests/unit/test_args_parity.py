@@ -113,3 +113,87 @@ def test_sequential_sampling_keeps_dataset_order(make_args, make_classifier, mak
 def test_an_unknown_sampling_strategy_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"train_sampling_strategy='batch_rebalance'.*random, sequential"):
         TrainingArguments(output_dir=str(tmp_path), train_sampling_strategy="batch_rebalance")
+
+
+# -- every field of transformers.TrainingArguments is accounted for ------------------------------------------
+# Fields raytrainer refuses (a value that changes what transformers would do is an error naming the field and
+# the way to get it with raytrainer); each with a value that must be refused and the words of the error.
+REFUSED = {
+    "parallelism_config": (object(), "tensor, context and sequence parallelism"),
+    "use_liger_kernel": (True, "apply them in model_init"),
+    "liger_kernel_config": ({"rope": True}, "apply them in model_init"),
+    "accelerator_config": ({"split_batches": True}, "sets split_batches=True"),
+    "debug": ("tpu_metrics_debug", "TPU metrics"),
+}
+# Fields transformers declares and raytrainer answers with a property of the process's view (the value each
+# rank would see), not an argument.
+PROPERTIES = {"local_rank"}
+# Fields whose default differs in spelling only: the same behaviour.
+SAME_BEHAVIOUR_DEFAULTS = {
+    "lr_scheduler_kwargs": (None, {}),
+    "gradient_checkpointing": (None, False),
+    "include_num_input_tokens_seen": ("no", False),
+    "fsdp": (None, ""),
+}
+
+
+def _default(f):
+    import dataclasses
+
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def test_every_transformers_field_is_honoured_or_refused():
+    """A field added to transformers.TrainingArguments fails here until it is classified."""
+    import dataclasses
+
+    import transformers
+
+    ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    for f in dataclasses.fields(transformers.TrainingArguments):
+        if f.name in PROPERTIES:
+            assert isinstance(getattr(TrainingArguments, f.name), property), f.name
+            continue
+        assert f.name in ours, f"transformers.TrainingArguments.{f.name} is neither honoured nor refused"
+        theirs, mine = _default(f), _default(ours[f.name])
+        if f.name in SAME_BEHAVIOUR_DEFAULTS:
+            assert (theirs, mine) == SAME_BEHAVIOUR_DEFAULTS[f.name], f.name
+        else:
+            assert repr(mine) == repr(theirs), f"{f.name}: default {mine!r}, transformers' {theirs!r}"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_fields_name_themselves_and_the_way_out(tmp_path, name):
+    value, words = REFUSED[name]
+    with pytest.raises(ValueError, match=name) as info:
+        TrainingArguments(output_dir=str(tmp_path), **{name: value})
+    assert words in str(info.value)
+
+
+def test_accelerator_config_at_raytrainer_s_behaviour_is_accepted(tmp_path):
+    config = tmp_path / "accelerator.json"
+    config.write_text('{"split_batches": false, "even_batches": true, "non_blocking": true}')
+    TrainingArguments(output_dir=str(tmp_path), accelerator_config=str(config))
+
+
+def test_debug_underflow_overflow_stops_at_the_first_inf(make_args, make_examples):
+    class Overflowing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+            self.linear.weight.data.fill_(3e38)  # the first forward overflows inside the linear layer
+
+        def forward(self, x, labels=None):
+            logits = self.linear(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    data, _, _ = make_examples(8)
+    trainer = Trainer(model=Overflowing(), train_dataset=data, args=make_args(debug="underflow_overflow",
+                                                                               max_steps=2))
+    with pytest.raises(ValueError, match="inf/nan detected"):
+        trainer.train()
+    assert trainer.args.debug == ["underflow_overflow"]
+    assert trainer.state.global_step == 0

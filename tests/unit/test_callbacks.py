@@ -240,7 +240,7 @@ def test_base_callback_events_are_noops():
 # --- CallbackHandler management ------------------------------------------------------------------------
 
 
-def test_handler_add_pop_remove(caplog):
+def test_handler_add_pop_remove():
     printer = PrinterCallback()
     handler = CallbackHandler([DefaultFlowCallback, printer])
     assert handler.callback_list == "DefaultFlowCallback\nPrinterCallback"
