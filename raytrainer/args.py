@@ -962,6 +962,28 @@ class TrainingArguments:
                          "give storage_path as a URI of that filesystem's kind, e.g. s3://bucket/runs/name "
                          "for an S3FileSystem")
 
+    @classmethod
+    def from_transformers(cls, hf_args, **ray_fields) -> "TrainingArguments":
+        """These arguments from a ``transformers.TrainingArguments`` (what a Trainer given one uses): every
+        field that differs from transformers' default is carried over (enums as their values), the rest
+        keep the defaults, which are transformers' (tests/unit/test_args_parity.py); ``ray_fields`` adds
+        raytrainer's own (num_workers, ...). A value raytrainer refuses is refused here, by name."""
+        defaults = type(hf_args)(output_dir=hf_args.output_dir)
+        ours = {f.name for f in fields(cls) if f.init}
+        given = {}
+        for f in fields(hf_args):
+            if not f.init or f.name not in ours:
+                continue
+            value = getattr(hf_args, f.name)
+            if f.name not in ("output_dir",) and value == getattr(defaults, f.name):
+                continue
+            if isinstance(value, Enum):
+                value = value.value
+            elif isinstance(value, list):
+                value = [v.value if isinstance(v, Enum) else v for v in value]
+            given[f.name] = value
+        return cls(**given, **ray_fields)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values: enums become strings, tokens are hidden."""
         result = {}

@@ -69,6 +69,8 @@ class Trainer:
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
             logger.info("No `TrainingArguments` passed, using `output_dir=trainer_output`.")
+        elif not isinstance(args, TrainingArguments) and type(args).__module__.startswith("transformers."):
+            args = TrainingArguments.from_transformers(args)  # a script's transformers.TrainingArguments
         self.args = args
         init_memory = MemoryTracker(args.skip_memory_metrics)  # transformers' init_mem_* metrics
         init_memory.start("init")

@@ -197,3 +197,24 @@ def test_debug_underflow_overflow_stops_at_the_first_inf(make_args, make_example
         trainer.train()
     assert trainer.args.debug == ["underflow_overflow"]
     assert trainer.state.global_step == 0
+
+
+def test_a_transformers_training_arguments_instance_is_taken_as_it_is(tmp_path, make_classifier,
+                                                                     make_examples):
+    import transformers
+
+    hf_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, learning_rate=0.01, lr_scheduler_type="cosine",
+        eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="none", seed=7,
+        per_device_train_batch_size=4, hub_token="hf_token_abc", disable_tqdm=True)
+    data, _, _ = make_examples(12)
+    trainer = Trainer(model=make_classifier(), args=hf_args, train_dataset=data, eval_dataset=data)
+    args = trainer.args
+    assert isinstance(args, TrainingArguments) and args.num_workers == 0
+    assert (args.max_steps, args.learning_rate, args.seed) == (3, 0.01, 7)
+    assert args.per_device_train_batch_size == 4
+    assert args.lr_scheduler_type.value == "cosine" and args.eval_strategy.value == "steps"
+    assert args.hub_token == "hf_token_abc" and args.report_to == []
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 3]  # and at the end
