@@ -284,6 +284,9 @@ def check_deepspeed(args) -> None:
     if args.num_workers == 0:
         raise _error("deepspeed", "<config>", "runs on Ray workers, but num_workers=0",
                      "pass --num_workers 1 (or more), or drop --deepspeed")
+    if args.nonfinite_loss == "skip_step":
+        raise _error("nonfinite_loss", "skip_step", "DeepSpeed's engine steps by itself (it skips only fp16 "
+                     "overflows)", "use nonfinite_loss='error' (the default) or 'ignore' with --deepspeed")
     from raytrainer.strategies.deepspeed_config import check_config
 
     config = check_config(args)  # file, JSON, stage, "auto" values and mismatches with these arguments

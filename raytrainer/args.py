@@ -240,6 +240,14 @@ class TrainingArguments:
     logging_nan_inf_filter: bool = field(
         default=True, metadata={"help": "Filter NaN and inf losses out of the logged loss."}
     )
+    nonfinite_loss: str = field(
+        default="error",
+        metadata={"help": "A NaN or inf training loss: 'error' stops the run before that optimizer step "
+                          "(naming the rank, step and loss; never retried), 'skip_step' skips that update on "
+                          "every rank with a warning, 'ignore' trains on as transformers does. 'error' and "
+                          "'skip_step' read one flag per optimizer step on the host; 'skip_step' also "
+                          "agrees on it across ranks (one all-reduce)."},
+    )
     disable_tqdm: bool | None = field(
         default=None,
         metadata={"help": "Disable progress bars. Defaults to True when the log level is above warning."},
@@ -669,6 +677,7 @@ class TrainingArguments:
                 "must be a number in [0, 1)",
                 "pass e.g. --label_smoothing_factor 0.1",
             )
+        _check_one_of("nonfinite_loss", self.nonfinite_loss, ("error", "skip_step", "ignore"))
         _check_one_of("log_level", self.log_level, tuple(LOG_LEVELS))
         _check_one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
         _check_one_of("ddp_backend", self.ddp_backend, DDP_BACKENDS)

@@ -22,6 +22,7 @@ class Channel:
         self._latest_checkpoint: str | None = None
         self._stop = False
         self._decisions: dict[int, bool] = {}
+        self._fatal: tuple[int, bytes] | None = None  # (rank, pickled exception) of a deterministic failure
 
     def put(self, events: list) -> None:
         self._events.extend(events)
@@ -29,10 +30,20 @@ class Channel:
             if kind == "checkpoint":
                 self._latest_checkpoint = payload["uri"]
 
-    def begin_attempt(self) -> tuple[int, str | None]:
-        """Called once per worker-group start: (attempt number, latest checkpoint committed so far)."""
+    def begin_attempt(self) -> tuple[int, str | None, bool]:
+        """Called once per worker-group start: (attempt number, latest checkpoint committed so far, whether
+        an earlier attempt ended in a deterministic failure -- then this one must not train)."""
         self._attempts += 1
-        return self._attempts - 1, self._latest_checkpoint
+        return self._attempts - 1, self._latest_checkpoint, self._fatal is not None
+
+    def record_fatal(self, rank: int, error: bytes) -> None:
+        """A rank's deterministic failure (the first one counts): Ray may restart the workers, but
+        raytrainer does not train again (driver/failures.py)."""
+        if self._fatal is None:
+            self._fatal = (rank, error)
+
+    def fatal(self) -> tuple[int, bytes] | None:
+        return self._fatal
 
     def request_stop(self) -> None:
         """The driver asks the run to stop (a driver-side callback set ``should_training_stop``)."""
@@ -81,8 +92,12 @@ class ChannelClient:
             self._buffer = []
         self._last = time.monotonic()
 
-    def begin_attempt(self) -> tuple[int, str | None]:
+    def begin_attempt(self) -> tuple[int, str | None, bool]:
         return ray.get(self.handle.begin_attempt.remote())
+
+    def record_fatal(self, error: bytes) -> None:
+        self.flush()
+        ray.get(self.handle.record_fatal.remote(self.rank, error))
 
     def set_result(self, payload) -> None:
         refuse_weights(payload)

@@ -15,6 +15,7 @@ import time
 import cloudpickle
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
+from raytrainer.driver import failures
 from raytrainer.logging_utils import emit_worker_record
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,12 @@ def _worker_main(config: dict) -> None:
     del spec
     ctx = ray_train_context(trainer.args.use_gpu)
     client = ChannelClient(config["channel"], ctx.rank)
-    payload = run_rank(trainer, ctx, client, config["method"], kwargs)
+    try:
+        payload = run_rank(trainer, ctx, client, config["method"], kwargs)
+    except BaseException as exc:
+        if not failures.retryable(exc):
+            client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
+        raise
     client.set_result(payload)
 
 
@@ -197,11 +203,15 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
         _forget_previous_ray_run(args)
         _torch_trainer(args, config, datasets).fit()
     except TrainingFailedError as err:
-        raise worker_error(err) from None
+        fatal = ray.get(channel.fatal.remote())
+        ray.kill(channel)
+        raise (failures.unpickled(fatal[1]) if fatal else worker_error(err)) from None
     finally:
         pump.stop()
-    results = ray.get(channel.results.remote())
+    results, fatal = ray.get([channel.results.remote(), channel.fatal.remote()])
     ray.kill(channel)
+    if fatal:  # Ray restarted the workers after it; the new attempt did not train
+        raise failures.unpickled(fatal[1])
     logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
     return results[0]
 

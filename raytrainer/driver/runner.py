@@ -77,6 +77,8 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     if channel is not None:
         trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
         kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
+        if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
+            return {"global_step": 0}
         # Display callbacks run on the driver; rank 0 relays the events they need.
         driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
         for cb in driver_side:
@@ -100,9 +102,12 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
 
 def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
-    latest checkpoint this run committed, if any."""
-    attempt, latest = channel.begin_attempt() if ctx.is_world_zero else (0, None)
-    attempt, latest = ctx.broadcast_object((attempt, latest))
+    latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
+    train; driver/failures.py)."""
+    attempt, latest, failed = channel.begin_attempt() if ctx.is_world_zero else (0, None, False)
+    attempt, latest, failed = ctx.broadcast_object((attempt, latest, failed))
+    if failed:
+        return None
     if method == "train" and attempt > 0 and latest:
         logging.getLogger(__name__).warning("restart %d: resuming from %s", attempt, latest)
         trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted

@@ -9,6 +9,7 @@
         epoch may have fewer):
             on_step_begin
             micro-batches: training_step (no gradient all-reduce but on the last), on_substep_end between
+            a non-finite loss in them? (nonfinite_loss: stop, or skip this update on every rank)
             clip gradients; on_pre_optimizer_step; optimizer.step(); on_optimizer_step; scheduler.step()
             global_step += 1; on_step_end
             control flags OR-ed across ranks -> log / evaluate / save, identically on every rank
@@ -33,6 +34,7 @@ from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.neftune import NEFTune
+from raytrainer.worker.nonfinite import NonFiniteGuard
 
 _FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
@@ -166,6 +168,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     must_sync = ctx.distributed and not all(
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
     epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
+    guard = NonFiniteGuard(args.nonfinite_loss, ctx)
     start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):
@@ -197,6 +200,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 last = i == len(micro) - 1
                 with strategy.no_sync(wrapped, sync=last):
                     loss = trainer.training_step(model, inputs, num_items)
+                guard.add(loss)
                 if args.logging_nan_inf_filter:  # a non-finite loss adds the running mean (no host sync)
                     loss = torch.where(torch.isfinite(loss), loss,
                                        tr_loss / (1 + state.global_step - loop.last_logged))
@@ -206,15 +210,16 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 if not last:
                     control = trainer.control = handler.on_substep_end(args, state, control)
 
-            if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                strategy.precision.unscale(optimizer)
-                loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
-            control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
-            step_norm = strategy.optimizer_step(wrapped, optimizer)
-            loop.grad_norm = step_norm if step_norm is not None else loop.grad_norm
-            control = trainer.control = handler.on_optimizer_step(args, state, control)
-            if not plateau:
-                strategy.scheduler_step(scheduler)
+            if not guard.skip_update(state):  # nonfinite_loss: raises, or skips this update everywhere
+                if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                    strategy.precision.unscale(optimizer)
+                    loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
+                control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
+                step_norm = strategy.optimizer_step(wrapped, optimizer)
+                loop.grad_norm = step_norm if step_norm is not None else loop.grad_norm
+                control = trainer.control = handler.on_optimizer_step(args, state, control)
+                if not plateau:
+                    strategy.scheduler_step(scheduler)
             strategy.zero_grad(wrapped)
 
             state.global_step += 1

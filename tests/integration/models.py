@@ -269,3 +269,23 @@ class ReportParameterMemory(TrainerCallback):
         built = (int(os.environ["TESTS_PEAK_AFTER_MODEL_INIT_KIB"]) - base) * 1024
         log.error("rank %d: held=%d full=%d peak_growth=%d init_growth=%d", args.process_index, held, full,
                   growth, built)
+
+
+class InfLossOnRank(Trainer):
+    """A training loss of inf on one rank, in the update to ``at_step`` (a deterministic failure)."""
+
+    inf_rank, inf_step = 1, 2
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.process_index == self.inf_rank and self.state.global_step + 1 == self.inf_step:
+            return (out[0] * float("inf"), *out[1:]) if return_outputs else out * float("inf")
+        return out
+
+
+class CountTrainingStarts(TrainerCallback):
+    """Every rank appends a line to ``output_dir/train-starts`` when it starts training."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        with open(os.path.join(args.output_dir, "train-starts"), "a") as f:
+            f.write(f"rank {args.process_index}\n")

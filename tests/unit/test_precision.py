@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -30,12 +32,13 @@ class Recording(Trainer):
     """Records the dtype the forward produced and can plant an inf loss at one update."""
 
     plant_inf_at: int | None = None
+    plant_factor = float("inf")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
         self.seen_dtypes = getattr(self, "seen_dtypes", set()) | {outputs["logits"].dtype}
         if model.training and self.state.global_step == self.plant_inf_at:
-            loss = loss * float("inf")
+            loss = loss * self.plant_factor
         return (loss, outputs) if return_outputs else loss
 
 
@@ -48,8 +51,9 @@ class Weights(TrainerCallback):
 
 
 def args(tmp_path, **kw):
+    kw = {"save_strategy": "no", **kw}
     return TrainingArguments(output_dir=str(tmp_path), num_workers=0, per_device_train_batch_size=8,
-                             num_train_epochs=3, learning_rate=0.05, optim="adamw_torch", save_strategy="no",
+                             num_train_epochs=3, learning_rate=0.05, optim="adamw_torch",
                              disable_tqdm=True, logging_steps=4, report_to="none", **kw)
 
 
@@ -68,6 +72,7 @@ def test_fp16_skips_a_step_with_inf_gradients_and_lowers_the_scale(tmp_path):
     trainer = Recording(model=Net(), args=args(tmp_path, fp16=True, max_steps=5), train_dataset=data(),
                         callbacks=[weights])
     trainer.plant_inf_at = 2  # the update that ends at global_step 3
+    trainer.plant_factor = 1e38  # a finite loss whose scaled gradients overflow fp16's range
     trainer.train()
     same = all(torch.equal(weights.by_step[3][k], weights.by_step[2][k]) for k in weights.by_step[2])
     moved = any(not torch.equal(weights.by_step[4][k], weights.by_step[3][k]) for k in weights.by_step[3])
@@ -77,3 +82,48 @@ def test_fp16_skips_a_step_with_inf_gradients_and_lowers_the_scale(tmp_path):
 def test_fp16_with_fsdp_is_refused_with_a_fix(tmp_path):
     with pytest.raises(ValueError, match=r"fp16=True: is not supported with FSDP sharding.*--bf16"):
         TrainingArguments(output_dir=str(tmp_path), num_workers=2, fsdp="full_shard", fp16=True)
+
+
+# -- nonfinite_loss ------------------------------------------------------------------------------------------
+def test_a_nonfinite_loss_stops_the_run_before_its_update_by_default(tmp_path):
+    from raytrainer.worker.nonfinite import NonFiniteLossError
+
+    weights = Weights()
+    trainer = Recording(model=Net(), args=args(tmp_path, max_steps=6, save_strategy="steps", save_steps=2),
+                        train_dataset=data(), callbacks=[weights])
+    trainer.plant_inf_at = 3  # the update that would end at global_step 4
+    with pytest.raises(NonFiniteLossError, match=r"rank 0 computed a training loss of inf in the update to "
+                                                 r"step 4 .*nonfinite_loss='skip_step'"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    for name, tensor in trainer.model.state_dict().items():  # the weights before the bad update
+        assert torch.equal(tensor, weights.by_step[3][name]) and torch.isfinite(tensor).all(), name
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_skip_step_skips_the_update_and_trains_on(tmp_path, caplog):
+    weights = Weights()
+    trainer = Recording(model=Net(), args=args(tmp_path, max_steps=5, nonfinite_loss="skip_step"),
+                        train_dataset=data(), callbacks=[weights])
+    trainer.plant_inf_at = 2
+    with caplog.at_level(logging.WARNING, logger="raytrainer.worker.nonfinite"):
+        trainer.train()
+    assert trainer.state.global_step == 5
+    assert all(torch.equal(weights.by_step[3][k], weights.by_step[2][k]) for k in weights.by_step[2])
+    assert any(not torch.equal(weights.by_step[4][k], weights.by_step[3][k]) for k in weights.by_step[3])
+    assert all(torch.isfinite(t).all() for t in trainer.model.state_dict().values())
+    assert "not finite in the update to step 3; that update is skipped (1 so far)" in caplog.text
+
+
+def test_ignore_trains_on_as_transformers(tmp_path):
+    trainer = Recording(model=Net(), args=args(tmp_path, max_steps=5, nonfinite_loss="ignore"),
+                        train_dataset=data())
+    trainer.plant_inf_at = 2
+    trainer.train()
+    assert trainer.state.global_step == 5
+    assert not all(torch.isfinite(t).all() for t in trainer.model.state_dict().values())
+
+
+def test_nonfinite_loss_values_are_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"nonfinite_loss='stop'.*'error', 'skip_step', 'ignore'"):
+        TrainingArguments(output_dir=str(tmp_path), nonfinite_loss="stop")

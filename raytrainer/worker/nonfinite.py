@@ -1,0 +1,64 @@
+"""``nonfinite_loss``: what a NaN or inf training loss does.
+
+transformers trains on (``ignore``); its weights turn NaN and every later checkpoint with them, and a Ray
+restart (``max_failures``) would only replay the same step. raytrainer stops by default (``error``): each
+micro-batch's loss is or-ed into a flag on the device (no host synchronisation), and the flag is read once
+per optimizer update, before the clipping and the step -- so the weights, and any checkpoint written, are
+those before the bad update. The error names the rank, the step and the loss; raytrainer does not retry it
+(driver/runner.py: a deterministic failure ends the run whatever ``max_failures`` says).
+
+``skip_step`` skips such updates instead (gradients dropped, no optimizer or scheduler step; ``global_step``
+still advances, as for an fp16 overflow): every rank must skip the same ones, so the flag is agreed across
+ranks (one small all-reduce per update). The cost of ``error`` is a one-byte device-to-host read per
+update -- the "loss read every step" side of bench/mfu.py measures what such a read costs on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training loss was NaN or inf with ``nonfinite_loss="error"``: a deterministic failure."""
+
+
+class NonFiniteGuard:
+    def __init__(self, mode: str, ctx):
+        self.mode, self.ctx = mode, ctx
+        self.total: torch.Tensor | None = None  # this update's losses summed: not finite if any is not
+        self.skipped = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss (device only)."""
+        if self.mode != "ignore":
+            self.total = loss.detach().float() if self.total is None else self.total + loss.detach().float()
+
+    def skip_update(self, state) -> bool:
+        """Once per optimizer update, after its micro-batches: raises under ``error``; True under
+        ``skip_step`` when any rank saw a non-finite loss (the same answer on every rank)."""
+        total, self.total = self.total, None
+        if total is None:
+            return False
+        value = float(total)  # the one host read per update
+        bad = not math.isfinite(value)
+        if self.mode == "skip_step" and self.ctx.distributed:
+            bad = self.ctx.sum([float(bad)])[0] > 0
+        if not bad:
+            return False
+        step = state.global_step + 1
+        if self.mode == "error":
+            raise NonFiniteLossError(
+                f"nonfinite_loss='error': rank {self.ctx.rank} computed a training loss of "
+                f"{value} in the update to step {step} (epoch {state.epoch or 0:.2f}); training "
+                "stopped before that update, so the weights and the checkpoints are those before it. Lower "
+                "learning_rate, set max_grad_norm, check this step's inputs, or pass "
+                "nonfinite_loss='skip_step' (skip such updates) or 'ignore' (train on, as transformers)")
+        self.skipped += 1
+        logger.warning("nonfinite_loss='skip_step': a training loss was not finite in the update to step %d; "
+                       "that update is skipped (%d so far)", step, self.skipped)
+        return True

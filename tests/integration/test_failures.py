@@ -1,0 +1,25 @@
+"""Failures classified on Ray workers: a deterministic one ends the run at once whatever max_failures says."""
+
+from __future__ import annotations
+
+import pytest
+from models import CountTrainingStarts, InfLossOnRank, Regressor, make_data
+
+from raytrainer import TrainingArguments
+from raytrainer.worker.nonfinite import NonFiniteLossError
+
+
+def test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, max_failures=1, max_steps=4,
+                             per_device_train_batch_size=4, save_strategy="steps", save_steps=1,
+                             report_to="none", disable_tqdm=True)
+    trainer = InfLossOnRank(model=Regressor(), args=args, train_dataset=make_data(32),
+                            callbacks=[CountTrainingStarts()])
+    with pytest.raises(NonFiniteLossError, match=r"rank 1 computed a training loss of inf in the update to "
+                                                 r"step 2") as info:
+        trainer.train()
+    assert any("rank 1; a deterministic failure: not retried" in note
+               for note in getattr(info.value, "__notes__", []))
+    # Ray restarted the workers (max_failures=1), but nothing trained again: one start per rank
+    assert sorted((tmp_path / "train-starts").read_text().split("\n")) == ["", "rank 0", "rank 1"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]  # before the bad step
