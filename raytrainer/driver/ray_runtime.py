@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,15 @@ def ensure_ray(args) -> None:
     global _STARTED_HERE
     _STARTED_HERE = True
     # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
+    # Ray's own output (its controller's progress lines, helper actors' errors, workers' stdout and stderr)
+    # stays in the instance's log files: the console shows raytrainer's output, which reaches the driver
+    # through the run's channel -- the workers' log records and what their Python code prints.
     with _without_secrets():  # only the driver pushes to the Hub: its processes need no token
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=True,
-                 logging_level=logging.WARNING, configure_logging=True)
+        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=False,
+                           logging_level=logging.WARNING, configure_logging=True)
+    logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
+    print(f"raytrainer: started a local Ray instance ({num_cpus} CPUs); Ray's own output: {logs}",
+          file=sys.stderr)
 
 
 _SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")

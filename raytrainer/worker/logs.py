@@ -4,16 +4,18 @@ On each rank the root and ``raytrainer`` loggers get ``args.get_process_log_leve
 the main process, ``log_level_replica`` elsewhere; ``log_on_each_node`` decides whether each node's local
 main counts as main). transformers' library logger (which keeps its own handler and does not propagate)
 is routed the same way once transformers' logging is loaded, and gets the level only where it is set
-explicitly: ``passive`` leaves transformers' verbosity as it is, as transformers.Trainer does. Records that
-pass are forwarded to the driver's console and written to ``<output_dir>/logs/rank-<r>.log`` (on Ray
-workers; in the driver's own process, ``num_workers=0``, they go to the application's handlers and
-``output_dir`` holds what transformers' would). Everything is restored when the call ends, so the
-in-process run leaves the application's logging as it found it.
+explicitly: ``passive`` leaves transformers' verbosity as it is, as transformers.Trainer does. On Ray
+workers, records that pass -- and what the rank's Python code prints -- are forwarded to the driver's
+console, and the records are written to ``<output_dir>/logs/rank-<r>.log``; in the driver's own process
+(``num_workers=0``) they go to the application's handlers and ``output_dir`` holds what transformers'
+would. Everything is restored when the call ends, so the in-process run leaves the application's logging
+as it found it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -43,15 +45,46 @@ class _ForwardHandler(logging.Handler):
             self.handleError(record)
 
 
+class _ForwardStream(io.TextIOBase):
+    """A rank's ``sys.stdout`` / ``sys.stderr`` while it runs a call: each complete line goes to the driver's
+    console through the channel, as Ray's log_to_driver would carry it -- which raytrainer's local Ray
+    instance turns off, to keep Ray's own output off the console (driver/ray_runtime.py). Output written to
+    the file descriptors by C code (a compiler, NCCL) stays in Ray's log files."""
+
+    def __init__(self, channel, rank: int, original):
+        self.channel, self.rank, self.original, self._partial = channel, rank, original, ""
+        self._sending = False  # output written while a line is being sent goes to the original stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._sending or _RAY_TQDM_TOKEN in text:  # Ray's own progress-bar protocol: left to Ray
+            return self.original.write(text)
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        self._sending = True
+        try:
+            for line in lines:
+                self.channel.send("log", {"levelno": logging.INFO, "text": f"[rank{self.rank}] {line}"})
+        finally:
+            self._sending = False
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self.write("\n")
+        self.channel.flush()
+
+
 @contextlib.contextmanager
 def rank_logging(args, rank: int, channel=None):
     """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process)."""
     level = args.get_process_log_level()
     levels = {logging.getLogger(): level, logging.getLogger("raytrainer"): level}
     hf = _transformers_logger()
-    if hf is not None:
-        chosen = args.log_level if args.should_log else args.log_level_replica
-        levels[hf] = level if chosen != "passive" else hf.level
+    chosen = args.log_level if args.should_log else args.log_level_replica
+    levels[hf] = level if chosen != "passive" else (hf.level or _transformers_default_level())
     loggers = list(levels)
     saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
 
@@ -63,9 +96,15 @@ def rank_logging(args, rank: int, channel=None):
         file_handler.setFormatter(logging.Formatter("%(asctime)s " + WORKER_FORMAT))
         file_handler.addFilter(_RankFilter(rank))
         added = [file_handler, _ForwardHandler(channel, rank)]
+    streams = contextlib.ExitStack()
+    if channel is not None:  # print() and warnings of the rank's Python code reach the driver's console
+        streams.enter_context(contextlib.redirect_stdout(_ForwardStream(channel, rank, sys.stdout)))
+        streams.enter_context(contextlib.redirect_stderr(_ForwardStream(channel, rank, sys.stderr)))
     try:
         for lg in loggers:
             lg.setLevel(levels[lg])
+            if lg.propagate and lg is not logging.getLogger():
+                continue  # transformers' logger before transformers configured it: the root's handlers
             if channel is not None:
                 # On a worker our handlers replace the process's stream handlers: the driver prints.
                 for h in list(lg.handlers):
@@ -83,16 +122,26 @@ def rank_logging(args, rank: int, channel=None):
                     lg.addHandler(h)
         for h in added:
             h.close()
+        streams.close()
 
 
-def _transformers_logger() -> logging.Logger | None:
-    """transformers' library root logger, configured (its handler set up), if transformers' logging is
-    loaded in this process; None otherwise (its records then reach the root logger's handlers)."""
+def _transformers_logger() -> logging.Logger:
+    """transformers' library root logger -- configured (its own handler, no propagation) if transformers'
+    logging is loaded in this process; else left unconfigured (its records reach the root's handlers), so
+    that a run that does not use transformers does not import it."""
     hf_logging = sys.modules.get("transformers.utils.logging")
-    if hf_logging is None:
-        return None
-    hf_logging.get_verbosity()  # configures the library's root logger if nothing has yet
+    if hf_logging is not None:
+        hf_logging.get_verbosity()  # configures the library's root logger if nothing has yet
     return logging.getLogger("transformers")
+
+
+def _transformers_default_level() -> int:
+    """The verbosity transformers starts with: TRANSFORMERS_VERBOSITY, else warning."""
+    name = os.environ.get("TRANSFORMERS_VERBOSITY", "warning").lower()
+    return getattr(logging, name.upper(), logging.WARNING) if name in _HF_LEVELS else logging.WARNING
+
+
+_HF_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class _RankFilter(logging.Filter):

@@ -289,3 +289,12 @@ class CountTrainingStarts(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         with open(os.path.join(args.output_dir, "train-starts"), "a") as f:
             f.write(f"rank {args.process_index}\n")
+
+
+class PrintingTrainer(Trainer):
+    """Prints one line per rank at the first training step (user code's print() on a worker)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.state.global_step == 0 and model.training:
+            print(f"PRINTED-BY-RANK-{self.args.process_index}", flush=True)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -23,3 +23,20 @@ def test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried(tmp_path)
     # Ray restarted the workers (max_failures=1), but nothing trained again: one start per rank
     assert sorted((tmp_path / "train-starts").read_text().split("\n")) == ["", "rank 0", "rank 1"]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]  # before the bad step
+
+
+def test_the_console_shows_the_run_and_its_prints_not_ray_s_internals(tmp_path, capfd):
+    """At default log levels: what the workers' code prints reaches the console once per line (with its
+    rank), Ray's own lines (controller, worker-group start) do not, nor transformers' INFO lines."""
+    from models import PrintingTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, max_steps=3, save_strategy="no",
+                             per_device_train_batch_size=4, report_to="none", disable_tqdm=True)
+    capfd.readouterr()
+    PrintingTrainer(model=Regressor(), args=args, train_dataset=make_data(32)).train()
+    console = "".join(capfd.readouterr())
+    assert console.count("PRINTED-BY-RANK-0") == 1 and "[rank0] PRINTED-BY-RANK-0" in console
+    assert console.count("PRINTED-BY-RANK-1") == 1 and "[rank1] PRINTED-BY-RANK-1" in console
+    for internal in ("TrainController", "Attempting to start training worker group", "RayTrainWorker",
+                     "PlacementGroupCleaner", "Running training"):
+        assert internal not in console, internal
