@@ -21,7 +21,7 @@ class Channel:
         self._attempts = 0
         self._latest_checkpoint: str | None = None
         self._stop = False
-        self._decisions: dict[int, bool] = {}
+        self._decisions: dict[tuple[int, int], bool] = {}  # (attempt, evaluation number) -> stop
         self._fatal: tuple[int, bytes] | None = None  # (rank, pickled exception) of a deterministic failure
 
     def put(self, events: list) -> None:
@@ -34,6 +34,8 @@ class Channel:
         """Called once per worker-group start: (attempt number, latest checkpoint committed so far, whether
         an earlier attempt ended in a deterministic failure -- then this one must not train)."""
         self._attempts += 1
+        # the driver numbers evaluations per attempt from here on (a restarted run evaluates again)
+        self._events.append(("attempt", 0, {"attempt": self._attempts - 1}))
         return self._attempts - 1, self._latest_checkpoint, self._fatal is not None
 
     def record_fatal(self, rank: int, error: bytes) -> None:
@@ -52,13 +54,14 @@ class Channel:
     def stop_requested(self) -> bool:
         return self._stop
 
-    def decide_evaluation(self, index: int, stop: bool) -> None:
-        """The driver's decision after its callbacks saw evaluation number ``index`` (1-based)."""
-        self._decisions[index] = stop
+    def decide_evaluation(self, attempt: int, index: int, stop: bool) -> None:
+        """The driver's decision after its callbacks saw evaluation number ``index`` (1-based) of worker-group
+        attempt ``attempt``: a restarted group never reads the decisions its predecessor was given."""
+        self._decisions[(attempt, index)] = stop
         self._stop = self._stop or stop
 
-    def evaluation_decision(self, index: int) -> bool | None:
-        return self._decisions.get(index)
+    def evaluation_decision(self, attempt: int, index: int) -> bool | None:
+        return self._decisions.get((attempt, index))
 
     def drain(self) -> list:
         events, self._events = self._events, []

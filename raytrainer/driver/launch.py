@@ -85,7 +85,7 @@ class _Pump(threading.Thread):
         self.channel, self.display, self.registry, self.period = channel, display, registry, period
         self._stop_event = threading.Event()
         self._stop_sent = False
-        self._evaluations = 0
+        self._attempt, self._evaluations = 0, 0
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
@@ -107,12 +107,14 @@ class _Pump(threading.Thread):
                     self.display.replay(*payload)
                 elif kind == "checkpoint":
                     self.registry.add(payload)
+                elif kind == "attempt":  # a (re)started worker group numbers its evaluations from 1
+                    self._attempt, self._evaluations = payload["attempt"], 0
             except Exception:
                 logger.exception("while showing a worker event")
             if kind == "event" and payload[0] == "on_evaluate" and self.display.steers:
                 self._evaluations += 1  # the workers wait for this decision (worker/stop.py)
                 stop = bool(self.display.control.should_training_stop)
-                self.channel.decide_evaluation.remote(self._evaluations, stop)
+                self.channel.decide_evaluation.remote(self._attempt, self._evaluations, stop)
         if self.display.control.should_training_stop and not self._stop_sent:
             # A driver-side callback asked to stop (e.g. a pruned search trial): tell the workers.
             self._stop_sent = True

@@ -89,7 +89,7 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
             from raytrainer.worker.stop import DriverStopCallback
 
             # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle))
+            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle, ctx, trainer._attempt))
     with rank_logging(trainer.args, ctx.rank, channel):
         output = getattr(trainer, method)(**kwargs)
         weights_at = None
@@ -106,6 +106,7 @@ def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     train; driver/failures.py)."""
     attempt, latest, failed = channel.begin_attempt() if ctx.is_world_zero else (0, None, False)
     attempt, latest, failed = ctx.broadcast_object((attempt, latest, failed))
+    trainer._attempt = attempt
     if failed:
         return None
     if method == "train" and attempt > 0 and latest:

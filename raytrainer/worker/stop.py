@@ -2,13 +2,15 @@
 ``control.should_training_stop`` declares ``may_stop_training = True``; this callback then runs on every
 rank (after the relay on rank 0), and the run follows the driver's decisions:
 
-- at each evaluation, every rank waits until the driver has replayed that evaluation to its callbacks
-  and recorded its decision on the event channel (``decide_evaluation``); a stop takes effect right
-  there, before another step, identically on every rank (they all read the same recorded decision).
-  A pruner's or a scheduler's decision after an evaluation therefore costs no extra training step;
-- between evaluations (e.g. Ray Tune ending a trial), the channel's stop flag is polled without waiting
-  (at most one request in flight, a new one every ``interval`` seconds); ranks may see it at different
-  steps, so the flag is OR-ed across ranks with the other control flags after ``on_step_end``.
+- at each evaluation, rank 0 waits until the driver has replayed that evaluation to its callbacks and
+  recorded its decision on the event channel (``decide_evaluation``, per worker-group attempt), and
+  broadcasts it; a stop takes effect right there, before another step, identically on every rank. A
+  pruner's or a scheduler's decision after an evaluation therefore costs no extra training step;
+- between evaluations (e.g. Ray Tune ending a trial), rank 0 polls the channel's stop flag without
+  waiting (at most one request in flight, a new one every ``interval`` seconds); the flag reaches the
+  other ranks OR-ed with the other control flags after ``on_step_end``.
+
+Only rank 0 talks to the channel: at 64 workers the driver's actor gets one request per poll, not 64.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from raytrainer.callbacks import TrainerCallback
 class DriverStopCallback(TrainerCallback):
     same_on_every_rank = False  # the polled stop flag reaches ranks at different steps: flags are OR-ed
 
-    def __init__(self, channel, interval: float = 0.2, decision_timeout: float = 1800.0):
+    def __init__(self, channel, ctx, attempt: int = 0, interval: float = 0.2,
+                 decision_timeout: float = 1800.0):
         self.channel = channel  # the Channel actor handle
+        self.ctx, self.attempt = ctx, attempt
         self.interval = interval
         self.decision_timeout = decision_timeout
         self._pending = None
@@ -44,19 +48,25 @@ class DriverStopCallback(TrainerCallback):
         return self._stop
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._poll():
+        if self.ctx.is_world_zero and self._poll():
             control.should_training_stop = True
 
     def on_evaluate(self, args, state, control, **kwargs):
+        self._evaluations += 1
+        decision = self._wait_for_decision(state) if self.ctx.is_world_zero else None
+        decision = self.ctx.broadcast_object(decision)
+        if decision:
+            self._stop = True
+            control.should_training_stop = True
+
+    def _wait_for_decision(self, state) -> bool:
         import ray
 
-        self._evaluations += 1
         deadline = time.monotonic() + self.decision_timeout
-        while (decision := ray.get(self.channel.evaluation_decision.remote(self._evaluations))) is None:
+        ask = self.channel.evaluation_decision.remote
+        while (decision := ray.get(ask(self.attempt, self._evaluations))) is None:
             if time.monotonic() > deadline:  # failing beats ranks deciding differently
                 raise TimeoutError(f"no decision from the driver on evaluation {self._evaluations} at step "
                                    f"{state.global_step} within {self.decision_timeout:.0f}s")
             time.sleep(0.02)
-        if decision:
-            self._stop = True
-            control.should_training_stop = True
+        return decision
