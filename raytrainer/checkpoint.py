@@ -293,6 +293,19 @@ def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return weights
 
 
+def weight_shapes(reader: CheckpointReader) -> dict[str, tuple]:
+    """Name -> shape of every tensor in the checkpoint's weight files, from the safetensors headers alone
+    (a few kilobytes per file, whatever the model's size): what the driver checks a resume against."""
+    names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+    shapes: dict[str, tuple] = {}
+    for name in names:
+        with reader.storage.fs.open_input_file(reader.storage.path(name)) as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
 def check_fits(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: str) -> None:
     """Refuse weights (name -> shape) that do not fit the model's state dict ``own``, naming the first
     tensor whose shape or name does not fit; a tied weight stored once is fine."""

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 # pyarrow's type_name of the filesystem each URI scheme resolves to
@@ -84,7 +85,14 @@ class Storage:
             uri = os.path.abspath(os.path.expanduser(uri))
         if filesystem is not None and filesystem_matches(filesystem, uri):
             return cls(fs=filesystem, root=strip_scheme(uri).rstrip("/") or "/", uri=uri)
-        fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else f"file://{uri}")
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else f"file://{uri}")
+        except pa.ArrowInvalid as exc:  # an unknown scheme, or a URI pyarrow cannot parse
+            raise ValueError(
+                f"storage {uri!r}: pyarrow has no filesystem for it ({exc}); use a local path or a URI of "
+                "s3://, gs://, abfs://, hdfs:// or file://, or pass storage_filesystem= (a "
+                "pyarrow.fs.FileSystem, e.g. an fsspec filesystem wrapped in pyarrow.fs.PyFileSystem)"
+            ) from None
         return cls(fs=fs, root=path.rstrip("/") or "/", uri=uri)
 
     @classmethod

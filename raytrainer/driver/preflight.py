@@ -111,6 +111,18 @@ def _check_neftune(trainer) -> None:
         input_embeddings(trainer.model)  # raises, naming the fix, when there is none to hook
 
 
+def _check_weights_fit(trainer, reader) -> None:
+    """A checkpoint of another model is refused here, from its files' headers, not after the workers
+    started. With model_init the driver has no model to compare (the workers check as they load)."""
+    from raytrainer.checkpoint import check_fits, weight_shapes
+
+    if trainer.model_init is not None or trainer.model is None:
+        return
+    shapes = weight_shapes(reader)
+    if shapes:
+        check_fits(trainer.model.state_dict(), shapes, reader.uri)
+
+
 def _check_checkpointing(trainer, kwargs: dict) -> None:
     """Resolve resume_from_checkpoint to a committed checkpoint; make sure the storage can be written."""
     from raytrainer.checkpoint import resolve_resume
@@ -127,6 +139,7 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
         world = max(args.num_workers, 1)
         step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
         strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
+        _check_weights_fit(trainer, reader)
         saved = sum(1 for name in reader.files if name.startswith("rng_state_"))
         if saved and saved != world:
             logger.warning(

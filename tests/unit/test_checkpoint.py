@@ -258,6 +258,33 @@ def test_storage_path_uri_round_trips(tmp_path):
         assert torch.equal(again.model.state_dict()[name], tensor), name
 
 
+class WiderNet(DropoutNet):
+    def __init__(self):
+        super().__init__()
+        self.net[0] = nn.Linear(6, 48)
+        self.net[3] = nn.Linear(48, 3)
+
+
+def test_a_checkpoint_of_another_model_is_refused_on_the_driver_before_ray_starts(tmp_path):
+    import ray
+
+    Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data()).train()
+    wider = Trainer(model=WiderNet(), args=args(tmp_path / "b", num_workers=2, max_steps=8),
+                    train_dataset=data())
+    with pytest.raises(CheckpointError, match=r"checkpoint-4: tensor 'net.0.weight' has shape \(32, 6\) in "
+                                              r"the checkpoint but \(48, 6\) in the model"):
+        wider.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    assert not ray.is_initialized() and wider.state.global_step == 0
+
+
+def test_a_storage_uri_pyarrow_cannot_serve_names_the_way_out(tmp_path):
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path, storage_path="ftp://host/runs"),
+                      train_dataset=data())
+    with pytest.raises(ValueError, match=r"storage 'ftp://host/runs': pyarrow has no filesystem for it.*"
+                                         r"storage_filesystem="):
+        trainer.train()
+
+
 def test_unwritable_storage_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

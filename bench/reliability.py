@@ -1,0 +1,241 @@
+"""Bad input, measured: each case is a mistake a user makes, on a 2-worker run (the path where something
+could start). For each: the error raised on the driver, how long it took, and whether anything started (a
+Ray instance, or the training). Writes the table of docs/reliability.md.
+
+    .venv/bin/python bench/reliability.py                          # print the table
+    .venv/bin/python bench/reliability.py --write docs/reliability.md
+
+A case passes when a ValueError / TypeError / CheckpointError names the offending value, within 5 s, with
+Ray not started and no training step taken. The fault scenarios (killed workers, corrupted checkpoints,
+deterministic failures on workers) are integration tests; the table lists them with the test that
+measures each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from _machine import machine_info  # noqa: E402
+from torch import nn  # noqa: E402
+
+from raytrainer import Trainer, TrainingArguments  # noqa: E402
+from raytrainer.checkpoint import CheckpointError  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.linear = nn.Linear(width, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class NoLoss(Net):
+    def forward(self, x, labels=None):
+        return {"logits": self.linear(x)}
+
+
+def data(n: int = 16, width: int = 4) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, width, generator=g)
+    return [{"x": x[i], "labels": int(i % 3)} for i in range(n)]
+
+
+class Unpicklable:
+    """A callback holding a lock: it cannot travel to a worker."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+
+def _args(out: str, **kw) -> TrainingArguments:
+    base = {"output_dir": out, "num_workers": 2, "report_to": "none", "disable_tqdm": True, "max_steps": 2}
+    return TrainingArguments(**{**base, **kw})
+
+
+def _train(out, model=None, dataset=None, call="train", call_kwargs=None, trainer_kw=None, **kw):
+    trainer = Trainer(model=model if model is not None else Net(), args=_args(out, **kw),
+                      train_dataset=data() if dataset is None else dataset, **(trainer_kw or {}))
+    return getattr(trainer, call)(**(call_kwargs or {}))
+
+
+def _foreign_folder(out):
+    folder = os.path.join(out, "not-a-checkpoint")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "notes.txt"), "w") as f:
+        f.write("hello")
+    return folder
+
+
+def _other_model_checkpoint(out):
+    """A committed checkpoint of a 4-feature model, resumed by a 5-feature one."""
+    saved = os.path.join(out, "saved")
+    Trainer(model=Net(4), args=TrainingArguments(output_dir=saved, num_workers=0, max_steps=1, save_steps=1,
+                                                 report_to="none", disable_tqdm=True),
+            train_dataset=data()).train()
+    return os.path.join(saved, "checkpoint-1")
+
+
+def _blocked_path(out):
+    blocker = os.path.join(out, "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a folder")
+    return os.path.join(blocker, "runs")
+
+
+CASES = [
+    # (what the user did, how)
+    ("learning_rate=-1", lambda o: _args(o, learning_rate=-1)),
+    ("per_device_train_batch_size=0", lambda o: _args(o, per_device_train_batch_size=0)),
+    ("max_steps=0", lambda o: _args(o, max_steps=0)),
+    ("eval_strategy='sometimes'", lambda o: _args(o, eval_strategy="sometimes")),
+    ("save_total_limit=0", lambda o: _args(o, save_total_limit=0)),
+    ("warmup_ratio=2", lambda o: _args(o, warmup_ratio=2)),
+    ("lr_scheduler_type='zigzag'", lambda o: _args(o, lr_scheduler_type="zigzag")),
+    ("optim='adamw_fast'", lambda o: _args(o, optim="adamw_fast")),
+    ("log_level='loud'", lambda o: _args(o, log_level="loud")),
+    ("nonfinite_loss='stop'", lambda o: _args(o, nonfinite_loss="stop")),
+    ("max_failures=-2", lambda o: _args(o, max_failures=-2)),
+    ("placement_strategy='NEAR'", lambda o: _args(o, placement_strategy="NEAR")),
+    ("resources_per_worker={'CPU': -1}", lambda o: _args(o, resources_per_worker={"CPU": -1})),
+    ("fsdp='full_shard shard_grad_op' (two modes)", lambda o: _args(o, fsdp="full_shard shard_grad_op")),
+    ("fsdp='explode'", lambda o: _args(o, fsdp="explode")),
+    ("fp16 with FSDP sharding", lambda o: _args(o, fsdp="full_shard", fp16=True)),
+    ("deepspeed config file missing", lambda o: _args(o, deepspeed=os.path.join(o, "missing.json"))),
+    ("deepspeed with num_workers=0", lambda o: _args(o, num_workers=0, deepspeed={"zero_optimization": {
+        "stage": 2}})),
+    ("deepspeed with fsdp", lambda o: _args(o, fsdp="full_shard", deepspeed={"zero_optimization": {
+        "stage": 2}})),
+    ("load_best_model_at_end, eval 'steps' / save 'epoch'",
+     lambda o: _args(o, load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")),
+    ("optim='galore_adamw' without target modules", lambda o: _args(o, optim="galore_adamw")),
+    ("use_liger_kernel=True", lambda o: _args(o, use_liger_kernel=True)),
+    ("debug='tpu_metrics_debug'", lambda o: _args(o, debug="tpu_metrics_debug")),
+    ("accelerator_config split_batches=True", lambda o: _args(o, accelerator_config={"split_batches": True})),
+    ("report_to='trackio'", lambda o: _train(o, report_to="trackio")),
+    ("use_gpu=True on a machine without GPUs", lambda o: _train(o, use_gpu=True)),
+    ("storage_path under a file", lambda o: _train(o, storage_path=_blocked_path(o))),
+    ("storage_path='ftp://host/x'", lambda o: _train(o, storage_path="ftp://host/x")),
+    ("no model and no model_init", lambda o: Trainer(args=_args(o), train_dataset=data())),
+    ("model_init with optimizers", lambda o: Trainer(model_init=Net, args=_args(o), train_dataset=data(),
+                                                     optimizers=(torch.optim.SGD(Net().parameters(), 0.1),
+                                                                 None))),
+    ("train() without train_dataset", lambda o: Trainer(model=Net(), args=_args(o)).train()),
+    ("evaluate() without eval_dataset", lambda o: _train(o, call="evaluate")),
+    ("eval_on_start without eval_dataset", lambda o: _train(o, eval_on_start=True)),
+    ("an empty train_dataset", lambda o: _train(o, dataset=[])),
+    ("a model that returns no loss", lambda o: _train(o, model=NoLoss())),
+    ("examples without the model's input", lambda o: _train(o, dataset=[{"y": torch.zeros(4),
+                                                                          "labels": 1}] * 8)),
+    ("an unpicklable callback", lambda o: _train(o, trainer_kw={"callbacks": [Unpicklable()]})),
+    ("resume from a folder that does not exist",
+     lambda o: _train(o, call_kwargs={"resume_from_checkpoint": os.path.join(o, "nope")})),
+    ("resume from a folder that is not a checkpoint",
+     lambda o: _train(o, call_kwargs={"resume_from_checkpoint": _foreign_folder(o)})),
+    ("resume=True with no checkpoint in output_dir",
+     lambda o: _train(o, call_kwargs={"resume_from_checkpoint": True})),
+    ("resume a checkpoint of another model shape",
+     lambda o: _train(o, model=Net(5), dataset=data(width=5),
+                      call_kwargs={"resume_from_checkpoint": _other_model_checkpoint(o)})),
+]
+
+# Fault scenarios and the integration test that measures each (run in CI).
+SCENARIOS = [
+    ("a worker killed mid-run, max_failures=1", "resumes from the last committed checkpoint; weights "
+     "bitwise equal to an uninterrupted run", "tests/integration/test_checkpoints.py"),
+    ("a non-finite loss on one rank, max_failures=1", "NonFiniteLossError naming rank 1 and the step; Ray's "
+     "restart does not train again (one training start per rank)", "tests/integration/test_failures.py"),
+    ("a non-finite loss in one process", "stops before the bad update; weights and checkpoints finite; "
+     "skip_step / ignore as asked", "tests/unit/test_precision.py"),
+    ("a stop or save flag set on one rank in on_log / on_evaluate", "agreed on every rank in the same step, "
+     "no hang", "tests/integration/test_ddp.py"),
+    ("a partial or corrupted latest checkpoint", "skipped with a warning naming it; an explicit path is an "
+     "error naming the damaged file", "tests/unit/test_checkpoint.py"),
+    ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
+     "stay in its log folder", "tests/integration/test_failures.py"),
+]
+
+
+def run_case(name, make) -> dict:
+    import ray
+
+    with tempfile.TemporaryDirectory() as out:
+        started = time.monotonic()
+        error = None
+        try:
+            make(out)
+        except (ValueError, TypeError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+            error = exc
+        seconds = time.monotonic() - started
+    ray_started = ray.is_initialized()
+    if ray_started:
+        ray.shutdown()
+    message = str(error).splitlines()[0] if error is not None else "(no error)"
+    ok = error is not None and seconds < 5 and not ray_started
+    return {"case": name, "error": type(error).__name__ if error else "-", "message": message,
+            "seconds": seconds, "ray_started": ray_started, "ok": ok}
+
+
+def table(rows: list[dict], machine: dict) -> str:
+    passed = sum(r["ok"] for r in rows)
+    lines = [
+        "# Reliability: bad input and fault scenarios",
+        "",
+        "Produced by `bench/reliability.py` (rerun it: `.venv/bin/python bench/reliability.py --write "
+        "docs/reliability.md`).",
+        f"Measured {machine['date']} on {machine['cpu']} ({machine['nproc']} CPUs), raytrainer "
+        f"{machine.get('raytrainer_commit', '?')}.",
+        "",
+        f"## Bad input: {passed} of {len(rows)} cases refused on the driver within 5 s, nothing started",
+        "",
+        "Every case asks for a 2-worker run (`num_workers=2`): a case passes when the error names the value "
+        "and the fix before Ray starts.",
+        "",
+        "| # | what the user did | error | seconds | Ray started | the message (first line) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, 1):
+        message = r["message"].replace("|", "\\|")
+        if len(message) > 230:
+            message = message[:227] + "..."
+        lines.append(f"| {i} | {r['case']} | {r['error']} | {r['seconds']:.2f} | "
+                     f"{'yes' if r['ray_started'] else 'no'} | {message} |")
+    lines += ["", "## Fault scenarios (automated tests)", "", "| scenario | outcome | test |",
+              "|---|---|---|"]
+    lines += [f"| {s} | {o} | `{t}` |" for s, o, t in SCENARIOS]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", help="write the markdown table to this file")
+    opts = parser.parse_args()
+    rows = [run_case(name, make) for name, make in CASES]
+    for r in rows:
+        verdict = "ok " if r["ok"] else "BAD"
+        print(f"{verdict} {r['seconds']:5.2f}s {r['case']}: {r['error']}: {r['message'][:150]}")
+    text = table(rows, machine_info(os.path.dirname(HERE)))
+    if opts.write:
+        with open(opts.write, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
