@@ -155,16 +155,20 @@ CASES = [
 
 # Fault scenarios and the integration test that measures each (run in CI).
 SCENARIOS = [
-    ("a worker killed mid-run, max_failures=1", "resumes from the last committed checkpoint; weights "
-     "bitwise equal to an uninterrupted run", "tests/integration/test_checkpoints.py"),
+    ("a worker process lost mid-run (rank 1 exits at step 5), max_failures=1", "a new worker group resumes "
+     "from the last committed checkpoint; final weights bitwise equal to an uninterrupted run's",
+     "tests/integration/test_failures.py"),
     ("a non-finite loss on one rank, max_failures=1", "NonFiniteLossError naming rank 1 and the step; Ray's "
      "restart does not train again (one training start per rank)", "tests/integration/test_failures.py"),
     ("a non-finite loss in one process", "stops before the bad update; weights and checkpoints finite; "
      "skip_step / ignore as asked", "tests/unit/test_precision.py"),
     ("a stop or save flag set on one rank in on_log / on_evaluate", "agreed on every rank in the same step, "
      "no hang", "tests/integration/test_ddp.py"),
-    ("a partial or corrupted latest checkpoint", "skipped with a warning naming it; an explicit path is an "
-     "error naming the damaged file", "tests/unit/test_checkpoint.py"),
+    ("a partial latest checkpoint (its save never finished)", "resume_from_checkpoint=True skips it with a "
+     "warning naming it and takes the previous one; an explicit path is an error", "tests/unit/test_checkpoint.py"),
+    ("flipped bytes in a committed checkpoint", "refused when read (sha256 against its manifest), naming the "
+     "file; resume_from_checkpoint=True does not yet fall back to the previous checkpoint here",
+     "tests/unit/test_checkpoint.py"),
     ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
      "stay in its log folder", "tests/integration/test_failures.py"),
 ]

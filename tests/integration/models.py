@@ -298,3 +298,17 @@ class PrintingTrainer(Trainer):
         if self.state.global_step == 0 and model.training:
             print(f"PRINTED-BY-RANK-{self.args.process_index}", flush=True)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class DieOnceOnRank(TrainerCallback):
+    """Rank ``rank``'s process exits at ``step``, once (a lost worker; ``output_dir/died`` marks it)."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        marker = os.path.join(args.output_dir, "died")
+        if state.global_step == self.step and args.process_index == self.rank and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)

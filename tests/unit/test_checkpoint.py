@@ -157,6 +157,21 @@ def test_resume_true_takes_the_latest_committed_and_skips_a_partial_one(tmp_path
         assert torch.equal(again.model.state_dict()[name], tensor), name
 
 
+def test_flipped_bytes_in_a_checkpoint_are_refused_by_name(tmp_path):
+    """A committed checkpoint whose weights changed after the commit (bit rot, a partial copy): the sha256
+    in its manifest catches it when the weights are read, and the error names the file."""
+    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train()
+    weights_file = tmp_path / "checkpoint-8" / "model.safetensors"
+    raw = bytearray(weights_file.read_bytes())
+    raw[-5] ^= 0xFF  # inside the last tensor's data: the file still parses
+    weights_file.write_bytes(bytes(raw))
+    again = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
+    with pytest.raises(CheckpointError, match=r"checkpoint-8/model.safetensors does not match its manifest "
+                                              r"checksum"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    assert again.state.global_step == 0
+
+
 def test_bad_resume_targets_are_named(tmp_path):
     trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data())
     trainer.train()
