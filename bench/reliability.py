@@ -165,7 +165,8 @@ SCENARIOS = [
     ("a stop or save flag set on one rank in on_log / on_evaluate", "agreed on every rank in the same step, "
      "no hang", "tests/integration/test_ddp.py"),
     ("a partial latest checkpoint (its save never finished)", "resume_from_checkpoint=True skips it with a "
-     "warning naming it and takes the previous one; an explicit path is an error", "tests/unit/test_checkpoint.py"),
+     "warning naming it and takes the previous one; an explicit path is an error",
+     "tests/unit/test_checkpoint.py"),
     ("flipped bytes in a committed checkpoint", "refused when read (sha256 against its manifest), naming the "
      "file; resume_from_checkpoint=True does not yet fall back to the previous checkpoint here",
      "tests/unit/test_checkpoint.py"),
