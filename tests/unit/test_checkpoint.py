@@ -280,16 +280,21 @@ class WiderNet(DropoutNet):
         self.net[3] = nn.Linear(48, 3)
 
 
-def test_a_checkpoint_of_another_model_is_refused_on_the_driver_before_ray_starts(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_on_the_driver_before_ray_starts(tmp_path, monkeypatch):
     import ray
 
+    from raytrainer.driver import launch
+
+    launched = []  # a spy: the launch on Ray workers must never be reached
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a))
+    ray_before = ray.is_initialized()  # a whole-suite run shares one Ray instance with the integration tests
     Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data()).train()
     wider = Trainer(model=WiderNet(), args=args(tmp_path / "b", num_workers=2, max_steps=8),
                     train_dataset=data())
     with pytest.raises(CheckpointError, match=r"checkpoint-4: tensor 'net.0.weight' has shape \(32, 6\) in "
                                               r"the checkpoint but \(48, 6\) in the model"):
         wider.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
-    assert not ray.is_initialized() and wider.state.global_step == 0
+    assert launched == [] and ray.is_initialized() == ray_before and wider.state.global_step == 0
 
 
 def test_a_storage_uri_pyarrow_cannot_serve_names_the_way_out(tmp_path):
