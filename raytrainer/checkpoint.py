@@ -45,6 +45,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or used; the message names it and what is wrong."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A committed checkpoint whose files no longer match its manifest (bit rot, a copy cut short, a file
+    rewritten after the commit), found when read. ``checkpoint`` is the folder's URI: a resume that chose
+    it itself (``resume_from_checkpoint=True``, a restart) falls back to the one before (driver/runner.py)."""
+
+    def __init__(self, message: str, checkpoint: str = ""):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
 def step_of(name: str) -> int | None:
     """The step of a ``checkpoint-<step>`` folder name, path or URI; None for anything else."""
     match = _CHECKPOINT_RE.match(uri_basename(name))
@@ -179,19 +189,23 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.files
 
+    def damaged(self, what: str) -> DamagedCheckpointError:
+        return DamagedCheckpointError(f"{self.uri}/{what} does not match its manifest checksum: refusing it.",
+                                      self.uri)
+
     def read(self, name: str) -> bytes:
         if name not in self.files:
             raise CheckpointError(f"{self.uri} does not hold {name}.")
         data = self.storage.read_bytes(self.storage.path(name))
         if hashlib.sha256(data).hexdigest() != self.files[name]["sha256"]:
-            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+            raise self.damaged(name)
         return data
 
     def verify(self, name: str) -> None:
         with self.storage.fs.open_input_stream(self.storage.path(name)) as f:
             digest = _sha256(f)
         if digest != self.files[name]["sha256"]:
-            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+            raise self.damaged(name)
 
     def verify_share(self, names: list[str], ctx) -> None:
         """Every rank checks every world_size-th of ``names`` against the manifest (streamed), and all
@@ -203,7 +217,8 @@ class CheckpointReader:
         except CheckpointError as exc:
             error = exc
         if ctx.any_flags([error is not None])[0]:
-            raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
+            raise error or DamagedCheckpointError(
+                f"{self.uri}: another worker found a damaged file (its log).", self.uri)
 
     def download(self, name: str, dest: str) -> None:
         """One file to a local path, streamed and hashed on the way: a mismatch leaves no file behind."""
@@ -212,7 +227,7 @@ class CheckpointReader:
             digest = _sha256(src, sink=out)
         if digest != self.files[name]["sha256"]:
             os.remove(dest)
-            raise CheckpointError(f"{self.uri}/{name} does not match its manifest checksum: refusing it.")
+            raise self.damaged(name)
 
     @contextlib.contextmanager
     def local_copy(self, names: list[str], ctx, mine: list[str] | None = None):
@@ -231,7 +246,8 @@ class CheckpointReader:
             except CheckpointError as exc:
                 error = exc
             if ctx.any_flags([error is not None])[0]:
-                raise error or CheckpointError(f"{self.uri}: another worker found a damaged file (its log).")
+                raise error or DamagedCheckpointError(
+                    f"{self.uri}: another worker found a damaged file (its log).", self.uri)
             yield tmp
 
     @contextlib.contextmanager

@@ -123,6 +123,27 @@ def _check_weights_fit(trainer, reader) -> None:
         check_fits(trainer.model.state_dict(), shapes, reader.uri)
 
 
+def check_resume_target(trainer, resume: str) -> None:
+    """Can this run's strategy resume the committed checkpoint ``resume`` on this many workers, into this
+    model? Read from its manifest, state and weight headers only."""
+    from raytrainer.checkpoint import CheckpointReader, step_of
+    from raytrainer.strategies import strategy_class
+
+    args = trainer.args
+    reader = CheckpointReader(resume, args.storage_filesystem)
+    world = max(args.num_workers, 1)
+    step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
+    strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
+    _check_weights_fit(trainer, reader)
+    saved = sum(1 for name in reader.files if name.startswith("rng_state_"))
+    if saved and saved != world:
+        logger.warning(
+            "resuming %s, written by %d workers, on %d: the data position carries over as the share of "
+            "the epoch already seen, but the random number streams cannot (a rank without a saved one of "
+            "its own starts from rank 0's), so dropout masks and data order differ from an uninterrupted "
+            "run's.", resume, saved, world)
+
+
 def _check_checkpointing(trainer, kwargs: dict) -> None:
     """Resolve resume_from_checkpoint to a committed checkpoint; make sure the storage can be written."""
     from raytrainer.checkpoint import resolve_resume
@@ -131,22 +152,8 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
     args = trainer.args
     storage = Storage.for_run(args)
     resume = kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
-    if resume:  # can this run's strategy resume it on this many workers?
-        from raytrainer.checkpoint import CheckpointReader, step_of
-        from raytrainer.strategies import strategy_class
-
-        reader = CheckpointReader(resume, args.storage_filesystem)
-        world = max(args.num_workers, 1)
-        step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
-        strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
-        _check_weights_fit(trainer, reader)
-        saved = sum(1 for name in reader.files if name.startswith("rng_state_"))
-        if saved and saved != world:
-            logger.warning(
-                "resuming %s, written by %d workers, on %d: the data position carries over as the share of "
-                "the epoch already seen, but the random number streams cannot (a rank without a saved one of "
-                "its own starts from rank 0's), so dropout masks and data order differ from an uninterrupted "
-                "run's.", resume, saved, world)
+    if resume:
+        check_resume_target(trainer, resume)
     if getattr(args.save_strategy, "value", args.save_strategy) != "no":
         storage.check_writable()
 

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import functools
 import logging
+import posixpath
 
 from raytrainer import final_weights, hub
 from raytrainer.callbacks import TrainerState
-from raytrainer.checkpoint import CheckpointReader, load_weights_into, model_weights
+from raytrainer.checkpoint import (
+    CheckpointReader,
+    DamagedCheckpointError,
+    committed_checkpoints,
+    load_weights_into,
+    model_weights,
+    step_of,
+)
 from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
+from raytrainer.storage import Storage
 from raytrainer.worker.context import RankContext, local_context
 from raytrainer.worker.logs import rank_logging
 
@@ -21,18 +30,18 @@ logger = logging.getLogger(__name__)
 
 def run(trainer, method: str, kwargs: dict):
     """Validate on the driver, run ``method`` on every rank, return rank 0's answer."""
+    asked = kwargs.get("resume_from_checkpoint")
     with hub.token_withheld(trainer.args):  # the Trainer the workers get never holds the hub token
         spec = preflight.check(trainer, method, kwargs)
     registry = CheckpointRegistry(trainer.args)
     pusher = hub.for_training(trainer, registry) if method == "train" else None  # checked before launch
     try:
-        if trainer.args.num_workers == 0:
-            output = _run_local(trainer, method, kwargs, registry)
-        else:
-            from raytrainer.driver.launch import launch
-
-            payload = launch(trainer, spec, method, kwargs, registry)
-            output = _absorb(trainer, method, payload)
+        while True:
+            try:
+                output = _run_once(trainer, spec, method, kwargs, registry)
+                break
+            except DamagedCheckpointError as exc:
+                kwargs = {**kwargs, "resume_from_checkpoint": _earlier_checkpoint(trainer, exc, asked)}
     finally:
         hub.finish_training(pusher, registry)  # pending pushes end before train() returns
     if method == "train":
@@ -40,6 +49,35 @@ def run(trainer, method: str, kwargs: dict):
     if method == "train" and trainer.args.load_best_model_at_end:
         _load_best_model(trainer)
     return output
+
+
+def _run_once(trainer, spec, method: str, kwargs: dict, registry: CheckpointRegistry):
+    if trainer.args.num_workers == 0:
+        return _run_local(trainer, method, kwargs, registry)
+    from raytrainer.driver.launch import launch
+
+    return _absorb(trainer, method, launch(trainer, spec, method, kwargs, registry))
+
+
+def _earlier_checkpoint(trainer, exc: DamagedCheckpointError, asked) -> str:
+    """The checkpoint to resume from instead of the damaged one ``exc`` names: the latest committed one
+    before it. Only where the choice was raytrainer's (``resume_from_checkpoint=True``, or a restart
+    resuming the run's own latest checkpoint); a checkpoint the user named is theirs to replace (raised)."""
+    damaged, storage = exc.checkpoint, Storage.for_run(trainer.args)
+    if storage.uri_of(posixpath.basename(damaged)) != damaged:  # not one of this run's checkpoints
+        raise exc
+    if asked not in (None, False, True) and storage.at(str(asked)).uri == damaged:
+        raise exc
+    bad = step_of(damaged)
+    earlier = [path for step, path in committed_checkpoints(storage, warn=False) if bad is None or step < bad]
+    if not earlier:
+        exc.add_note(f"no committed checkpoint earlier than {damaged} to resume from instead")
+        raise exc
+    instead = storage.uri_of(posixpath.basename(earlier[-1]))
+    preflight.check_resume_target(trainer, instead)
+    logger.warning("%s is damaged (%s); resuming from %s, the latest committed checkpoint before it.",
+                   damaged, exc, instead)
+    return instead
 
 
 def _run_local(trainer, method: str, kwargs: dict, registry: CheckpointRegistry):
@@ -70,27 +108,15 @@ def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
 
 def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> dict:
     """What every rank does: take its place, route its logs, run ``method``, hand back its part."""
-    from raytrainer.worker.relay import RelayCallback
-
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
     trainer._ctx = ctx
-    if channel is not None:
-        trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
-        kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
-        if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
-            return {"global_step": 0}
-        # Display callbacks run on the driver; rank 0 relays the events they need.
-        driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
-        for cb in driver_side:
-            trainer.callback_handler.remove_callback(cb)
-        if ctx.is_world_zero:
-            trainer.callback_handler.add_callback(RelayCallback(channel))
-        if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
-            from raytrainer.worker.stop import DriverStopCallback
-
-            # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-            trainer.callback_handler.add_callback(DriverStopCallback(channel.handle, ctx, trainer._attempt))
     with rank_logging(trainer.args, ctx.rank, channel):
+        if channel is not None:
+            trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
+            kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
+            if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
+                return {"global_step": 0}
+            _split_callbacks(trainer, ctx, channel)
         output = getattr(trainer, method)(**kwargs)
         weights_at = None
         if method == "train" and channel is not None:
@@ -98,6 +124,22 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
     if not ctx.is_world_zero:
         return {"global_step": trainer.state.global_step}
     return {"output": output, "state": trainer.state.to_dict(), "weights_at": weights_at}
+
+
+def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
+    """Display callbacks run on the driver; rank 0 relays the events they need."""
+    from raytrainer.worker.relay import RelayCallback
+
+    driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+    for cb in driver_side:
+        trainer.callback_handler.remove_callback(cb)
+    if ctx.is_world_zero:
+        trainer.callback_handler.add_callback(RelayCallback(channel))
+    if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
+        from raytrainer.worker.stop import DriverStopCallback
+
+        # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
+        trainer.callback_handler.add_callback(DriverStopCallback(channel.handle, ctx, trainer._attempt))
 
 
 def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
@@ -110,7 +152,8 @@ def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     if failed:
         return None
     if method == "train" and attempt > 0 and latest:
-        logging.getLogger(__name__).warning("restart %d: resuming from %s", attempt, latest)
+        if ctx.is_world_zero:
+            logger.warning("restart %d: resuming from %s", attempt, latest)
         trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted
         return {**kwargs, "resume_from_checkpoint": latest}
     return kwargs

@@ -211,13 +211,14 @@ class CheckpointWriter:
         self._pending = None
         job.join()
         ctx = self.trainer._ctx
-        failed = ctx.gather_object(repr(job.error) if job.error else None)
+        failed = ctx.gather_object(f"{type(job.error).__name__}: {job.error}" if job.error else None)
         if ctx.is_world_zero:
             errors = [f"rank {r}: {e}" for r, e in enumerate(failed) if e]
             if errors:
+                files = f" (its files: {', '.join(job.files)})" if job.files else ""
                 raise RuntimeError(
-                    f"writing checkpoint {self.storage.uri_of(job.name)} failed, so it is not committed "
-                    f"(files {job.files}): {'; '.join(errors)}")
+                    f"writing checkpoint {self.storage.uri_of(job.name)}{files} failed, so it is not "
+                    f"committed (the checkpoints committed before it are intact): {'; '.join(errors)}")
         elif job.error:
             where = self.storage.uri_of(job.name)
             raise RuntimeError(f"writing {job.files} to {where} failed") from job.error

@@ -42,25 +42,53 @@ def test_the_console_shows_the_run_and_its_prints_not_ray_s_internals(tmp_path, 
         assert internal not in console, internal
 
 
-def test_a_lost_worker_is_replaced_and_the_run_resumes_bitwise(tmp_path):
+def _run_with_one_loss(out, model, callbacks=()):
+    from raytrainer import Trainer
+
+    args = TrainingArguments(output_dir=str(out), num_workers=2, max_failures=1, max_steps=8,
+                             per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
+                             report_to="none", disable_tqdm=True, seed=3)
+    trainer = Trainer(model=model, args=args, train_dataset=make_data(32), callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of the run the fault tests below interrupt, run without a fault."""
+    trainer = _run_with_one_loss(tmp_path_factory.mktemp("reference"), Regressor())
+    return {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def test_a_lost_worker_is_replaced_and_the_run_resumes_bitwise(tmp_path, uninterrupted):
     """max_failures=1: rank 1's process dies at step 5; Ray starts a new worker group, which resumes from the
     last committed checkpoint; the final weights equal an uninterrupted run's, bit for bit."""
     import torch
     from models import DieOnceOnRank
 
-    from raytrainer import Trainer
-
-    def run(out, callbacks):
-        args = TrainingArguments(output_dir=str(out), num_workers=2, max_failures=1, max_steps=8,
-                                 per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
-                                 report_to="none", disable_tqdm=True, seed=3)
-        trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(32), callbacks=callbacks)
-        trainer.train()
-        return trainer
-
-    reference = run(tmp_path / "reference", [])
-    resumed = run(tmp_path / "killed", [DieOnceOnRank(step=5, rank=1)])
-    assert (tmp_path / "killed" / "died").exists()  # the worker did die
+    resumed = _run_with_one_loss(tmp_path, Regressor(), [DieOnceOnRank(step=5, rank=1)])
+    assert (tmp_path / "died").exists()  # the worker did die
     assert resumed.state.global_step == 8
-    for name, tensor in reference.model.state_dict().items():
+    for name, tensor in uninterrupted.items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_path, uninterrupted, caplog):
+    """Rank 0 dies half-way through writing checkpoint-4 (its weights file cut short, no manifest): the new
+    worker group resumes from checkpoint-2, the last committed one, writes checkpoint-4 again whole, and ends
+    bitwise where the uninterrupted run ends."""
+    import torch
+    from models import DiesWhileSaving
+
+    from raytrainer.checkpoint import CheckpointReader, model_weights
+
+    with caplog.at_level("WARNING"):
+        resumed = _run_with_one_loss(tmp_path, DiesWhileSaving(step=4))
+    assert (tmp_path / "died").exists()
+    resumes = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+    assert resumes and all(f"resuming from {tmp_path}/checkpoint-2" in m for m in resumes), resumes
+    assert resumed.state.global_step == 8
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    rewritten = model_weights(CheckpointReader(str(tmp_path / "checkpoint-4")))  # hashes checked
+    assert set(rewritten) == set(uninterrupted)

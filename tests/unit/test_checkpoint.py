@@ -172,6 +172,72 @@ def test_flipped_bytes_in_a_checkpoint_are_refused_by_name(tmp_path):
     assert again.state.global_step == 0
 
 
+def test_resume_true_falls_back_past_a_damaged_latest_checkpoint(tmp_path, caplog):
+    """resume_from_checkpoint=True chose the latest committed checkpoint, whose weights were damaged after
+    the commit: the damage is found when the weights are read, and the run resumes from the checkpoint
+    before it, with a warning naming both -- ending bitwise where an uninterrupted run ends."""
+    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full", max_steps=12), train_dataset=data())
+    full.train()
+    out = tmp_path / "damaged"
+    Trainer(model=DropoutNet(), args=args(out, max_steps=12), train_dataset=data()).train()
+    for name in os.listdir(out / "checkpoint-12"):  # as if the run had stopped after checkpoint-8
+        os.remove(out / "checkpoint-12" / name)
+    os.rmdir(out / "checkpoint-12")
+    weights_file = out / "checkpoint-8" / "model.safetensors"
+    raw = bytearray(weights_file.read_bytes())
+    raw[-5] ^= 0xFF  # same size: only the checksum can tell
+    weights_file.write_bytes(bytes(raw))
+
+    again = Trainer(model=DropoutNet(), args=args(out, max_steps=12), train_dataset=data())
+    with caplog.at_level("WARNING", logger="raytrainer"):
+        result = again.train(resume_from_checkpoint=True)
+    assert f"{out}/checkpoint-8 is damaged" in caplog.text
+    assert "model.safetensors does not match its manifest checksum" in caplog.text
+    assert f"resuming from {out}/checkpoint-4" in caplog.text
+    assert result.global_step == 12
+    assert [h["step"] for h in again.state.log_history if "loss" in h] == [5, 10]
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+    assert [step for step, _ in committed_checkpoints(Storage.from_uri(str(out)))] == [4, 8, 12]
+
+    # the checkpoint-8 written again verifies; naming a damaged one explicitly is an error, not a fallback
+    weights_file = out / "checkpoint-12" / "model.safetensors"
+    raw = bytearray(weights_file.read_bytes())
+    raw[-5] ^= 0xFF
+    weights_file.write_bytes(bytes(raw))
+    explicit = Trainer(model=DropoutNet(), args=args(out, max_steps=16), train_dataset=data())
+    with pytest.raises(CheckpointError, match=r"checkpoint-12/model\.safetensors does not match"):
+        explicit.train(resume_from_checkpoint=str(out / "checkpoint-12"))
+
+
+class FullDiskNet(DropoutNet):
+    """Writing its weights into ``checkpoint-<full_at>`` fails half-way, as a full disk does (ENOSPC)."""
+
+    full_at = 8
+
+    def save_pretrained(self, folder, state_dict=None, **kwargs):
+        from safetensors.torch import save_file
+
+        if os.path.basename(folder) == f"checkpoint-{self.full_at}":
+            with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+                f.write(b"\0" * 64)
+            raise OSError(28, "No space left on device", os.path.join(folder, "model.safetensors"))
+        save_file(state_dict, os.path.join(folder, "model.safetensors"))
+
+
+def test_a_save_into_full_storage_names_the_path_and_leaves_older_checkpoints_intact(tmp_path):
+    trainer = Trainer(model=FullDiskNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
+    with pytest.raises(RuntimeError, match=rf"writing checkpoint {tmp_path}/checkpoint-8 failed, so it is "
+                                           r"not committed .*No space left on device") as info:
+        trainer.train()
+    assert str(tmp_path / "checkpoint-8" / "model.safetensors") in str(info.value)
+    storage = Storage.from_uri(str(tmp_path))
+    assert [step for step, _ in committed_checkpoints(storage, warn=False)] == [4]  # 8 never committed
+    assert not (tmp_path / "checkpoint-8" / "manifest.json").exists()
+    again = Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
+    assert again.train(resume_from_checkpoint=True).global_step == 12  # from checkpoint-4, intact
+
+
 def test_bad_resume_targets_are_named(tmp_path):
     trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "a", max_steps=4), train_dataset=data())
     trainer.train()
@@ -339,7 +405,7 @@ def test_a_failed_upload_is_an_error_naming_files_and_destination(tmp_path):
     (remote / "checkpoint-4").write_text("a file where the checkpoint folder must go")
     trainer = Trainer(model=DropoutNet(), args=args(tmp_path / "o", max_steps=8,
                                                     storage_path=f"file://{remote}"), train_dataset=data())
-    with pytest.raises(RuntimeError, match=r"checkpoint-4 failed.*model\.safetensors"):
+    with pytest.raises(RuntimeError, match=r"checkpoint-4 \(its files: .*model\.safetensors.*\) failed"):
         trainer.train()
     assert not (remote / "checkpoint-8").exists()  # nothing after the failed save was committed
 
