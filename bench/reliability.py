@@ -3,7 +3,7 @@ could start). For each: the error raised on the driver, how long it took, and wh
 Ray instance, or the training). Writes the table of docs/reliability.md.
 
     .venv/bin/python bench/reliability.py                          # print the table
-    .venv/bin/python bench/reliability.py --write docs/reliability.md
+    .venv/bin/python bench/reliability.py --soak 20 --write docs/reliability.md
 
 A case passes when a ValueError / TypeError / CheckpointError names the offending value, within 5 s, with
 Ray not started and no training step taken. The fault scenarios (killed workers, corrupted checkpoints,
@@ -195,7 +195,7 @@ def run_case(name, make) -> dict:
             "seconds": seconds, "ray_started": ray_started, "ok": ok}
 
 
-def table(rows: list[dict], machine: dict) -> str:
+def table(rows: list[dict], machine: dict, soaked: dict | None = None) -> str:
     passed = sum(r["ok"] for r in rows)
     lines = [
         "# Reliability: bad input and fault scenarios",
@@ -222,24 +222,36 @@ def table(rows: list[dict], machine: dict) -> str:
     lines += ["", "## Fault scenarios (automated tests)", "", "| scenario | outcome | test |",
               "|---|---|---|"]
     lines += [f"| {s} | {o} | `{t}` |" for s, o, t in SCENARIOS]
+    if soaked is not None:
+        from soak import markdown
+
+        lines += ["", *markdown(soaked)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", help="write the markdown table to this file")
+    parser.add_argument("--soak", type=int, default=0, metavar="N",
+                        help="then N back-to-back runs on Ray, counting what each leaves (bench/soak.py)")
     opts = parser.parse_args()
     rows = [run_case(name, make) for name, make in CASES]
     for r in rows:
         verdict = "ok " if r["ok"] else "BAD"
         print(f"{verdict} {r['seconds']:5.2f}s {r['case']}: {r['error']}: {r['message'][:150]}")
-    text = table(rows, machine_info(os.path.dirname(HERE)))
+    soaked = None
+    if opts.soak:  # after the bad-input cases, which need Ray not started
+        from soak import soak
+
+        soaked = soak(opts.soak)
+    text = table(rows, machine_info(os.path.dirname(HERE)), soaked)
     if opts.write:
         with open(opts.write, "w") as f:
             f.write(text)
     else:
         print(text)
-    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+    soak_ok = soaked is None or all(r["ok"] for r in soaked["report"].values())
+    sys.exit(0 if all(r["ok"] for r in rows) and soak_ok else 1)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     run_kwargs.setdefault("name", "tune")
     run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
 
-    trainable = tune.with_parameters(_trainable_class(), spec=cloudpickle.dumps(trainer),
+    trainable = tune.with_parameters(_trainable_class(), spec=_trial_spec(trainer),
                                      compute_objective=compute_objective, hp_name=hp_name)
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
@@ -194,6 +194,25 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
     summary = _summary(trainer, trial_id, hyperparameters, best)
     return BestRun(trial_id, best.metrics[METRIC], hyperparameters, summary)
+
+
+def _trial_spec(trainer) -> bytes:
+    """The Trainer each trial starts from, pickled into Ray's object store and Tune's trial state: without
+    the hub token, and not pushing. Concurrent trials pushing to one repository would interleave their
+    checkpoints there, and a trial actor could only push with a token it had been given -- which Tune would
+    then hold in its state. The search's caller pushes the run it picks."""
+    args = trainer.args
+    if args.push_to_hub:
+        logger.warning("hyperparameter_search(backend='ray'): the trials do not push to the Hub (concurrent "
+                       "trials would interleave their checkpoints in %s, and the token stays on this "
+                       "driver); train the best run's hyperparameters with push_to_hub=True, or call "
+                       "push_to_hub() on it.", args.hub_model_id or "the repository")
+    saved = args.hub_token, args.push_to_hub
+    args.hub_token, args.push_to_hub = None, False
+    try:
+        return cloudpickle.dumps(trainer)
+    finally:
+        args.hub_token, args.push_to_hub = saved
 
 
 def _summary(trainer, trial_id: str, hyperparameters: dict, best) -> TrialSummary:

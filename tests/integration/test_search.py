@@ -108,24 +108,62 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
                                                                                  ("Trial", 0.5)]
 
 
+TOKEN = "hf_planted_tune_token_5e1f"
+
+
+def _assert_token_nowhere(folder, bucket) -> None:
+    """The planted hub token is in no file of the output folder, no object of the bucket (Tune's experiment
+    and trial state, checkpoints, Ray Train's records), and no file of the Ray session (its logs)."""
+    import ray
+
+    session = ray._private.worker._global_node.get_session_dir_path()
+    token = TOKEN.encode()
+    places = 0
+    for root in (str(folder), session):
+        for dirpath, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    places += 1
+                    with open(path, "rb") as f:
+                        assert token not in f.read(), path
+    for key in bucket.list_objects(""):
+        places += 1
+        assert token not in bucket.get_object(key), key
+    assert places > 50  # the scan did read the run's files
+
+
 @pytest.mark.timeout(300)
-def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket):
+def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch):
     """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's
-    run-<id> folder are there."""
+    run-<id> folder are there. A planted hub token is nowhere in them, nor in Ray's session files."""
+    import cloudpickle
     from ray import tune
+    from ray.tune import with_parameters
     from ray.tune.schedulers import ASHAScheduler
 
     calls = tmp_path / "calls"
     calls.mkdir()
     storage = f"{s3_bucket.uri}/search"
-    args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4, storage_path=storage)
+    args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4, storage_path=storage, push_to_hub=True,
+                 hub_model_id=f"file://{tmp_path}/hub", hub_token=TOKEN)
     trainer = Trainer(model_init=_record_model_init(str(calls)), args=args, train_dataset=make_data(64),
                       eval_dataset=make_data(32, seed=5))
     rates = [0.5, 0.0, 0.2, 1e-4]
-    best = trainer.hyperparameter_search(
-        hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
-        scheduler=ASHAScheduler(time_attr="training_iteration", max_t=4, grace_period=1, reduction_factor=2),
-        max_concurrent_trials=2)
+    given = []  # what goes into Tune's trial state: the arguments of tune.with_parameters (the real one runs)
+    monkeypatch.setattr(tune, "with_parameters",
+                        lambda trainable, **kw: given.append(kw) or with_parameters(trainable, **kw))
+    with caplog.at_level("WARNING", logger="raytrainer"):
+        best = trainer.hyperparameter_search(
+            hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
+            scheduler=ASHAScheduler(time_attr="training_iteration", max_t=4, grace_period=1,
+                                    reduction_factor=2),
+            max_concurrent_trials=2)
+    assert "the trials do not push to the Hub" in caplog.text and not (tmp_path / "hub").exists()
+    assert trainer.args.hub_token == TOKEN and trainer.args.push_to_hub  # the caller's arguments, untouched
+    assert len(given) == 1 and TOKEN.encode() not in given[0]["spec"]
+    assert cloudpickle.loads(given[0]["spec"]).args.hub_token is None
+    _assert_token_nowhere(tmp_path, s3_bucket)
 
     assert isinstance(best, BestRun) and best.hyperparameters["learning_rate"] in rates
     results = tune.ExperimentAnalysis(f"{storage}/tune")
