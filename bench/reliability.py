@@ -168,8 +168,17 @@ SCENARIOS = [
      "warning naming it and takes the previous one; an explicit path is an error",
      "tests/unit/test_checkpoint.py"),
     ("flipped bytes in a committed checkpoint", "refused when read (sha256 against its manifest), naming the "
-     "file; resume_from_checkpoint=True does not yet fall back to the previous checkpoint here",
+     "file; resume_from_checkpoint=True (or a restart) resumes from the checkpoint before it with a warning "
+     "naming both, bitwise as an uninterrupted run; an explicit path is an error",
      "tests/unit/test_checkpoint.py"),
+    ("rank 0 killed half-way through writing a checkpoint, max_failures=1", "that checkpoint is never used: "
+     "the new worker group resumes from the one before, writes it again whole, and ends bitwise equal to an "
+     "uninterrupted run", "tests/integration/test_failures.py"),
+    ("the storage is full during a save (ENOSPC)", "the run stops with an error naming the checkpoint and "
+     "the file; the checkpoint is not committed, the earlier ones are intact and resume",
+     "tests/unit/test_checkpoint.py"),
+    ("a hub token planted in a Ray Tune search", "not in Tune's trial spec, the output folder, the bucket's "
+     "objects or Ray's session files; trials do not push (warned)", "tests/integration/test_search.py"),
     ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
      "stay in its log folder", "tests/integration/test_failures.py"),
 ]

@@ -15,6 +15,7 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
   ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0). A ZeRO
   checkpoint resumes on the same number of workers as written; on another number rank 0 first converts it
   with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder.
+  DeepSpeed's loaders run under ``deepspeed_load.weights_only_loads``: nothing in the files is executed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from raytrainer.strategies.base import Strategy
 from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args, load_config, zero_stage
+from raytrainer.strategies.deepspeed_load import weights_only_loads
 from raytrainer.strategies.precision import CastPrecision
 
 logger = logging.getLogger(__name__)
@@ -209,8 +211,9 @@ class DeepSpeedStrategy(Strategy):
             raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
         with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
             storage.download_dir(dest, local)
-            path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
+            with weights_only_loads():
+                path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {reader.uri}")
         ctx.barrier()
@@ -223,8 +226,9 @@ class DeepSpeedStrategy(Strategy):
             tag += "_universal"  # made by the conversion check_resume names; outside the manifest
             logger.warning("loading DeepSpeed's universal checkpoint %s (not covered by the manifest)",
                            os.path.join(folder, tag))
-        path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
-                                        load_lr_scheduler_states=True)
+        with weights_only_loads():
+            path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load {os.path.join(folder, tag)}")
 
@@ -259,9 +263,10 @@ def _convert_to_universal(folder: str, output: str) -> None:
 
     from deepspeed.checkpoint.ds_to_universal import main
 
-    main(argparse.Namespace(input_folder=folder, output_folder=output, num_extract_workers=1,
-                            num_merge_workers=1, keep_temp_folder=False, strict=True,
-                            inject_missing_state=True))
+    with weights_only_loads():
+        main(argparse.Namespace(input_folder=folder, output_folder=output, num_extract_workers=1,
+                                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                inject_missing_state=True))
 
 
 def _without_autos(node):
