@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 export OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
-.venv/bin/python -m pytest tests -ra "$@"
+.venv/bin/python -m pytest tests -ra --durations=15 "$@"
 # The GPU benchmark's code, on CPU with a tiny config: every side (plain loop, transformers.Trainer,
 # raytrainer num_workers=0 and 1) must produce its row (tests/gpu is collected above and skipped without CUDA).
 if [ $# -eq 0 ]; then
