@@ -3,6 +3,7 @@
     raytrainer submit [--address URL] [--working-dir DIR] [--pip PKG ...] [--env K=V ...] [--no-wait]
                       [--insecure] -- python train.py ARGS
     raytrainer jobs list | status ID | logs ID [--follow] | stop ID      [--address URL] [--insecure]
+    raytrainer plot OUTPUT_DIR [--out DIR] [--direction minimize|maximize]
 
 The address is the cluster's dashboard (Jobs API): ``--address``, else ``RAY_API_SERVER_ADDRESS`` /
 ``RAY_ADDRESS`` (``http://`` is added to a bare ``host:port``), else ``http://127.0.0.1:8265``.
@@ -13,6 +14,9 @@ the command refuses to talk to a dashboard that is not on a loopback address, un
 
 ``submit`` streams the job's logs and exits with the job's status: 0 when it succeeded, the driver's exit
 code (or 1) when it failed, 3 when it was stopped; ``--no-wait`` prints the job id and returns.
+
+``plot`` needs no cluster: it writes PNGs of a run's curves (or of a hyperparameter search's trials) from
+the files in OUTPUT_DIR to ``--out`` (default OUTPUT_DIR/plots) and prints their paths (raytrainer/plot.py).
 """
 
 from __future__ import annotations
@@ -209,6 +213,19 @@ def cmd_jobs(args) -> int:
     return 0
 
 
+# -- plot ----------------------------------------------------------------------------------------------
+def cmd_plot(args) -> int:
+    from raytrainer.plot import PlotError, plot
+
+    try:
+        paths = plot(args.output_dir, args.out, args.direction)
+    except PlotError as err:
+        raise CliError(str(err)) from None
+    for path in paths:
+        print(path)
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------
 def _connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help=f"the Ray dashboard (Jobs API) URL; default $RAY_ADDRESS or "
@@ -235,13 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("action", choices=["list", "status", "logs", "stop"])
     jobs.add_argument("job_id", nargs="?")
     jobs.add_argument("--follow", action="store_true", help="logs: follow until the job ends")
+    plot = sub.add_parser("plot", help="write PNGs of a run's training and evaluation curves, or of a "
+                                       "hyperparameter search's trials")
+    plot.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's or a search's output_dir")
+    plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: OUTPUT_DIR/plots)")
+    plot.add_argument("--direction", choices=["minimize", "maximize"], default="minimize",
+                      help="a search's objective direction, for the best-so-far curve (default: minimize)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return cmd_submit(args) if args.cmd == "submit" else cmd_jobs(args)
+        return {"submit": cmd_submit, "jobs": cmd_jobs, "plot": cmd_plot}[args.cmd](args)
     except CliError as err:
         print(f"raytrainer: error: {err}", file=sys.stderr)
         return 2
