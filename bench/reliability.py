@@ -179,6 +179,13 @@ SCENARIOS = [
      "tests/unit/test_checkpoint.py"),
     ("a hub token planted in a Ray Tune search", "not in Tune's trial spec, the output folder, the bucket's "
      "objects or Ray's session files; trials do not push (warned)", "tests/integration/test_search.py"),
+    ("the driver killed (SIGKILL) mid-run, the script run again with resume_from_checkpoint=True", "the "
+     "rerun goes on from the last committed checkpoint through the same steps and losses as an uninterrupted "
+     "run; no checkpoint is pushed to the hub twice", "tests/unit/test_driver_killed.py"),
+    ("a DeepSpeed checkpoint file holding a pickle payload", "DeepSpeed's own loader runs with "
+     "weights_only=True and its checkpoint types allow-listed: refused, naming the file; the payload never "
+     "runs",
+     "tests/unit/test_deepspeed_load.py"),
     ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
      "stay in its log folder", "tests/integration/test_failures.py"),
 ]
@@ -209,8 +216,8 @@ def table(rows: list[dict], machine: dict, soaked: dict | None = None) -> str:
     lines = [
         "# Reliability: bad input and fault scenarios",
         "",
-        "Produced by `bench/reliability.py` (rerun it: `.venv/bin/python bench/reliability.py --write "
-        "docs/reliability.md`).",
+        "Produced by `bench/reliability.py` (rerun it: `.venv/bin/python bench/reliability.py --soak 20 "
+        "--write docs/reliability.md`).",
         f"Measured {machine['date']} on {machine['cpu']} ({machine['nproc']} CPUs), raytrainer "
         f"{machine.get('raytrainer_commit', '?')}.",
         "",
