@@ -60,20 +60,38 @@ TUNE_SEARCH = textwrap.dedent('''
 ''')
 
 
+_BAR = re.compile(r"^\s*\d+%\|")
+
+
+def _as_a_terminal_keeps_them(text: str) -> list[str]:
+    """The lines a terminal would show: a progress bar redrawn in place ("\r", or again after each line
+    printed above it) is one line."""
+    kept: list[str] = []
+    for line in (part.rsplit("\r", 1)[-1] for part in text.split("\n")):
+        if not line.strip():
+            continue
+        if _BAR.match(line) and kept and _BAR.match(kept[-1]):
+            kept[-1] = line
+        else:
+            kept.append(line)
+    return kept
+
+
 def run(cmd: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    lines = _as_a_terminal_keeps_them(proc.stdout) + _as_a_terminal_keeps_them(proc.stderr)
     internal = [line for line in lines if RAY_INTERNAL.search(line)]
     return {"returncode": proc.returncode, "lines": len(lines), "ray_internal": len(internal),
-            "seconds": time.monotonic() - started, "sample": internal[:8], "tail": lines[-5:]}
+            "seconds": time.monotonic() - started, "sample": internal[:8], "tail": lines[-5:], "all": lines}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["demo", "tune"])
+    parser.add_argument("--show", action="store_true", help="print every console line")
     opts = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="raytrainer-console-") as tmp:
@@ -90,8 +108,8 @@ def main() -> None:
               f"Ray's internals, {r['seconds']:.0f} s")
         for line in r["sample"]:
             print("   internal:", line[:160])
-        for line in r["tail"]:
-            print("   last:", line[:160])
+        for line in r["all"] if opts.show else r["tail"]:
+            print("   |", line[:160])
     sys.exit(0 if all(r["returncode"] == 0 for r in results.values()) else 1)
 
 

@@ -11,11 +11,13 @@ trainable's actor, and the Train controller and workers it owns end with it.
 kwargs: ``search_alg``, ``scheduler``, ``max_concurrent_trials``, ``resources_per_trial``, any other
 ``tune.TuneConfig`` field (``time_budget_s``, ``reuse_actors``, ...) and ``tune.RunConfig`` field
 (``name``, ``storage_path``, ``stop``, ``callbacks``, ``verbose``, ...). Tune's own records go to
-``output_dir/tune`` unless ``storage_path`` says otherwise.
+``output_dir/tune`` unless ``storage_path`` says otherwise. The console gets one line per trial start and
+end from raytrainer (none with ``disable_tqdm``); ``verbose=1`` or ``2`` brings Tune's status tables back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -176,14 +178,18 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
         storage = Storage.for_run(args)
         run_kwargs.update(storage_path=storage.root, storage_filesystem=storage.fs)
     run_kwargs.setdefault("name", "tune")
-    run_kwargs.setdefault("verbose", 0 if args.disable_tqdm else 1)
+    if "verbose" not in run_kwargs:  # Tune's status tables only when asked: raytrainer says a line per trial
+        run_kwargs["verbose"] = 0
+        if not args.disable_tqdm:
+            run_kwargs["callbacks"] = [*(run_kwargs.get("callbacks") or []), _trial_lines(list(param_space))]
 
     trainable = tune.with_parameters(_trainable_class(), spec=_trial_spec(trainer),
                                      compute_objective=compute_objective, hp_name=hp_name)
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
                        run_config=tune.RunConfig(**run_kwargs))
-    results = tuner.fit()
+    with _tune_output(quiet=run_kwargs["verbose"] == 0):
+        results = tuner.fit()
     if not any(METRIC in (r.metrics or {}) for r in results):
         errors = [e for e in results.errors if e is not None]
         if errors:
@@ -194,6 +200,48 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
     summary = _summary(trainer, trial_id, hyperparameters, best)
     return BestRun(trial_id, best.metrics[METRIC], hyperparameters, summary)
+
+
+@contextlib.contextmanager
+def _tune_output(quiet: bool):
+    """With ``verbose=0`` Tune's default output still prints the experiment's header and where its
+    results go; its classic reporter (``RAY_AIR_NEW_OUTPUT=0``, read when ``fit()`` starts) prints nothing."""
+    saved = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    if quiet:
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved
+
+
+def _trial_lines(param_names: list[str]):
+    """A Tune callback (in this process) that prints one line as each trial starts and one as it ends, in
+    place of Tune's status tables -- which ``verbose=1`` or ``2`` in the search's arguments bring back."""
+    from ray import tune
+
+    class TrialLines(tune.Callback):
+        def on_trial_start(self, iteration, trials, trial, **info):
+            params = {k: trial.config.get(k) for k in param_names}
+            print(f"trial {trial.trial_id} started: {params}", flush=True)
+
+        ended = 0
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            result = trial.last_result or {}
+            self.ended += 1
+            print(f"trial {trial.trial_id} ended after {result.get('training_iteration', 0)} evaluation(s), "
+                  f"step {result.get('global_step', 0)}: objective {result.get(METRIC)} ({self.ended} "
+                  f"trial(s) ended)", flush=True)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            print(f"trial {trial.trial_id} failed; its error: {trial.error_file or 'in the Tune records'}",
+                  flush=True)
+
+    return TrialLines()
 
 
 def _trial_spec(trainer) -> bytes:

@@ -134,7 +134,7 @@ def _assert_token_nowhere(folder, bucket) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch):
+def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch, capfd):
     """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's
     run-<id> folder are there. A planted hub token is nowhere in them, nor in Ray's session files."""
     import cloudpickle
@@ -146,7 +146,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     calls.mkdir()
     storage = f"{s3_bucket.uri}/search"
     args = _args(tmp_path, max_steps=16, eval_steps=4, save_steps=4, storage_path=storage, push_to_hub=True,
-                 hub_model_id=f"file://{tmp_path}/hub", hub_token=TOKEN)
+                 hub_model_id=f"file://{tmp_path}/hub", hub_token=TOKEN, disable_tqdm=False)
     trainer = Trainer(model_init=_record_model_init(str(calls)), args=args, train_dataset=make_data(64),
                       eval_dataset=make_data(32, seed=5))
     rates = [0.5, 0.0, 0.2, 1e-4]
@@ -160,6 +160,10 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
                                     reduction_factor=2),
             max_concurrent_trials=2)
     assert "the trials do not push to the Hub" in caplog.text and not (tmp_path / "hub").exists()
+    console = "".join(capfd.readouterr())  # a line per trial start and end, none of Tune's status tables
+    assert console.count(" started: {'learning_rate': ") == 4 and console.count(" trial(s) ended)") == 4
+    for tune_table in ("Trial status:", "Configuration for experiment", "Current time:", "View detailed"):
+        assert tune_table not in console, tune_table
     assert trainer.args.hub_token == TOKEN and trainer.args.push_to_hub  # the caller's arguments, untouched
     assert len(given) == 1 and TOKEN.encode() not in given[0]["spec"]
     assert cloudpickle.loads(given[0]["spec"]).args.hub_token is None
