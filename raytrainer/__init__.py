@@ -26,6 +26,8 @@ _EXPORTS = {
     "TrainerControl": "raytrainer.callbacks",
     "TrainerState": "raytrainer.callbacks",
     "default_data_collator": "raytrainer.data",
+    "Seq2SeqTrainer": "raytrainer.seq2seq",
+    "Seq2SeqTrainingArguments": "raytrainer.seq2seq",
     "Trainer": "raytrainer.trainer",
     "EvalPrediction": "raytrainer.trainer_utils",
     "PredictionOutput": "raytrainer.trainer_utils",

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
+    _args_class = TrainingArguments  # what args=None and a transformers arguments object become
+
     def __init__(
         self,
         model: torch.nn.Module | None = None,
@@ -67,10 +69,10 @@ class Trainer:
         callback: list | None = None,
     ):
         if args is None:
-            args = TrainingArguments(output_dir="trainer_output")
+            args = self._args_class(output_dir="trainer_output")
             logger.info("No `TrainingArguments` passed, using `output_dir=trainer_output`.")
         elif not isinstance(args, TrainingArguments) and type(args).__module__.startswith("transformers."):
-            args = TrainingArguments.from_transformers(args)  # a script's transformers.TrainingArguments
+            args = self._args_class.from_transformers(args)  # a script's transformers.TrainingArguments
         self.args = args
         init_memory = MemoryTracker(args.skip_memory_metrics)  # transformers' init_mem_* metrics
         init_memory.start("init")

@@ -17,6 +17,9 @@ from raytrainer.worker.context import RankContext
 
 class Strategy:
     name = "single"
+    #: Whether the model's forward gathers parameters sharded across ranks (a collective in every forward):
+    #: then every rank must run the same number of forwards, as ``generate(synced_gpus=True)`` does.
+    gathers_in_forward = False
 
     def __init__(self, ctx: RankContext, args):
         from raytrainer.strategies.precision import select_precision

@@ -56,6 +56,7 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(ctx, args)
         self.config = fill_from_args(load_config(args.deepspeed), args, ctx.world_size)
         self.stage = zero_stage(self.config)
+        self.gathers_in_forward = self.stage == 3  # ZeRO-3 gathers each layer's partitions in forward
         dtype = None
         if (self.config.get("bf16") or {}).get("enabled"):
             dtype = torch.bfloat16

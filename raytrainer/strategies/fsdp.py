@@ -34,6 +34,7 @@ def _full_options():
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    gathers_in_forward = True
 
     def __init__(self, ctx, args):
         super().__init__(ctx, args)

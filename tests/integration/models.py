@@ -301,16 +301,23 @@ class PrintingTrainer(Trainer):
 
 
 class DieOnceOnRank(TrainerCallback):
-    """Rank ``rank``'s process exits at ``step``, once (a lost worker; ``output_dir/died`` marks it)."""
+    """Rank ``rank``'s process exits at ``step``, ``times`` times in all (a lost worker; each death is a line
+    of ``output_dir/died``)."""
 
-    def __init__(self, step: int, rank: int):
-        self.step, self.rank = step, rank
+    def __init__(self, step: int, rank: int, times: int = 1):
+        self.step, self.rank, self.times = step, rank, times
 
     def on_step_end(self, args, state, control, **kwargs):
         marker = os.path.join(args.output_dir, "died")
-        if state.global_step == self.step and args.process_index == self.rank and not os.path.exists(marker):
-            with open(marker, "w") as f:
-                f.write(str(os.getpid()))
+        if state.global_step != self.step or args.process_index != self.rank:
+            return
+        deaths = 0
+        if os.path.exists(marker):
+            with open(marker) as f:
+                deaths = len(f.read().split())
+        if deaths < self.times:
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
             os._exit(1)
 
 
@@ -334,3 +341,43 @@ class DiesWhileSaving(Regressor):
                 f.write(str(os.getpid()))
             os._exit(1)
         save_file(state_dict or self.state_dict(), os.path.join(folder, "model.safetensors"))
+
+
+# -- sequence to sequence (Seq2SeqTrainer) -------------------------------------------------------------------
+def tiny_t5(state: dict | None = None):
+    """A 2-layer T5 built from a config (no download); ``state``: weights to load."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=24, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    model = T5ForConditionalGeneration(config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def reversal_pairs(n: int, seed: int = 3) -> list[dict]:
+    """A deterministic 'translation': the target is the source reversed, then </s>; sources of 3 to 5 ids,
+    labels padded with -100 (as DataCollatorForSeq2Seq does)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 3 + i % 3
+        src = torch.randint(2, 24, (length,), generator=g)
+        ids = torch.zeros(6, dtype=torch.long)
+        ids[:length] = src
+        labels = torch.full((7,), -100, dtype=torch.long)
+        labels[:length] = src.flip(0)
+        labels[length] = 1
+        out.append({"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels})
+    return out
+
+
+def token_accuracy(p) -> dict:
+    preds, labels = p.predictions, p.label_ids
+    if isinstance(preds, tuple):  # logits (predict_with_generate=False)
+        preds = preds[0].argmax(-1)
+    n = min(preds.shape[1], labels.shape[1])
+    mask = labels[:, :n] != -100
+    return {"token_accuracy": float((preds[:, :n][mask] == labels[:, :n][mask]).mean())}

@@ -92,3 +92,44 @@ def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
     rewritten = model_weights(CheckpointReader(str(tmp_path / "checkpoint-4")))  # hashes checked
     assert set(rewritten) == set(uninterrupted)
+
+
+def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_path, ray_session):
+    """Rank 1 dies at step 5, and again at step 5 after the restart: with max_failures=1 the second loss ends
+    the run with an error naming rank 1; the last committed checkpoint is intact and resumes; the run leaves
+    no actor and no placement group behind."""
+    from models import DieOnceOnRank
+    from ray.util.state import list_actors, list_placement_groups
+
+    from raytrainer import Trainer
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.storage import Storage
+
+    address = ray_session.get_runtime_context().gcs_address
+
+    def alive():
+        return ({a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])},
+                {p.placement_group_id for p in list_placement_groups(address=address,
+                                                                     filters=[("state", "=", "CREATED")])})
+
+    before = alive()
+    with pytest.raises(Exception) as info:  # whatever its class, it must name the rank
+        _run_with_one_loss(tmp_path, Regressor(), [DieOnceOnRank(step=5, rank=1, times=2)])
+    said = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "rank 1" in said, said
+    assert len((tmp_path / "died").read_text().split()) == 2  # both deaths happened
+    import time
+
+    for _ in range(30):  # Ray ends the run's actors and placement group asynchronously
+        actors, groups = alive()
+        if actors <= before[0] and groups <= before[1]:
+            break
+        time.sleep(1)
+    assert actors <= before[0] and groups <= before[1], (actors - before[0], groups - before[1])
+    # checkpoint-4 is written at step 4 and committed in step 5 after on_step_end -- where rank 1 dies
+    committed = [step for step, _ in committed_checkpoints(Storage.from_uri(str(tmp_path)), warn=False)]
+    assert committed == [2]
+    args = TrainingArguments(output_dir=str(tmp_path), num_workers=0, max_steps=8, save_strategy="no",
+                             per_device_train_batch_size=8, report_to="none", disable_tqdm=True, seed=3)
+    resumed = Trainer(model=Regressor(), args=args, train_dataset=make_data(32))
+    assert resumed.train(resume_from_checkpoint=True).global_step == 8  # from checkpoint-2, one process

@@ -1,0 +1,201 @@
+"""``Seq2SeqTrainer`` and ``Seq2SeqTrainingArguments``: transformers' names, defaults and semantics, on Ray.
+
+With ``predict_with_generate``, ``evaluate()`` and ``predict()`` generate on every rank for its own shard of
+the data (the evaluation loop's sharding); each rank pads its sequences to the generation's ``max_length``
+with the pad token, as transformers does, and the loop gathers them to rank 0 in dataset order, padding any
+remaining difference in length with -100 (transformers' padding index across processes). So
+``compute_metrics`` receives the generated ids and the labels exactly as transformers gives them, and the
+examples' ``tokenizer.batch_decode`` + BLEU / ROUGE code runs unchanged.
+
+Strategies whose forward gathers sharded parameters (FSDP, DeepSpeed ZeRO-3: ``Strategy.gathers_in_forward``)
+generate with ``synced_gpus=True``: every rank keeps calling the model until the longest sequence of any rank
+ends, so the collectives inside each forward line up.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from raytrainer.args import TrainingArguments
+from raytrainer.trainer import Trainer
+
+
+@dataclasses.dataclass(repr=False)
+class Seq2SeqTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus transformers' sequence-to-sequence fields (same names and defaults)."""
+
+    sortish_sampler: bool = dataclasses.field(
+        default=False, metadata={"help": "Whether to use SortishSampler or not (accepted, unused)."})
+    predict_with_generate: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Whether to use generate to calculate generative metrics (ROUGE, BLEU)."})
+    generation_max_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "The `max_length` to use on each evaluation loop when "
+                                        "`predict_with_generate=True`. Defaults to the model's config."})
+    generation_num_beams: int | None = dataclasses.field(
+        default=None, metadata={"help": "The `num_beams` to use on each evaluation loop when "
+                                        "`predict_with_generate=True`. Defaults to the model's config."})
+    generation_config: Any = dataclasses.field(
+        default=None, metadata={"help": "Model id, file path or url pointing to a GenerationConfig json "
+                                        "file, to use during prediction."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("generation_max_length", "generation_num_beams"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: must be a positive integer or None; pass e.g. "
+                                 f"--{name} 64")
+
+    def to_dict(self) -> dict[str, Any]:
+        """As ``TrainingArguments.to_dict``; a ``GenerationConfig`` in ``generation_config`` as a dict."""
+        out = super().to_dict()
+        value = out.get("generation_config")
+        if value is not None and hasattr(value, "to_dict"):
+            out["generation_config"] = value.to_dict()
+        elif isinstance(value, os.PathLike):
+            out["generation_config"] = os.fspath(value)
+        return out
+
+
+class Seq2SeqTrainer(Trainer):
+    """transformers' ``Seq2SeqTrainer``: ``evaluate`` / ``predict`` take ``max_length``, ``num_beams`` and any
+    other ``generate`` argument, and generate when ``args.predict_with_generate`` is set."""
+
+    _args_class = Seq2SeqTrainingArguments
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if getattr(self.args, "generation_config", None) is not None and self.model is not None:
+            self.model.generation_config = self.load_generation_config(self.args.generation_config)
+
+    @staticmethod
+    def load_generation_config(gen_config_arg):
+        """A ``GenerationConfig`` from the ``generation_config`` argument: the object itself (copied), a
+        folder or a file of one, or a model id -- as transformers loads it, validated strictly."""
+        from pathlib import Path
+
+        from transformers import GenerationConfig
+
+        if isinstance(gen_config_arg, GenerationConfig):
+            gen_config = copy.deepcopy(gen_config_arg)
+        else:
+            name, file_name = gen_config_arg, None
+            path = Path(gen_config_arg)
+            if path.is_file():
+                name, file_name = path.parent, path.name
+            elif path.is_dir():
+                name = path
+            gen_config = GenerationConfig.from_pretrained(name, file_name)
+        try:
+            gen_config.validate(strict=True)
+        except ValueError as exc:
+            raise ValueError(str(exc) + "\n\nFix these issues to train your model.") from None
+        return gen_config
+
+    def _generation_kwargs(self, gen_kwargs: dict) -> dict:
+        gen_kwargs = dict(gen_kwargs)
+        max_length = getattr(self.args, "generation_max_length", None)
+        num_beams = getattr(self.args, "generation_num_beams", None)
+        if gen_kwargs.get("max_length") is None and gen_kwargs.get("max_new_tokens") is None and max_length:
+            gen_kwargs["max_length"] = max_length
+        if gen_kwargs.get("num_beams") is None and num_beams is not None:
+            gen_kwargs["num_beams"] = num_beams
+        return gen_kwargs
+
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval", **gen_kwargs) -> dict[str, float]:
+        if not self._on_rank:
+            return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
+                                  metric_key_prefix=metric_key_prefix, **gen_kwargs)
+        self._gen_kwargs = self._generation_kwargs(gen_kwargs)
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
+                **gen_kwargs):
+        if not self._on_rank:
+            return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
+                                  metric_key_prefix=metric_key_prefix, **gen_kwargs)
+        self._gen_kwargs = self._generation_kwargs(gen_kwargs)
+        return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None,
+                        **gen_kwargs):
+        if not getattr(self.args, "predict_with_generate", False) or prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        has_labels = "labels" in inputs
+        inputs = self._prepare_inputs(inputs)
+        if not gen_kwargs:
+            gen_kwargs = dict(getattr(self, "_gen_kwargs", {}))
+        for name in ("num_beams", "max_length"):
+            if name in gen_kwargs and gen_kwargs[name] is None:
+                gen_kwargs.pop(name)
+        strategy = self._strategy
+        gen_kwargs.setdefault("synced_gpus", bool(strategy is not None and strategy.gathers_in_forward
+                                                  and self.args.world_size > 1))
+        generation_inputs = inputs
+        decoder_ids = inputs.get("decoder_input_ids")
+        if has_labels and decoder_ids is not None and inputs["labels"].shape == decoder_ids.shape:
+            # decoder_input_ids made from the labels: generation must not be fed the answer
+            generation_inputs = {k: v for k, v in inputs.items()
+                                 if k not in ("decoder_input_ids", "decoder_attention_mask")}
+        generator = self.model
+        with torch.no_grad():
+            generated = generator.generate(**generation_inputs, **gen_kwargs)
+        gen_config = generator.generation_config
+        if getattr(gen_config, "_from_model_config", False):
+            gen_config._from_model_config = False
+        if hasattr(gen_config, "_get_default_generation_params"):  # transformers 5: fill unset defaults
+            gen_config.update(**gen_config._get_default_generation_params(), defaults_only=True)
+        target = _padded_length(generated.shape[-1], gen_config)
+        if target is not None:
+            generated = self._pad_tensors_to_max_len(generated, target)
+        loss = None
+        if has_labels:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                outputs = model(**inputs)
+            if self.label_smoother is not None:
+                loss = self.label_smoother(outputs, inputs["labels"]).detach().mean()
+            else:
+                loss = (outputs["loss"] if isinstance(outputs, dict) else outputs[0]).detach().mean()
+        if self.args.prediction_loss_only:
+            return loss, None, None
+        labels = None
+        if has_labels:
+            labels = inputs["labels"]
+            label_target = _padded_length(labels.shape[-1], gen_config)
+            if label_target is not None:
+                labels = self._pad_tensors_to_max_len(labels, label_target)
+        return loss, generated, labels
+
+    def _pad_tensors_to_max_len(self, tensor: torch.Tensor, max_length: int) -> torch.Tensor:
+        processing = self.processing_class
+        if processing is not None and hasattr(processing, "pad_token_id"):
+            pad_token_id = processing.pad_token_id if processing.pad_token_id is not None \
+                else processing.eos_token_id
+        elif getattr(getattr(self.model, "config", None), "pad_token_id", None) is not None:
+            pad_token_id = self.model.config.pad_token_id
+        else:
+            raise ValueError("Pad_token_id must be set in the configuration of the model, in order to pad "
+                             "tensors")
+        padded = torch.full((tensor.shape[0], max_length), pad_token_id, dtype=tensor.dtype,
+                            device=tensor.device)
+        padded[:, : tensor.shape[-1]] = tensor
+        return padded
+
+
+def _padded_length(length: int, gen_config) -> int | None:
+    """The length transformers pads a batch of ``length`` generated ids (or labels) to, from the model's
+    generation config: its ``max_length`` when shorter than that, else ``max_new_tokens + 1`` when shorter
+    than that; None: left as it is."""
+    max_length, max_new = getattr(gen_config, "max_length", None), getattr(gen_config, "max_new_tokens", None)
+    if max_length is not None and length < max_length:
+        return max_length
+    if max_new is not None and length < max_new + 1:
+        return max_new + 1
+    return None

@@ -1,0 +1,43 @@
+"""Seq2SeqTrainer on 2 Ray workers: predict_with_generate returns, in dataset order, the ids one process
+generates with the same weights -- under DDP, and under FSDP (sharded parameters, synced_gpus)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models import reversal_pairs, tiny_t5, token_accuracy
+
+from raytrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Weights that generate varied ids (an untrained T5 generates only pad), trained in one process."""
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path_factory.mktemp("train")), num_workers=0,
+                                    max_steps=150, learning_rate=3e-3, per_device_train_batch_size=8,
+                                    save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    trainer = Seq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_pairs(96, seed=7))
+    trainer.train()
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _trainer(tmp_path, state, num_workers: int, **kw):
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / f"w{num_workers}"), num_workers=num_workers,
+                                    per_device_eval_batch_size=3, predict_with_generate=True,
+                                    report_to="none", disable_tqdm=True, **kw)
+    return Seq2SeqTrainer(model=tiny_t5(state), args=args, compute_metrics=token_accuracy)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", [{}, {"fsdp": "full_shard auto_wrap"}], ids=["ddp", "fsdp"])
+def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strategy):
+    data = reversal_pairs(13)  # not a multiple of 2 ranks x 3: the last batches are padded and cut
+    one = _trainer(tmp_path, trained, 0).predict(data, num_beams=2, max_length=6)
+    two = _trainer(tmp_path, trained, 2, **strategy).predict(data, num_beams=2, max_length=6)
+    assert len(np.unique(one.predictions)) > 5  # varied ids, not a column of pads
+    assert two.predictions.shape == one.predictions.shape == (13, 20)  # padded to the config's max_length
+    np.testing.assert_array_equal(two.predictions, one.predictions)
+    np.testing.assert_array_equal(two.label_ids, one.label_ids)
+    assert (two.predictions[:, 6:] == 0).all()  # max_length=6 was honoured on the workers
+    assert two.metrics["test_token_accuracy"] == one.metrics["test_token_accuracy"]
+    assert two.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-5)

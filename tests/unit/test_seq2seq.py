@@ -1,0 +1,98 @@
+"""Seq2SeqTrainer in one process against transformers.Seq2SeqTrainer on one tiny T5 (built from a config):
+the same generated ids, labels, loss and metrics from evaluate() and predict(), with and without generation
+arguments; the arguments' fields, defaults and generation_config handling."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import transformers
+
+from raytrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+from models import reversal_pairs, tiny_t5, token_accuracy
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Weights trained by raytrainer's Seq2SeqTrainer on the task (an untrained T5 generates only pad ids):
+    both trainers below start from them, so their generations are compared on varied sequences."""
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path_factory.mktemp("train")), num_workers=0,
+                                    max_steps=150, learning_rate=3e-3, per_device_train_batch_size=8,
+                                    save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    trainer = Seq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_pairs(96, seed=7))
+    result = trainer.train()
+    assert result.training_loss < 2.5  # it learned something of the task
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def both(tmp_path, state, **kw):
+    common = {"per_device_eval_batch_size": 4, "report_to": "none", "disable_tqdm": True,
+              "predict_with_generate": True, **kw}
+    ours = Seq2SeqTrainer(model=tiny_t5(state), args=Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "ours"), num_workers=0, **common), compute_metrics=token_accuracy)
+    theirs = transformers.Seq2SeqTrainer(model=tiny_t5(state), args=transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "theirs"), use_cpu=True, **common), compute_metrics=token_accuracy)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("gen_kwargs", [{}, {"max_length": 5}, {"num_beams": 2, "max_new_tokens": 4}])
+def test_predict_with_generate_matches_transformers(tmp_path, trained, gen_kwargs):
+    ours, theirs = both(tmp_path, trained)
+    data = reversal_pairs(12)
+    mine, ref = ours.predict(data, **gen_kwargs), theirs.predict(data, **gen_kwargs)
+    assert mine.predictions.shape == ref.predictions.shape
+    assert len(np.unique(mine.predictions)) > 5  # varied ids, not a column of pads
+    np.testing.assert_array_equal(mine.predictions, ref.predictions)
+    np.testing.assert_array_equal(mine.label_ids, ref.label_ids)
+    assert mine.metrics["test_loss"] == pytest.approx(ref.metrics["test_loss"], rel=1e-6)
+    assert mine.metrics["test_token_accuracy"] == ref.metrics["test_token_accuracy"]
+    if "max_length" in gen_kwargs:  # generation stopped at 5 tokens; the rest is the pad token
+        assert (mine.predictions[:, 5:] == 0).all()
+
+
+def test_generation_arguments_from_the_training_arguments(tmp_path, trained):
+    ours, theirs = both(tmp_path, trained, generation_max_length=4, generation_num_beams=2)
+    data = reversal_pairs(8)
+    mine, ref = ours.evaluate(data), theirs.evaluate(data)
+    assert mine["eval_token_accuracy"] == ref["eval_token_accuracy"]
+    assert mine["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+    pred = ours.predict(data)
+    assert (pred.predictions[:, 4:] == 0).all() and (pred.predictions[:, 1:4] != 0).any()
+
+
+def test_without_predict_with_generate_it_is_the_plain_trainer(tmp_path, trained):
+    ours, theirs = both(tmp_path, trained, predict_with_generate=False)
+    data = reversal_pairs(8)
+    mine = ours.predict(data)
+    ref = theirs.predict(data)
+    assert mine.predictions[0].shape == ref.predictions[0].shape  # logits, not ids
+    np.testing.assert_allclose(mine.predictions[0], ref.predictions[0], rtol=1e-5, atol=1e-6)
+
+
+def test_arguments_match_transformers_and_generation_config_is_loaded(tmp_path):
+    from transformers import GenerationConfig
+
+    ours = Seq2SeqTrainingArguments(output_dir=str(tmp_path))
+    theirs = transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path))
+    for name in ("sortish_sampler", "predict_with_generate", "generation_max_length", "generation_num_beams",
+                 "generation_config"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    GenerationConfig(max_length=7, num_beams=3, decoder_start_token_id=0).save_pretrained(tmp_path / "gen")
+    trainer = Seq2SeqTrainer(model=tiny_t5(), args=Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "o"), generation_config=str(tmp_path / "gen"), report_to="none"))
+    assert trainer.model.generation_config.max_length == 7 and trainer.model.generation_config.num_beams == 3
+    as_object = Seq2SeqTrainingArguments(output_dir=str(tmp_path), generation_config=GenerationConfig(
+        max_length=9))
+    assert as_object.to_dict()["generation_config"]["max_length"] == 9
+    with pytest.raises(ValueError, match=r"generation_num_beams=0: must be a positive integer"):
+        Seq2SeqTrainingArguments(output_dir=str(tmp_path), generation_num_beams=0)
+    converted = Seq2SeqTrainer(model=tiny_t5(), args=transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "c"), predict_with_generate=True, generation_max_length=11,
+        report_to="none"))
+    assert isinstance(converted.args, Seq2SeqTrainingArguments)
+    assert converted.args.predict_with_generate and converted.args.generation_max_length == 11
