@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs raytrainer with its test extras, torch pinned by constraints.txt.
+# Creates .venv (if missing) and installs raytrainer with its test and docs extras, torch pinned by
+# constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -9,6 +10,6 @@ fi
 stamp=.venv/.raytrainer-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,docs]"
   touch "$stamp"
 fi
