@@ -41,3 +41,16 @@ def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strateg
     assert (two.predictions[:, 6:] == 0).all()  # max_length=6 was honoured on the workers
     assert two.metrics["test_token_accuracy"] == one.metrics["test_token_accuracy"]
     assert two.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-5)
+
+
+def test_the_translation_example_on_two_workers(tmp_path, capsys):
+    """examples/translate.py as written, in its smoke setting, with --num_workers 2: it trains, generates on
+    the workers and scores the generations with BLEU."""
+    import translate
+
+    metrics = translate.main(["--num_workers", "2", "--max_steps", "60", "--train_examples", "600",
+                              "--eval_examples", "48", "--eval_strategy", "no", "--disable_tqdm", "1",
+                              "--output_dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "trained 60 steps on 2 worker(s)" in printed and f"BLEU {metrics['eval_bleu']:.1f}" in printed
+    assert 0.0 <= metrics["eval_bleu"] <= 100.0 and metrics["eval_loss"] < 3.0  # ln(50) = 3.9 untrained

@@ -96,3 +96,36 @@ def test_arguments_match_transformers_and_generation_config_is_loaded(tmp_path):
         report_to="none"))
     assert isinstance(converted.args, Seq2SeqTrainingArguments)
     assert converted.args.predict_with_generate and converted.args.generation_max_length == 11
+
+
+def test_training_with_generated_metrics_keeps_the_best_and_saves_the_generation_config(tmp_path, trained):
+    """Evaluations during training generate (predict_with_generate); load_best_model_at_end picks the best
+    checkpoint by the generated metric; every checkpoint carries the generation config it generated with."""
+    import json
+
+    from transformers import GenerationConfig
+
+    from raytrainer.checkpoint import CheckpointReader
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), num_workers=0, max_steps=6, learning_rate=3e-3,
+        per_device_train_batch_size=8, per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=2,
+        save_strategy="steps", save_steps=2, predict_with_generate=True,
+        generation_config=GenerationConfig(max_length=9, decoder_start_token_id=0, pad_token_id=0,
+                                           eos_token_id=1),
+        load_best_model_at_end=True, metric_for_best_model="token_accuracy", report_to="none",
+        disable_tqdm=True)
+    trainer = Seq2SeqTrainer(model=tiny_t5(trained), args=args, train_dataset=reversal_pairs(48, seed=11),
+                             eval_dataset=reversal_pairs(16, seed=12), compute_metrics=token_accuracy)
+    trainer.train()
+    scores = {h["step"]: h["eval_token_accuracy"] for h in trainer.state.log_history
+              if "eval_token_accuracy" in h}
+    assert sorted(scores) == [2, 4, 6]
+    best_step = max(scores, key=lambda s: (scores[s], -s))  # the first of the best, as transformers keeps it
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
+    assert trainer.state.best_metric == scores[best_step]
+    for step in (2, 4, 6):
+        reader = CheckpointReader(str(tmp_path / f"checkpoint-{step}"))
+        assert json.loads(reader.read("generation_config.json"))["max_length"] == 9  # hash-checked
+    final = trainer.predict(reversal_pairs(16, seed=12))
+    assert final.predictions.shape[1] == 9  # generated with the configured max_length
