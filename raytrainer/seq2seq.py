@@ -7,9 +7,10 @@ remaining difference in length with -100 (transformers' padding index across pro
 ``compute_metrics`` receives the generated ids and the labels exactly as transformers gives them, and the
 examples' ``tokenizer.batch_decode`` + BLEU / ROUGE code runs unchanged.
 
-Strategies whose forward gathers sharded parameters (FSDP, DeepSpeed ZeRO-3: ``Strategy.gathers_in_forward``)
+Strategies whose forward gathers sharded parameters (DeepSpeed ZeRO-3: ``Strategy.gathers_in_forward``)
 generate with ``synced_gpus=True``: every rank keeps calling the model until the longest sequence of any rank
-ends, so the collectives inside each forward line up.
+ends, so the collectives inside each forward line up. FSDP cannot generate yet
+(``Strategy.generation_unsupported``): refused on the driver, naming why.
 """
 
 from __future__ import annotations
@@ -108,9 +109,28 @@ class Seq2SeqTrainer(Trainer):
             gen_kwargs["num_beams"] = num_beams
         return gen_kwargs
 
+    def _check_generation(self) -> None:
+        """On the driver, before any worker starts: can this run's strategy generate?"""
+        from raytrainer.strategies import strategy_class
+
+        if not getattr(self.args, "predict_with_generate", False):
+            return
+        strategy = strategy_class(self.args, max(self.args.num_workers, 1))
+        if strategy.generation_unsupported:
+            raise ValueError(
+                f"predict_with_generate=True under {strategy.name}: not supported yet -- "
+                f"{strategy.generation_unsupported}. Evaluate with generation in a run without "
+                f"{strategy.name} (DDP or DeepSpeed), or set predict_with_generate=False.")
+
+    def train(self, *args, **kwargs):
+        if not self._on_rank:
+            self._check_generation()  # evaluations during training generate
+        return super().train(*args, **kwargs)
+
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval", **gen_kwargs) -> dict[str, float]:
         if not self._on_rank:
+            self._check_generation()
             return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
@@ -119,6 +139,7 @@ class Seq2SeqTrainer(Trainer):
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
                 **gen_kwargs):
         if not self._on_rank:
+            self._check_generation()
             return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)

@@ -8,7 +8,9 @@ rank 0's callback events are replayed into the driver's display callbacks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 
@@ -201,21 +203,44 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
                  len(cloudpickle.dumps(config)))
     started = time.time()
     pump.start()
+    failed = None
     try:
-        _forget_previous_ray_run(args)
-        _torch_trainer(args, config, datasets).fit()
+        with _sigint_handler_restored():
+            _forget_previous_ray_run(args)
+            _torch_trainer(args, config, datasets).fit()
     except TrainingFailedError as err:
         fatal = ray.get(channel.fatal.remote())
         ray.kill(channel)
-        raise (failures.unpickled(fatal[1]) if fatal else worker_error(err)) from None
+        failed = failures.unpickled(fatal[1]) if fatal else worker_error(err)
     finally:
         pump.stop()
+    if failed is not None:
+        # Raised outside the except block: chained to Ray's error, the traceback would keep Ray Train's
+        # frames -- and the handle of the run's controller actor in them -- alive as long as the user's
+        # exception is (a notebook keeps the last one), and the controller actor with it.
+        raise failed
     results, fatal = ray.get([channel.results.remote(), channel.fatal.remote()])
     ray.kill(channel)
     if fatal:  # Ray restarted the workers after it; the new attempt did not train
         raise failures.unpickled(fatal[1])
     logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
     return results[0]
+
+
+@contextlib.contextmanager
+def _sigint_handler_restored():
+    """Ray Train's ``fit()`` installs a SIGINT handler (Ctrl-C aborts the run) holding the handle of the run's
+    controller actor, and leaves it installed: the finished run's controller then lives until the next fit or
+    the end of the process. The handler the program had is put back when ``fit()`` returns or raises, so the
+    controller's handle is released and the actor ends with its run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def loop_config(spec_ref, method: str, channel) -> dict:
@@ -251,13 +276,28 @@ def _check_cpus_for_ray_data(args) -> None:
 
 
 def worker_error(err: Exception) -> Exception:
-    """The lowest rank's own exception, so the user sees their error, not a wrapper."""
-    failures = getattr(err, "worker_failures", None) or {}
-    if not failures:
+    """The failing rank's own exception, so the user sees their error, not a wrapper. When a worker's
+    process was lost, the ranks that were in a collective with it fail too ("connection closed by peer"):
+    the lost rank is the one named, not the lowest rank that noticed."""
+    per_rank = {rank: getattr(exc, "cause", None) or exc
+                for rank, exc in (getattr(err, "worker_failures", None) or {}).items()}
+    if not per_rank:
         return err
-    rank = min(failures)
-    exc = failures[rank]
-    cause = getattr(exc, "cause", None) or exc
+
+    def noticed_a_lost_peer(exc) -> bool:
+        return failures.retryable(exc) and not _is_ray_error(exc)
+
+    rank = min(per_rank, key=lambda r: (noticed_a_lost_peer(per_rank[r]), r))
+    cause = per_rank[rank]
     if hasattr(cause, "add_note"):
-        cause.add_note(f"(raised on Ray Train worker rank {rank} of {len(failures)} failing)")
+        others = sorted(r for r in per_rank if r != rank)
+        lost = " (its process or node was lost)" if _is_ray_error(cause) else ""
+        cause.add_note(f"(raised on Ray Train worker rank {rank}{lost}; {len(per_rank)} of the workers failed"
+                       + (f", ranks {others} after it)" if others else ")"))
     return cause
+
+
+def _is_ray_error(exc) -> bool:
+    import ray.exceptions
+
+    return isinstance(exc, ray.exceptions.RayError)

@@ -20,6 +20,8 @@ class Strategy:
     #: Whether the model's forward gathers parameters sharded across ranks (a collective in every forward):
     #: then every rank must run the same number of forwards, as ``generate(synced_gpus=True)`` does.
     gathers_in_forward = False
+    #: Why ``generate`` cannot run under this strategy yet (Seq2SeqTrainer refuses on the driver); None: can.
+    generation_unsupported: str | None = None
 
     def __init__(self, ctx: RankContext, args):
         from raytrainer.strategies.precision import select_precision

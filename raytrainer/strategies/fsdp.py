@@ -35,6 +35,9 @@ def _full_options():
 class FSDPStrategy(Strategy):
     name = "fsdp"
     gathers_in_forward = True
+    generation_unsupported = (
+        "generate() calls the model's encoder and decoder directly, not the FSDP root's forward, so the "
+        "parameters the root unit holds (the shared embedding) stay sharded")
 
     def __init__(self, ctx, args):
         super().__init__(ctx, args)

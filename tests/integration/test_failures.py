@@ -107,8 +107,10 @@ def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_pat
 
     address = ray_session.get_runtime_context().gcs_address
 
-    def alive():
-        return ({a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])},
+    def alive():  # the run's own actors (Ray's singletons, made on first use, live as long as Ray)
+        return ({f"{a.class_name} {a.actor_id}" for a in list_actors(address=address,
+                                                                     filters=[("state", "=", "ALIVE")])
+                 if a.class_name in ("TrainController", "RayTrainWorker", "Channel")},
                 {p.placement_group_id for p in list_placement_groups(address=address,
                                                                      filters=[("state", "=", "CREATED")])})
 

@@ -129,3 +129,13 @@ def test_training_with_generated_metrics_keeps_the_best_and_saves_the_generation
         assert json.loads(reader.read("generation_config.json"))["max_length"] == 9  # hash-checked
     final = trainer.predict(reversal_pairs(16, seed=12))
     assert final.predictions.shape[1] == 9  # generated with the configured max_length
+
+
+def test_generation_under_fsdp_is_refused_on_the_driver_naming_why(tmp_path):
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), num_workers=2, fsdp="full_shard",
+                                    predict_with_generate=True, report_to="none")
+    trainer = Seq2SeqTrainer(model=tiny_t5(), args=args)
+    for call in (lambda: trainer.predict(reversal_pairs(4)), lambda: trainer.evaluate(reversal_pairs(4))):
+        with pytest.raises(ValueError, match=r"predict_with_generate=True under fsdp: not supported yet -- "
+                                             r"generate\(\) calls the model's encoder"):
+            call()
