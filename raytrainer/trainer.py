@@ -201,9 +201,26 @@ class Trainer:
         state = self.__dict__.copy()
         for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
             state[name] = None
-        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders"):
-            state.pop(name, None)  # caches: recomputed where the object lands
+        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders",
+                     "_group"):
+            state.pop(name, None)  # caches: recomputed where the object lands; the driver's worker group
         return state
+
+    # -- the live worker group (num_workers > 0) ---------------------------------------------------------
+    def close(self) -> None:
+        """End this Trainer's worker group: its Ray Train workers stop and release their resources. The
+        group otherwise stays up between calls -- ``train``, ``evaluate``, ``predict`` run on the same
+        workers -- until the Trainer is garbage collected or the interpreter exits. A later call starts a
+        new group. Nothing to do with ``num_workers=0``."""
+        group = self.__dict__.pop("_group", None)
+        if group is not None:
+            group.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- where we run ------------------------------------------------------------------------------
     @property

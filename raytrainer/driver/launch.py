@@ -1,48 +1,22 @@
 """Launching a Trainer method on Ray Train worker actors and following it from the driver.
 
-The run spec is the pickled Trainer itself (made once by the preflight), so a subclass's overrides run
-on the workers; it is put in the object store once and ``train_loop_config`` holds only its reference.
-While Ray Train's ``fit()`` blocks, a pump thread drains the event channel: worker log records are printed,
-rank 0's callback events are replayed into the driver's display callbacks.
+The call runs as a command on the Trainer's live worker group (driver/group.py). The run spec is the
+pickled Trainer itself (made once by the preflight), so a subclass's overrides run on the workers; it is
+put in the object store once per command and the command carries only its reference. While the command
+runs, a pump thread drains the event channel: worker log records are printed, rank 0's callback events
+are replayed into the driver's display callbacks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import threading
-import time
-
-import cloudpickle
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
 from raytrainer.driver import failures
 from raytrainer.logging_utils import emit_worker_record
 
 logger = logging.getLogger(__name__)
-
-
-def _worker_main(config: dict) -> None:
-    """Entry point of every Ray Train worker."""
-    import ray
-
-    from raytrainer.driver.channel import ChannelClient
-    from raytrainer.driver.runner import run_rank
-    from raytrainer.worker.context import ray_train_context
-
-    spec, kwargs = ray.get(config["spec"])  # an object-store reference: the bytes are fetched here
-    trainer = cloudpickle.loads(spec)
-    del spec
-    ctx = ray_train_context(trainer.args.use_gpu)
-    client = ChannelClient(config["channel"], ctx.rank)
-    try:
-        payload = run_rank(trainer, ctx, client, config["method"], kwargs)
-    except BaseException as exc:
-        if not failures.retryable(exc):
-            client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
-        raise
-    client.set_result(payload)
 
 
 class _Sized:
@@ -146,7 +120,7 @@ def _forget_previous_ray_run(args) -> None:
         storage.fs.delete_file(path)
 
 
-def _run_config(args):
+def _run_config(args, channel=None):
     """Ray Train's run folder is the storage root itself (so its checkpoints are HF's checkpoint-<step>
     folders), given as Ray expects it: a path on the filesystem plus the filesystem object -- for a bucket
     the same S3FileSystem (endpoint, region; credentials stay in each node's environment) raytrainer uses."""
@@ -163,12 +137,33 @@ def _run_config(args):
         storage_path=posixpath.dirname(root) or "/",
         storage_filesystem=storage.fs,
         failure_config=FailureConfig(max_failures=args.max_failures),
+        callbacks=[_controller_handle(channel)] if channel is not None else None,
     )
+
+
+def _controller_handle(channel):
+    """A Ray Train controller callback that gives the group's channel the controller's handle, so the
+    driver can abort a run it follows from another thread (Ray Train's own Ctrl-C handler is installed only
+    when ``fit()`` runs in the main thread)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    class ControllerHandle(ControllerCallback):
+        def __init__(self, channel):
+            self.channel = channel
+
+        def after_controller_start(self, train_run_context):
+            import ray
+
+            self.channel.set_controller.remote(ray.get_runtime_context().current_actor)
+
+    return ControllerHandle(channel)
 
 
 def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrainer.worker.entry import worker_main
 
     scaling = ScalingConfig(
         num_workers=args.num_workers,
@@ -177,78 +172,38 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
         placement_strategy=args.placement_strategy,
     )
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
-    return TorchTrainer(_worker_main, train_loop_config=config, scaling_config=scaling,
-                        torch_config=torch_config, run_config=_run_config(args), datasets=datasets)
+    return TorchTrainer(worker_main, train_loop_config=config, scaling_config=scaling,
+                        torch_config=torch_config, run_config=_run_config(args, config["channel"]),
+                        datasets=datasets)
 
 
 def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
-    """Run ``method`` on ``args.num_workers`` Ray Train workers; return rank 0's payload."""
-    import ray
-    from ray.train import TrainingFailedError
-
-    from raytrainer.driver.channel import Channel
+    """Run ``method`` on the Trainer's live worker group (started now if it has none, or none that fits the
+    arguments); return rank 0's payload. A Ray Data training set is given to Ray Train at the start of a
+    run, so that ``train()`` runs on a group of its own, closed after it."""
+    from raytrainer.driver.group import WorkerGroup, attach
     from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray, warn_if_gpus_missing
 
     args = trainer.args
     check_gpus_before_start(args)
     ensure_ray(args)
-    warn_if_gpus_missing(args)
     datasets = _ray_datasets(trainer, method)
-    if datasets:
-        _check_cpus_for_ray_data(args)
-    channel = Channel.remote()
-    pump = _Pump(channel, DriverDisplay(trainer), registry)
-    config = loop_config(ray.put((spec, kwargs)), method, channel)
-    logger.debug("run spec: %d bytes in the object store; train_loop_config: %d bytes", len(spec),
-                 len(cloudpickle.dumps(config)))
-    started = time.time()
-    pump.start()
-    failed = None
+    group = trainer.__dict__.get("_group")
+    if group is not None and (datasets or not group.usable_for(args)):
+        group.close()  # its workers hold the resources the next group needs
+        group = None
+    if group is None:
+        warn_if_gpus_missing(args)
+        if datasets:
+            _check_cpus_for_ray_data(args)
+        group = WorkerGroup(args)
+        if not datasets:
+            attach(trainer, group)
     try:
-        with _sigint_handler_restored():
-            _forget_previous_ray_run(args)
-            _torch_trainer(args, config, datasets).fit()
-    except TrainingFailedError as err:
-        fatal = ray.get(channel.fatal.remote())
-        ray.kill(channel)
-        failed = failures.unpickled(fatal[1]) if fatal else worker_error(err)
+        return group.run(trainer, spec, method, kwargs, registry, datasets)
     finally:
-        pump.stop()
-    if failed is not None:
-        # Raised outside the except block: chained to Ray's error, the traceback would keep Ray Train's
-        # frames -- and the handle of the run's controller actor in them -- alive as long as the user's
-        # exception is (a notebook keeps the last one), and the controller actor with it.
-        raise failed
-    results, fatal = ray.get([channel.results.remote(), channel.fatal.remote()])
-    ray.kill(channel)
-    if fatal:  # Ray restarted the workers after it; the new attempt did not train
-        raise failures.unpickled(fatal[1])
-    logger.debug("%s on %d workers took %.1fs", method, args.num_workers, time.time() - started)
-    return results[0]
-
-
-@contextlib.contextmanager
-def _sigint_handler_restored():
-    """Ray Train's ``fit()`` installs a SIGINT handler (Ctrl-C aborts the run) holding the handle of the run's
-    controller actor, and leaves it installed: the finished run's controller then lives until the next fit or
-    the end of the process. The handler the program had is put back when ``fit()`` returns or raises, so the
-    controller's handle is released and the actor ends with its run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def loop_config(spec_ref, method: str, channel) -> dict:
-    """Ray Train's ``train_loop_config``. Ray keeps a copy of it in the controller and in every worker for the
-    whole run, so it holds a reference to the spec -- the pickled Trainer (model, datasets) and the method's
-    arguments (predict's dataset, say), put in the object store once -- never the spec itself: each worker
-    fetches the bytes, unpickles them, and drops them."""
-    return {"spec": spec_ref, "method": method, "channel": channel}
+        if datasets:
+            group.close()
 
 
 def _ray_datasets(trainer, method: str) -> dict | None:

@@ -266,16 +266,17 @@ def trial_trainer(trainer, args, model, reporter: TrialReporter):
     t.control = TrainerControl()
     for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
         setattr(t, name, None)
-    for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params"):
-        t.__dict__.pop(name, None)
+    for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_group"):
+        t.__dict__.pop(name, None)  # the trial's worker group comes from the search's pool (run_trial)
     return t
 
 
 def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_objective: Callable,
               report: Callable | None = None, reporter: TrialReporter | None = None,
-              resume_from_checkpoint: str | None = None) -> TrialSummary:
-    """Train one trial on its own Ray workers; the objective is the last evaluation's (HF's rule), from
-    an extra evaluate() when training never evaluated."""
+              resume_from_checkpoint: str | None = None, pool=None) -> TrialSummary:
+    """Train one trial on Ray workers -- a live group borrowed from ``pool`` (the search's), else a group of
+    its own closed at the trial's end; the objective is the last evaluation's (HF's rule), from an extra
+    evaluate() when training never evaluated."""
     arg_values, _ = split_hyperparameters(trainer, params, warn=False)
     args = trial_args(trainer.args, arg_values, trial_id)
     model = build_model(trainer, trial, args.seed)
@@ -284,9 +285,17 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay
     t._resume_with_new_hyperparameters = resume_from_checkpoint is not None
-    t.train(resume_from_checkpoint=resume_from_checkpoint)
-    if not reporter.evaluations and not reporter.pruned:
-        t.evaluate()
+    if pool is not None and args.num_workers:
+        pool.lend(t)
+    try:
+        t.train(resume_from_checkpoint=resume_from_checkpoint)
+        if not reporter.evaluations and not reporter.pruned:
+            t.evaluate()
+    finally:
+        if pool is not None and args.num_workers:
+            pool.take_back(t)
+        else:
+            t.close()
     last = reporter.evaluations[-1] if reporter.evaluations else None
     summary = TrialSummary(
         trial_id=str(trial_id), output_dir=args.output_dir, hyperparameters=_plain(params),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from raytrainer.driver.group import GroupPool
 from raytrainer.search.common import BestRun, TrialSummary, run_trial, split_hyperparameters
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def run_optuna(trainer, hp_space: Callable, compute_objective: Callable, n_trial
             trial.report(value, step)
             return trial.should_prune()
 
-        summary = run_trial(trainer, trial, trial_id, params, compute_objective, report)
+        summary = run_trial(trainer, trial, trial_id, params, compute_objective, report, pool=pool)
         summaries[trial.number] = summary
         trial.set_user_attr("raytrainer_output_dir", summary.output_dir)
         if summary.pruned:
@@ -77,8 +78,12 @@ def run_optuna(trainer, hp_space: Callable, compute_objective: Callable, n_trial
                              f"{summary.objective!r}; return a list of {len(direction)} values.")
         return summary.objective
 
-    if remaining:
-        study.optimize(objective, n_trials=remaining, **optimize_kwargs)
+    pool = GroupPool(trainer.args)  # trials run one after another on the same live worker groups
+    try:
+        if remaining:
+            study.optimize(objective, n_trials=remaining, **optimize_kwargs)
+    finally:
+        pool.close()
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         states = [t.state.name for t in study.get_trials(deepcopy=False)]
         raise RuntimeError(f"hyperparameter_search: no trial completed (their states: {states}); the "

@@ -226,7 +226,7 @@ class CheckpointWriter:
         if ctx.is_world_zero:
             write_manifest(self.storage, job.name, parts, step)
         ctx.barrier()
-        if ctx.on_ray:
+        if ctx.reports_to_ray(self.storage.path(job.name)):
             import ray.train
 
             checkpoint = ray.train.Checkpoint(path=self.storage.path(job.name), filesystem=self.storage.fs)

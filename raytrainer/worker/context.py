@@ -20,6 +20,13 @@ class RankContext:
     node_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     on_ray: bool = False  # a Ray Train worker (dataset shards come from ray.train)
+    ray_run_root: str | None = None  # the Ray Train run's folder: checkpoints under it are reported to Ray
+
+    def reports_to_ray(self, path: str) -> bool:
+        """Whether a checkpoint at ``path`` (a path on the run's filesystem) is reported to Ray Train, which
+        takes only checkpoints inside its run folder -- a search trial on a pooled worker group writes in a
+        run folder of its own, inside the search's."""
+        return self.on_ray and self.ray_run_root is not None and path.startswith(self.ray_run_root + "/")
 
     @property
     def distributed(self) -> bool:
@@ -70,7 +77,7 @@ class RankContext:
         return box[0]
 
 
-def ray_train_context(use_gpu: bool) -> RankContext:
+def ray_train_context(use_gpu: bool, run_root: str | None = None) -> RankContext:
     """The context of a Ray Train worker (process group already set up by Ray Train)."""
     import ray.train
 
@@ -90,6 +97,7 @@ def ray_train_context(use_gpu: bool) -> RankContext:
         node_rank=ctx.get_node_rank(),
         device=device,
         on_ray=True,
+        ray_run_root=run_root,
     )
 
 

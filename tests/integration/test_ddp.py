@@ -95,7 +95,7 @@ def test_predict_two_workers_every_example_once_in_order(tmp_path, caplog):
     to the spec, not the spec."""
     import logging
 
-    caplog.set_level(logging.DEBUG, logger="raytrainer.driver.launch")
+    caplog.set_level(logging.DEBUG, logger="raytrainer.driver.group")
     data = make_data(33, seed=3)
     model = Regressor(seed=5)
     with torch.no_grad():

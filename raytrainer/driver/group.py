@@ -1,0 +1,272 @@
+"""The driver's handle on a live worker group: one Ray Train run whose workers wait for commands.
+
+The first distributed call of a Trainer starts the group (``WorkerGroup.run``): a Ray Train run in a driver
+thread, whose train function is the command loop of ``raytrainer.worker.entry``. ``train``, ``evaluate``,
+``predict`` and later calls are commands on it: a command is the method's name and the object-store
+reference of its spec (the pickled Trainer and the arguments); each rank answers with its part. Start-up
+-- Ray Train's controller, the worker processes, their imports, the process group -- is paid once per
+group, not once per call.
+
+A group ends with ``Trainer.close()`` (or the ``with`` block, the Trainer's garbage collection, the end of
+the interpreter), after a deterministic failure, or when a call needs another group (``group_key``: world
+size, resources, strategy, backend). Ray Train's fault tolerance is unchanged: a worker lost during a
+command restarts the group (``max_failures`` counts over the group's life) and the command runs again,
+``train`` resuming from the checkpoint it last committed.
+
+The launcher is injectable: ``launcher(args, config, datasets)`` blocks while the run lives, so the
+protocol is tested with a launcher that runs the loop in threads of this process.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import threading
+import time
+import weakref
+
+logger = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the groups of this process that are running
+
+
+def group_key(args) -> tuple:
+    """What a worker group is made with: a call that needs other values needs another group."""
+    from raytrainer.strategies import strategy_class
+
+    resources = tuple(sorted((args.resources_per_worker or {}).items()))
+    return (args.num_workers, bool(args.use_gpu), resources, args.placement_strategy, args.ddp_backend,
+            args.ddp_timeout, args.max_failures, strategy_class(args, args.num_workers).__name__)
+
+
+class GroupFailed(Exception):
+    """The group's run ended with ``error`` (a worker's own exception where there is one)."""
+
+
+class WorkerGroup:
+    """One live worker group: the Ray Train run, its channel, the commands sent to it."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, args, launcher=None):
+        self.args = args  # the run's settings and Ray Train's run folder (its storage root)
+        self.key = group_key(args)
+        self.launcher = launcher or ray_train_launcher
+        self.channel = None
+        self._thread: threading.Thread | None = None
+        self._ended: BaseException | None = None  # how the run ended, once it has
+        self._commands = itertools.count(1)
+        self.started_at: float | None = None
+        self.finalizer = None  # closes the group with the Trainer that owns it (attach)
+        self.name = f"group-{next(self._ids)}"
+
+    # -- life -------------------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def usable_for(self, args) -> bool:
+        return (not self.started or self.alive) and self.key == group_key(args)
+
+    def start(self, datasets: dict | None = None) -> None:
+        from raytrainer.driver.channel import Channel
+
+        _close_unreachable_groups()
+        self.channel = Channel.remote()
+        config = {"channel": self.channel, "use_gpu": bool(self.args.use_gpu),
+                  "ray_run_root": _run_root(self.args)}
+        self.started_at = time.time()
+        self._thread = threading.Thread(target=self._run, args=(config, datasets), daemon=True,
+                                        name=f"raytrainer-{self.name}")
+        self._thread.start()
+        _LIVE.add(self)
+        logger.debug("%s: starting %d workers", self.name, self.args.num_workers)
+
+    def _run(self, config: dict, datasets: dict | None) -> None:
+        try:
+            self.launcher(self.args, config, datasets)
+            self._ended = GroupFailed("the worker group's run ended")
+        except BaseException as exc:  # kept for the driver's thread, which raises the user-facing error
+            self._ended = exc
+
+    def close(self, timeout: float = 60.0) -> None:
+        """End the run: every rank's loop returns and Ray Train releases the workers and their placement
+        group. Waits for a command in flight to end for ``timeout`` seconds, then aborts the run."""
+        import ray
+
+        _LIVE.discard(self)
+        if self.channel is None or not ray.is_initialized():
+            return
+        channel, self.channel = self.channel, None
+        try:
+            ray.get(channel.close.remote(), timeout=10)
+        except Exception as exc:  # the channel is gone: the run is ending or ended
+            logger.debug("%s: closing: %s", self.name, exc)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("%s: the workers did not stop within %.0fs; aborting the run", self.name, timeout)
+            _abort(channel)
+            self._thread.join(timeout)
+        ray.kill(channel)
+        self._ended = None  # Ray Train's error holds its controller's handle in its traceback
+
+    # -- commands ---------------------------------------------------------------------------------------
+    def run(self, trainer, spec: bytes, method: str, kwargs: dict, registry,
+            datasets: dict | None = None) -> dict:
+        """Run ``method`` on every rank of the group (started now if it is not yet); rank 0's payload."""
+        import cloudpickle
+        import ray
+
+        from raytrainer.driver.launch import DriverDisplay, _Pump
+
+        if not self.started:
+            self.start(datasets)
+        command = next(self._commands)
+        spec_ref = ray.put((spec, kwargs))
+        logger.debug("run spec: %d bytes in the object store; command: %d bytes", len(spec),
+                     len(cloudpickle.dumps((command, method, [spec_ref]))))
+        pump = _Pump(self.channel, DriverDisplay(trainer), registry)
+        pump.start()
+        started = time.time()
+        try:
+            ray.get(self.channel.submit.remote(command, method, [spec_ref], self.args.num_workers))
+            results = self._wait(command)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: aborting %s on the workers", method)
+            _abort(self.channel)
+            raise
+        finally:
+            pump.stop()
+        logger.debug("%s on %d workers took %.2fs", method, self.args.num_workers, time.time() - started)
+        return results[0]
+
+    def _wait(self, command: int) -> dict:
+        import ray
+
+        while True:
+            results = ray.get(self.channel.wait_results.remote(command, 0.5))
+            if results is not None:
+                return results
+            if not self._thread.is_alive():
+                results = ray.get(self.channel.wait_results.remote(command, 0))
+                if results is not None:
+                    return results
+                raise self._failure()
+
+    def _failure(self) -> BaseException:
+        """The error to raise when the run ended during a command: the recorded deterministic failure, else
+        the failing worker's own exception. The group is over; the next call starts another."""
+        import ray
+        from ray.train import TrainingFailedError
+
+        from raytrainer.driver import failures
+        from raytrainer.driver.launch import worker_error
+
+        ended, self._ended = self._ended, None
+        fatal = ray.get(self.channel.fatal.remote())
+        ray.kill(self.channel)
+        self.channel = None
+        _LIVE.discard(self)
+        if fatal:
+            return failures.unpickled(fatal[1])
+        if isinstance(ended, TrainingFailedError):
+            return worker_error(ended)
+        return ended or GroupFailed("the worker group's run ended during a command")
+
+
+def ray_train_launcher(args, config: dict, datasets: dict | None) -> None:
+    """Run the group as a Ray Train run (blocks until it ends)."""
+    from raytrainer.driver.launch import _forget_previous_ray_run, _torch_trainer
+
+    _forget_previous_ray_run(args)
+    _torch_trainer(args, config, datasets).fit()
+
+
+def _run_root(args) -> str:
+    from raytrainer.storage import Storage
+
+    return Storage.for_run(args).root.rstrip("/")
+
+
+def _abort(channel) -> None:
+    """Abort the Ray Train run now (as Ray Train's own Ctrl-C handler does), through its controller."""
+    import ray
+
+    try:
+        controller = ray.get(channel.controller.remote(), timeout=10)
+        if controller is not None:
+            ray.get(controller.abort.remote(), timeout=30)
+    except Exception as exc:
+        logger.debug("abort: %s", exc)
+
+
+def _close_unreachable_groups() -> None:
+    """Groups of Trainers nothing refers to any more hold workers until the garbage collector finalizes
+    them; a new group may need those resources, so collect first."""
+    if _LIVE:
+        gc.collect()
+
+
+def attach(trainer, group: WorkerGroup) -> None:
+    """Make ``group`` the Trainer's: closed with it (``close()``, garbage collection, interpreter exit)."""
+    trainer.__dict__["_group"] = group
+    group.finalizer = weakref.finalize(trainer, group.close)
+
+
+def detach(trainer) -> WorkerGroup | None:
+    """Take the Trainer's group away from it, alive: closing the Trainer no longer closes it."""
+    group = trainer.__dict__.pop("_group", None)
+    if group is not None and group.finalizer is not None:
+        group.finalizer.detach()
+        group.finalizer = None
+    return group
+
+
+class GroupPool:
+    """Live worker groups lent to search trials, one per trial running at a time: a trial borrows a group,
+    runs its ``train`` (and ``evaluate``) on it, and gives it back for the next trial. The groups' Ray Train
+    run folder is the search's output folder, which holds every trial's (``run-<trial id>``)."""
+
+    def __init__(self, search_args):
+        self.search_args = search_args
+        self._idle: list[WorkerGroup] = []
+        self._lent: list[WorkerGroup] = []
+        self._lock = threading.Lock()
+
+    def lend(self, trainer) -> None:
+        """Give a trial's Trainer a group that fits its arguments (one not yet started if none is idle)."""
+        import dataclasses
+
+        args = trainer.args
+        with self._lock:
+            group = next((g for g in self._idle if g.usable_for(args)), None)
+            if group is not None:
+                self._idle.remove(group)
+            unfit = [g for g in self._idle if not g.usable_for(args)]
+            self._idle = [g for g in self._idle if g not in unfit]
+        for g in unfit:  # their workers hold what the new group needs
+            g.close()
+        if group is None:
+            group = WorkerGroup(dataclasses.replace(args, output_dir=self.search_args.output_dir,
+                                                    storage_path=self.search_args.storage_path))
+        with self._lock:
+            self._lent.append(group)
+        trainer.__dict__["_group"] = group
+
+    def take_back(self, trainer) -> None:
+        group = detach(trainer)  # launch() may have replaced the lent group (a failure, other arguments)
+        with self._lock:
+            self._lent = [g for g in self._lent if g.alive and g is not group]
+            if group is not None and (group.alive or not group.started):
+                self._idle.append(group)
+
+    def close(self) -> None:
+        with self._lock:
+            groups, self._idle, self._lent = self._idle + self._lent, [], []
+        for group in groups:
+            group.close()

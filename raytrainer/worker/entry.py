@@ -1,0 +1,97 @@
+"""The entry point of every Ray Train worker: a loop that runs its group's commands until the group closes.
+
+A worker group outlives one Trainer call (driver/group.py): the processes, their imports and the process
+group are made once, and ``train``, ``evaluate``, ``predict`` -- and search trials, one after another -- run
+on them. Each command starts from a clean slate: the Trainer is unpickled afresh from the command's spec,
+and the process-level state one command may change (random generators, determinism and TF32 flags, the
+default dtype, compile caches, the CUDA cache, environment variables) is put back as the fresh worker had
+it, so a command gives the same result whatever ran before it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import cloudpickle
+import numpy as np
+import torch
+
+from raytrainer.driver import failures
+
+
+def worker_main(config: dict) -> None:
+    """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
+    import ray
+
+    from raytrainer.driver.channel import ChannelClient
+    from raytrainer.driver.runner import run_rank
+    from raytrainer.worker.context import ray_train_context
+
+    ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
+    client = ChannelClient(config["channel"], ctx.rank)
+    fresh = ProcessState()
+    done = 0
+    while (command := client.next_command(done)) is not None:
+        command_id, method, (spec_ref,) = command
+        spec, kwargs = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
+        trainer = cloudpickle.loads(spec)
+        del spec
+        try:
+            payload = run_rank(trainer, ctx, client, method, kwargs)
+        except BaseException as exc:
+            if not failures.retryable(exc):
+                client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
+            raise
+        del trainer, kwargs
+        client.set_result(command_id, payload)
+        fresh.restore()
+        done = command_id
+
+
+class ProcessState:
+    """The process-wide state a command may change, as it was when the worker started."""
+
+    def __init__(self):
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.flags = _backend_flags()
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.environ = dict(os.environ)
+
+    def restore(self) -> None:
+        py, np_state, cpu, cuda = self.rng
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        for (holder, name), value in self.flags.items():
+            setattr(holder, name, value)
+        torch.set_default_dtype(self.dtype)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        for key in set(os.environ) - set(self.environ):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in self.environ.items() if os.environ.get(k) != v})
+        if hasattr(torch, "_dynamo"):
+            torch._dynamo.reset()  # compiled graphs of the last command's model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _backend_flags() -> dict:
+    flags = {}
+    matmul = ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+              "allow_bf16_reduced_precision_reduction")
+    for holder, names in ((torch.backends.cuda.matmul, matmul),
+                          (torch.backends.cudnn, ("allow_tf32", "benchmark", "deterministic"))):
+        for name in names:
+            flags[(holder, name)] = getattr(holder, name)
+    return flags
