@@ -8,7 +8,9 @@ held-out 20% (360 examples).
 
 Sides, each in its own fresh process:
   hf        transformers.Trainer.hyperparameter_search(backend="optuna"), one process, trials in turn
-  rt        raytrainer, backend="optuna", 2 Ray workers (DDP) per trial, n_jobs=2 (2 trials at a time)
+  rt        raytrainer, backend="optuna", 2 Ray workers (DDP) per trial, n_jobs=2 (2 trials at a time,
+            on 2 pooled worker groups)
+  rt1       raytrainer, backend="optuna", 2 Ray workers per trial, n_jobs=1: every trial on one warm group
   rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
             per trial (every quarter epoch; grace 1, reduction factor 3 by default)
 
@@ -139,20 +141,24 @@ def side_hf(cfg) -> dict:
             **_study_record(kw, EPOCHS * _steps_per_epoch(train))}
 
 
-def side_rt(cfg) -> dict:
+def side_rt1(cfg) -> dict:
+    return side_rt(cfg, n_jobs=1)
+
+
+def side_rt(cfg, n_jobs: int = 2) -> dict:
     from _common import collate
 
     from raytrainer import Trainer, TrainingArguments
 
     train, test = _data(cfg)
     args = TrainingArguments(eval_strategy="epoch", num_workers=2,
-                             **_common_args(cfg, cfg["workdir"] + "/rt", workers=2))
+                             **_common_args(cfg, cfg["workdir"] + f"/rt{n_jobs}", workers=2))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
                       data_collator=collate, compute_metrics=accuracy)
-    kw = _study(cfg, "rt")
+    kw = _study(cfg, f"rt{n_jobs}")
     best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
                                          n_trials=N_TRIALS, direction="maximize", backend="optuna",
-                                         n_jobs=2, **kw)
+                                         n_jobs=n_jobs, **kw)
     return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
             **_study_record(kw, EPOCHS * _steps_per_epoch(train))}
 
@@ -204,7 +210,7 @@ def main() -> None:
     p.add_argument("--side")
     p.add_argument("--cfg")
     p.add_argument("--side-out")
-    p.add_argument("--sides", default="hf,rt,rt_asha")
+    p.add_argument("--sides", default="hf,rt1,rt,rt_asha")
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--workdir", default=None)

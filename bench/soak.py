@@ -73,9 +73,9 @@ def _one_run(out: str) -> float:
     args = TrainingArguments(output_dir=out, num_workers=2, max_steps=4, save_strategy="steps", save_steps=2,
                              per_device_train_batch_size=4, report_to="none", disable_tqdm=True,
                              log_level="warning")
-    trainer = Trainer(model=Net(), args=args, train_dataset=_data(), eval_dataset=_data(16))
-    trainer.train()
-    return trainer.evaluate()["eval_loss"]
+    with Trainer(model=Net(), args=args, train_dataset=_data(), eval_dataset=_data(16)) as trainer:
+        trainer.train()
+        return trainer.evaluate()["eval_loss"]  # on the same worker group; the with-block closes it
 
 
 def soak(runs: int) -> dict:

@@ -22,8 +22,8 @@ from raytrainer.checkpoint import (
 from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
 from raytrainer.storage import Storage
-from raytrainer.worker.context import RankContext, local_context
-from raytrainer.worker.logs import rank_logging
+from raytrainer.worker.context import local_context
+from raytrainer.worker.rank import run_rank
 
 logger = logging.getLogger(__name__)
 
@@ -104,59 +104,6 @@ def _load_best_model(trainer) -> None:
 
 def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
     load_weights_into(model, model_weights(reader), reader.uri)
-
-
-def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> dict:
-    """What every rank does: take its place, route its logs, run ``method``, hand back its part."""
-    trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
-    trainer._ctx = ctx
-    with rank_logging(trainer.args, ctx.rank, channel):
-        if channel is not None:
-            trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
-            kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
-            if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
-                return {"global_step": 0}
-            _split_callbacks(trainer, ctx, channel)
-        output = getattr(trainer, method)(**kwargs)
-        weights_at = None
-        if method == "train" and channel is not None:
-            weights_at = final_weights.write(trainer, ctx)  # a collective; the weights go to storage
-    if not ctx.is_world_zero:
-        return {"global_step": trainer.state.global_step}
-    return {"output": output, "state": trainer.state.to_dict(), "weights_at": weights_at}
-
-
-def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
-    """Display callbacks run on the driver; rank 0 relays the events they need."""
-    from raytrainer.worker.relay import RelayCallback
-
-    driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
-    for cb in driver_side:
-        trainer.callback_handler.remove_callback(cb)
-    if ctx.is_world_zero:
-        trainer.callback_handler.add_callback(RelayCallback(channel))
-    if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
-        from raytrainer.worker.stop import DriverStopCallback
-
-        # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-        trainer.callback_handler.add_callback(DriverStopCallback(channel.handle, ctx, trainer._attempt))
-
-
-def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
-    """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
-    latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
-    train; driver/failures.py)."""
-    attempt, latest, failed = channel.begin_attempt() if ctx.is_world_zero else (0, None, False)
-    attempt, latest, failed = ctx.broadcast_object((attempt, latest, failed))
-    trainer._attempt = attempt
-    if failed:
-        return None
-    if method == "train" and attempt > 0 and latest:
-        if ctx.is_world_zero:
-            logger.warning("restart %d: resuming from %s", attempt, latest)
-        trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted
-        return {**kwargs, "resume_from_checkpoint": latest}
-    return kwargs
 
 
 def _absorb(trainer, method: str, payload: dict):

@@ -25,9 +25,9 @@ def worker_main(config: dict) -> None:
     """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
     import ray
 
-    from raytrainer.driver.channel import ChannelClient
-    from raytrainer.driver.runner import run_rank
+    from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.context import ray_train_context
+    from raytrainer.worker.rank import run_rank
 
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)

@@ -237,8 +237,8 @@ def test_fsdp2_on_a_one_gpu_nccl_group_matches_one_device(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from raytrainer.driver.runner import run_rank
     from raytrainer.worker.context import RankContext
+    from raytrainer.worker.rank import run_rank
 
     single = Trainer(model=tiny_llama(), args=make_args(tmp_path / "single", max_steps=8),
                      train_dataset=token_data())

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from raytrainer import Trainer, TrainingArguments, final_weights
-from raytrainer.driver.channel import MAX_RESULT_TENSOR_BYTES, refuse_weights
 from raytrainer.strategies.base import Strategy
+from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, refuse_weights
 from raytrainer.worker.context import RankContext
 
 

@@ -1,0 +1,77 @@
+"""The rank's side of its worker group's channel (driver/channel.py): waiting for commands, sending events
+in batches, recording a deterministic failure, handing back the rank's result."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+
+class ChannelClient:
+    """Worker-side sender: buffers events and flushes every ``interval`` seconds or when asked."""
+
+    def __init__(self, handle, rank: int, interval: float = 0.2):
+        self.handle = handle
+        self.rank = rank
+        self.interval = interval
+        self._buffer: list = []
+        self._last = time.monotonic()
+
+    def send(self, kind: str, payload, urgent: bool = False) -> None:
+        self._buffer.append((kind, self.rank, payload))
+        if urgent or time.monotonic() - self._last >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            self.handle.put.remote(self._buffer)
+            self._buffer = []
+        self._last = time.monotonic()
+
+    def begin_attempt(self) -> tuple[int, str | None, bool]:
+        return ray.get(self.handle.begin_attempt.remote())
+
+    def record_fatal(self, error: bytes) -> None:
+        self.flush()
+        ray.get(self.handle.record_fatal.remote(self.rank, error))
+
+    def set_result(self, command_id: int, payload) -> None:
+        refuse_weights(payload)
+        self.flush()
+        ray.get(self.handle.set_result.remote(self.rank, command_id, payload))
+
+    def next_command(self, after: int, poll: float = 60.0) -> tuple | None:
+        """Wait for the group's next command (None: the group is closing). The wait is a pending call on the
+        channel actor, renewed every ``poll`` seconds."""
+        self.flush()
+        while (command := ray.get(self.handle.next_command.remote(after, poll))) is False:
+            pass
+        return command
+
+
+#: The most tensor bytes a result may carry through the channel: metrics and scalars, never a model.
+MAX_RESULT_TENSOR_BYTES = 1 << 20
+
+
+def refuse_weights(payload) -> None:
+    """The channel carries events and small results; weights go through storage (raytrainer.final_weights).
+    A result holding a module or more than MAX_RESULT_TENSOR_BYTES of torch tensors is a bug: refused here,
+    on the worker, before a copy of a model reaches Ray's object store and the driver."""
+    import torch
+
+    total, stack = 0, [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.nn.Module):
+            raise RuntimeError(f"a worker result holds a {type(item).__name__} module: weights go through "
+                               "storage, never the event channel")
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    if total > MAX_RESULT_TENSOR_BYTES:
+        raise RuntimeError(f"a worker result holds {total} bytes of tensors (more than "
+                           f"{MAX_RESULT_TENSOR_BYTES}): weights go through storage, never the event channel")

@@ -1,0 +1,172 @@
+"""Warm workers: one live worker group per Trainer serves train -> evaluate -> predict; search trials run one
+after another on pooled groups, each from a clean slate; a worker lost during a warm call is recovered;
+``close()`` leaves no actor or placement group behind (Ray's state API)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import optuna
+import pytest
+import torch
+from models import DropoutRegressor, Regressor, make_data
+from safetensors.torch import load_file
+
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _args(tmp_path, name: str, **kw) -> TrainingArguments:
+    base = {"output_dir": str(tmp_path / name), "num_workers": 2, "report_to": "none", "disable_tqdm": True,
+            "optim": "sgd", "learning_rate": 0.1, "per_device_train_batch_size": 8, "max_steps": 6,
+            "save_strategy": "no", "max_grad_norm": 0.0}
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _state(ray_session):
+    from ray.util.state import list_actors, list_placement_groups
+
+    address = ray_session.get_runtime_context().gcs_address
+
+    def workers():
+        return sorted((a.actor_id, a.pid) for a in list_actors(
+            address=address, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]))
+
+    def run_actors():
+        return {a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
+                if a.class_name in ("TrainController", "RayTrainWorker", "Channel")}
+
+    def placement_groups():
+        return {p.placement_group_id for p in list_placement_groups(
+            address=address, filters=[("state", "!=", "REMOVED")])}
+
+    return workers, run_actors, placement_groups
+
+
+def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_path, ray_session):
+    """The same two worker processes run train(), evaluate() and predict(); evaluate's loss equals the trained
+    weights' loss computed here; close() ends the controller, the workers, the channel and the placement
+    group."""
+    workers, run_actors, placement_groups = _state(ray_session)
+    before_actors, before_groups = run_actors(), placement_groups()
+    data, held_out = make_data(64), make_data(20, seed=4)
+    trainer = Trainer(model=Regressor(seed=3), args=_args(tmp_path, "warm"), train_dataset=data,
+                      eval_dataset=held_out)
+    trainer.train()
+    after_train = workers()
+    assert len(after_train) == 2
+    metrics = trainer.evaluate()
+    assert workers() == after_train
+    predictions = trainer.predict(held_out)
+    assert workers() == after_train
+
+    trained = trainer.model  # the final weights, from storage
+    with torch.no_grad():
+        x = torch.stack([d["x"] for d in held_out])
+        y = torch.tensor([d["labels"] for d in held_out])
+        logits = trained(x)[0]
+    expected = float(torch.nn.functional.cross_entropy(logits, y))
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(predictions.predictions, logits.numpy(), rtol=1e-5, atol=1e-6)
+
+    trainer.close()
+    assert run_actors() <= before_actors
+    assert placement_groups() <= before_groups
+    # a call after close() starts a new group
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    assert workers() and set(workers()).isdisjoint(after_train)
+    with trainer:  # the with-block closes the group too
+        pass
+    assert run_actors() <= before_actors and placement_groups() <= before_groups
+
+
+class DieOnceInEvaluation(TrainerCallback):
+    """Rank 1's process exits at its first prediction step, once (``output_dir/died`` marks it)."""
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        marker = os.path.join(args.output_dir, "died")
+        if args.process_index == 1 and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)
+
+
+def test_worker_lost_during_a_warm_evaluate_is_recovered(tmp_path, ray_session):
+    """max_failures=1: rank 1 dies in the middle of evaluate() on the live group; Ray Train restarts the
+    group, the evaluation runs again on the new workers and returns the same loss; the group then serves
+    predict()."""
+    workers, run_actors, _ = _state(ray_session)
+    before_actors = run_actors()
+    data, held_out = make_data(64), make_data(20, seed=4)
+    args = _args(tmp_path, "lost", max_failures=1, per_device_eval_batch_size=4)
+    with Trainer(model=Regressor(seed=3), args=args, train_dataset=data, eval_dataset=held_out,
+                 callbacks=[DieOnceInEvaluation()]) as trainer:
+        trainer.train()
+        first = workers()
+        assert not os.path.exists(tmp_path / "lost" / "died")
+        metrics = trainer.evaluate()
+        assert os.path.exists(tmp_path / "lost" / "died")  # rank 1 died once
+        second = workers()
+        assert len(second) == 2 and set(second).isdisjoint(first)  # a restarted group
+        with torch.no_grad():
+            x = torch.stack([d["x"] for d in held_out])
+            y = torch.tensor([d["labels"] for d in held_out])
+            expected = float(torch.nn.functional.cross_entropy(trainer.model(x)[0], y))
+        assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+        assert trainer.predict(held_out).predictions.shape == (20, 3)
+        assert workers() == second
+    assert run_actors() <= before_actors
+
+
+def _hp_space(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 0.01, 0.5, log=True),
+            "seed": trial.suggest_int("seed", 1, 1000),
+            "max_steps": trial.suggest_int("max_steps", 3, 6)}
+
+
+def _search(tmp_path, name: str, n_trials: int, storage: str):
+    trainer = Trainer(model_init=lambda: DropoutRegressor(), train_dataset=make_data(64),
+                      eval_dataset=make_data(20, seed=4),
+                      args=_args(tmp_path, name, save_strategy="steps", save_steps=100, eval_strategy="no"))
+    started = time.monotonic()
+    trainer.hyperparameter_search(hp_space=_hp_space, n_trials=n_trials, backend="optuna",
+                                  direction="minimize", storage=storage, study_name="s", load_if_exists=True,
+                                  sampler=optuna.samplers.RandomSampler(seed=0))
+    return time.monotonic() - started
+
+
+def _final_weights(folder) -> dict:
+    checkpoints = sorted(n for n in os.listdir(folder) if n.startswith("checkpoint-"))
+    return load_file(os.path.join(folder, checkpoints[-1], "model.safetensors"))
+
+
+@pytest.mark.timeout(420)
+def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_session):
+    """5 optuna trials (dropout, different seeds, rates and lengths) run one after another on one live
+    group, in under 60 s; trial 3, run again alone in a search of its own (on a fresh group), ends with
+    bitwise the same weights."""
+    _, run_actors, _ = _state(ray_session)
+    before_actors = run_actors()
+    storage = f"sqlite:///{tmp_path}/pool.db"
+    pooled_s = _search(tmp_path, "pool", 5, storage)
+    assert run_actors() <= before_actors  # the search closes its pool
+    study = optuna.load_study(study_name="s", storage=storage)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 5
+    assert len({t.params["seed"] for t in trials}) == 5
+    assert pooled_s < 60, f"5 trials on a warm group took {pooled_s:.1f}s"
+
+    alone = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path}/alone.db")
+    alone.enqueue_trial(trials[3].params)
+    _search(tmp_path, "alone", 1, f"sqlite:///{tmp_path}/alone.db")
+    pooled = _final_weights(tmp_path / "pool" / "run-3")
+    again = _final_weights(tmp_path / "alone" / "run-0")
+    assert pooled.keys() == again.keys()
+    for key in pooled:
+        assert torch.equal(pooled[key], again[key]), key
+    first = _final_weights(tmp_path / "pool" / "run-0")
+    assert any(not torch.equal(first[k], pooled[k]) for k in pooled)  # the trials did differ
