@@ -13,12 +13,17 @@ from __future__ import annotations
 import gc
 import os
 import random
+import time
 
 import cloudpickle
 import numpy as np
 import torch
 
 from raytrainer.driver import failures
+
+#: When this worker entered the loop and last received and unpickled a command (``time.time()``), for the
+#: start-up breakdown (bench/bench_startup.py).
+TIMES: dict[str, float] = {}
 
 
 def worker_main(config: dict) -> None:
@@ -29,15 +34,18 @@ def worker_main(config: dict) -> None:
     from raytrainer.worker.context import ray_train_context
     from raytrainer.worker.rank import run_rank
 
+    TIMES["entry"] = time.time()
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)
     fresh = ProcessState()
     done = 0
     while (command := client.next_command(done)) is not None:
         command_id, method, (spec_ref,) = command
+        TIMES["command"] = time.time()
         spec, kwargs = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
         trainer = cloudpickle.loads(spec)
         del spec
+        TIMES["spec"] = time.time()
         try:
             payload = run_rank(trainer, ctx, client, method, kwargs)
         except BaseException as exc:

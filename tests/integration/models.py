@@ -321,6 +321,17 @@ class DieOnceOnRank(TrainerCallback):
             os._exit(1)
 
 
+class DieOnceInEvaluation(TrainerCallback):
+    """Rank 1's process exits at its first prediction step, once (``output_dir/died`` marks it)."""
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        marker = os.path.join(args.output_dir, "died")
+        if args.process_index == 1 and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)
+
+
 class DiesWhileSaving(Regressor):
     """Rank 0's process exits half-way through writing ``checkpoint-<step>``'s weights, once (a node lost
     during a save; ``output_dir/died`` marks it). Otherwise it saves as a model without save_pretrained."""

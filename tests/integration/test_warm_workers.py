@@ -11,10 +11,10 @@ import numpy as np
 import optuna
 import pytest
 import torch
-from models import DropoutRegressor, Regressor, make_data
+from models import DieOnceInEvaluation, DropoutRegressor, RecordPid, Regressor, make_data
 from safetensors.torch import load_file
 
-from raytrainer import Trainer, TrainerCallback, TrainingArguments
+from raytrainer import Trainer, TrainingArguments
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -84,17 +84,6 @@ def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_pa
     assert run_actors() <= before_actors and placement_groups() <= before_groups
 
 
-class DieOnceInEvaluation(TrainerCallback):
-    """Rank 1's process exits at its first prediction step, once (``output_dir/died`` marks it)."""
-
-    def on_prediction_step(self, args, state, control, **kwargs):
-        marker = os.path.join(args.output_dir, "died")
-        if args.process_index == 1 and not os.path.exists(marker):
-            with open(marker, "w") as f:
-                f.write(str(os.getpid()))
-            os._exit(1)
-
-
 def test_worker_lost_during_a_warm_evaluate_is_recovered(tmp_path, ray_session):
     """max_failures=1: rank 1 dies in the middle of evaluate() on the live group; Ray Train restarts the
     group, the evaluation runs again on the new workers and returns the same loss; the group then serves
@@ -130,7 +119,7 @@ def _hp_space(trial):
 
 def _search(tmp_path, name: str, n_trials: int, storage: str):
     trainer = Trainer(model_init=lambda: DropoutRegressor(), train_dataset=make_data(64),
-                      eval_dataset=make_data(20, seed=4),
+                      eval_dataset=make_data(20, seed=4), callbacks=[RecordPid()],
                       args=_args(tmp_path, name, save_strategy="steps", save_steps=100, eval_strategy="no"))
     started = time.monotonic()
     trainer.hyperparameter_search(hp_space=_hp_space, n_trials=n_trials, backend="optuna",
@@ -147,8 +136,9 @@ def _final_weights(folder) -> dict:
 @pytest.mark.timeout(420)
 def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_session):
     """5 optuna trials (dropout, different seeds, rates and lengths) run one after another on one live
-    group, in under 60 s; trial 3, run again alone in a search of its own (on a fresh group), ends with
-    bitwise the same weights."""
+    group (the same two worker processes train every trial); trial 3, run again alone in a search of its
+    own (on a fresh group), ends with bitwise the same weights. (The wall time, under 60 s on the project's
+    2-core machine, is a benchmark figure: docs/benchmarks.md.)"""
     _, run_actors, _ = _state(ray_session)
     before_actors = run_actors()
     storage = f"sqlite:///{tmp_path}/pool.db"
@@ -158,7 +148,10 @@ def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_ses
     trials = study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE"] * 5
     assert len({t.params["seed"] for t in trials}) == 5
-    assert pooled_s < 60, f"5 trials on a warm group took {pooled_s:.1f}s"
+    pids = {tuple((tmp_path / "pool" / f"run-{n}" / f"pid-rank{r}").read_text() for r in (0, 1))
+            for n in range(5)}
+    assert len(pids) == 1, pids  # every trial on the same two processes
+    print(f"5 trials on a warm group: {pooled_s:.1f}s")
 
     alone = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path}/alone.db")
     alone.enqueue_trial(trials[3].params)
