@@ -119,7 +119,7 @@ def main() -> None:
     print("| phase | first train() (s) | second train(), same group (s) |")
     print("|---|---|---|")
     for n in names:
-        cells = [("-" if rows[k][n] is None else f"{rows[k][n]:.2f}") for k in ("cold", "warm")]
+        cells = [("-" if rows[k].get(n) is None else f"{rows[k][n]:.2f}") for k in ("cold", "warm")]
         print(f"| {n} | {cells[0]} | {cells[1]} |")
 
 
