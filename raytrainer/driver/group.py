@@ -138,7 +138,7 @@ class WorkerGroup:
             results = self._wait(command)
         except KeyboardInterrupt:
             logger.warning("interrupted: aborting %s on the workers", method)
-            _abort(self.channel)
+            self._end_now()
             raise
         finally:
             pump.stop()
@@ -157,6 +157,17 @@ class WorkerGroup:
                 if results is not None:
                     return results
                 raise self._failure()
+
+    def _end_now(self, timeout: float = 30.0) -> None:
+        """Abort the run through its controller and wait for it to end (Ctrl-C on the driver)."""
+        import ray
+
+        _LIVE.discard(self)
+        channel, self.channel = self.channel, None
+        _abort(channel)
+        self._thread.join(timeout)
+        ray.kill(channel)
+        self._ended = None
 
     def _failure(self) -> BaseException:
         """The error to raise when the run ended during a command: the recorded deterministic failure, else

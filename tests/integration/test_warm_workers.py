@@ -163,3 +163,38 @@ def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_ses
         assert torch.equal(pooled[key], again[key]), key
     first = _final_weights(tmp_path / "pool" / "run-0")
     assert any(not torch.equal(first[k], pooled[k]) for k in pooled)  # the trials did differ
+
+
+def test_ctrl_c_during_a_command_aborts_the_run(tmp_path, ray_session):
+    """SIGINT on the driver while train() runs on the workers (Ray Train's own Ctrl-C handler is not there:
+    fit() runs in a driver thread): KeyboardInterrupt reaches the caller, the run is aborted through its
+    controller, its actors end; the next call starts a new group."""
+    import signal
+    import threading
+
+    _, run_actors, _ = _state(ray_session)
+    before_actors = run_actors()
+    out = tmp_path / "interrupted"
+    args = _args(tmp_path, "interrupted", max_steps=100_000, logging_steps=100_000)
+    trainer = Trainer(model=Regressor(seed=3), args=args, train_dataset=make_data(64),
+                      eval_dataset=make_data(20, seed=4), callbacks=[RecordPid()])
+
+    def interrupt_once_training():
+        for _ in range(1200):
+            if (out / "pid-rank0").exists():
+                time.sleep(1)  # the training loop is running
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=interrupt_once_training, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    for _ in range(30):
+        if run_actors() <= before_actors:
+            break
+        time.sleep(1)
+    assert run_actors() <= before_actors
+    assert not trainer._group.alive
+    assert "eval_loss" in trainer.evaluate()  # on a new group
+    trainer.close()
