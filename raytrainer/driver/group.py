@@ -77,9 +77,16 @@ class WorkerGroup:
         from raytrainer.driver.channel import Channel
 
         _close_unreachable_groups()
+        root = _run_root(self.args)
+        for other in list(_LIVE):
+            if other is not self and _run_root(other.args) == root:
+                # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two
+                # live runs in one folder corrupt each other's (a checkpoint one rotated away is listed).
+                logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
+                            other.name, root)
+                other.close()
         self.channel = Channel.remote()
-        config = {"channel": self.channel, "use_gpu": bool(self.args.use_gpu),
-                  "ray_run_root": _run_root(self.args)}
+        config = {"channel": self.channel, "use_gpu": bool(self.args.use_gpu), "ray_run_root": root}
         self.started_at = time.time()
         self._thread = threading.Thread(target=self._run, args=(config, datasets), daemon=True,
                                         name=f"raytrainer-{self.name}")
