@@ -59,6 +59,9 @@ class WorkerGroup:
         self._commands = itertools.count(1)
         self.started_at: float | None = None
         self.finalizer = None  # closes the group with the Trainer that owns it (attach)
+        self.busy = False  # running a command
+        self.lent = False  # lent to a search trial (GroupPool)
+        self.last_used = 0.0
         self.name = f"group-{next(self._ids)}"
 
     # -- life -------------------------------------------------------------------------------------------
@@ -85,6 +88,7 @@ class WorkerGroup:
                 logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
                             other.name, root)
                 other.close()
+        _make_room(self.args, exclude=self)
         self.channel = Channel.remote()
         config = {"channel": self.channel, "use_gpu": bool(self.args.use_gpu), "ray_run_root": root}
         self.started_at = time.time()
@@ -140,6 +144,7 @@ class WorkerGroup:
         pump = _Pump(self.channel, DriverDisplay(trainer), registry)
         pump.start()
         started = time.time()
+        self.busy = True
         try:
             ray.get(self.channel.submit.remote(command, method, [spec_ref], self.args.num_workers))
             results = self._wait(command)
@@ -148,6 +153,7 @@ class WorkerGroup:
             self._end_now()
             raise
         finally:
+            self.busy, self.last_used = False, time.time()
             pump.stop()
         logger.debug("%s on %d workers took %.2fs", method, self.args.num_workers, time.time() - started)
         return results[0]
@@ -223,6 +229,31 @@ def _abort(channel) -> None:
         logger.debug("abort: %s", exc)
 
 
+def _make_room(args, exclude: WorkerGroup) -> None:
+    """Idle groups of other Trainers hold their workers' resources; when the cluster lacks the CPUs or GPUs
+    a new group needs, close idle ones, least recently used first, until it has them (a closed Trainer's
+    next call starts a group again). Groups running a command or lent to a search trial stay."""
+    import ray
+
+    from raytrainer.driver.ray_runtime import cpus_needed, gpus_needed
+
+    def short() -> bool:
+        free = ray.available_resources()
+        return free.get("CPU", 0) < cpus_needed(args) or free.get("GPU", 0) < gpus_needed(args)
+
+    idle = sorted((g for g in _LIVE if g is not exclude and g.alive and not g.busy and not g.lent),
+                  key=lambda g: g.last_used)
+    while idle and short():
+        group = idle.pop(0)
+        logger.info("closing the idle %s (%d workers) to make room for %d workers", group.name,
+                    group.args.num_workers, args.num_workers)
+        group.close()
+        for _ in range(50):  # Ray releases the placement group's resources asynchronously
+            if not short():
+                break
+            time.sleep(0.1)
+
+
 def _close_unreachable_groups() -> None:
     """Groups of Trainers nothing refers to any more hold workers until the garbage collector finalizes
     them; a new group may need those resources, so collect first."""
@@ -274,10 +305,13 @@ class GroupPool:
                                                     storage_path=self.search_args.storage_path))
         with self._lock:
             self._lent.append(group)
+        group.lent = True
         trainer.__dict__["_group"] = group
 
     def take_back(self, trainer) -> None:
         group = detach(trainer)  # launch() may have replaced the lent group (a failure, other arguments)
+        if group is not None:
+            group.lent = False
         with self._lock:
             self._lent = [g for g in self._lent if g.alive and g is not group]
             if group is not None and (group.alive or not group.started):
