@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -82,7 +83,7 @@ class WorkerGroup:
         _close_unreachable_groups()
         root = _run_root(self.args)
         for other in list(_LIVE):
-            if other is not self and _run_root(other.args) == root:
+            if other is not self and not other.busy and not other.lent and _run_root(other.args) == root:
                 # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two
                 # live runs in one folder corrupt each other's (a checkpoint one rotated away is listed).
                 logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
@@ -279,17 +280,21 @@ def detach(trainer) -> WorkerGroup | None:
 class GroupPool:
     """Live worker groups lent to search trials, one per trial running at a time: a trial borrows a group,
     runs its ``train`` (and ``evaluate``) on it, and gives it back for the next trial. The groups' Ray Train
-    run folder is the search's output folder, which holds every trial's (``run-<trial id>``)."""
+    run folder is a folder of its own in the search's output folder (two live runs must not share one), so
+    the trials' checkpoints are not reported to Ray; raytrainer's own records do not depend on Ray's."""
 
     def __init__(self, search_args):
         self.search_args = search_args
         self._idle: list[WorkerGroup] = []
         self._lent: list[WorkerGroup] = []
         self._lock = threading.Lock()
+        self._numbers = itertools.count()
 
     def lend(self, trainer) -> None:
         """Give a trial's Trainer a group that fits its arguments (one not yet started if none is idle)."""
         import dataclasses
+
+        from raytrainer.storage import join_uri
 
         args = trainer.args
         with self._lock:
@@ -301,8 +306,12 @@ class GroupPool:
         for g in unfit:  # their workers hold what the new group needs
             g.close()
         if group is None:
-            group = WorkerGroup(dataclasses.replace(args, output_dir=self.search_args.output_dir,
-                                                    storage_path=self.search_args.storage_path))
+            # a Ray Train run folder of its own inside the search's (live runs must not share one)
+            name = f".raytrainer-group-{next(self._numbers)}"
+            storage = self.search_args.storage_path
+            group = WorkerGroup(dataclasses.replace(
+                args, output_dir=os.path.join(os.path.abspath(self.search_args.output_dir), name),
+                storage_path=join_uri(storage, name) if storage else None))
         with self._lock:
             self._lent.append(group)
         group.lent = True
