@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 
@@ -188,7 +189,7 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
                        run_config=tune.RunConfig(**run_kwargs))
-    with _tune_output(quiet=run_kwargs["verbose"] == 0):
+    with _tune_output(quiet=run_kwargs["verbose"] == 0), _signal_handlers_restored():
         results = tuner.fit()
     if not any(METRIC in (r.metrics or {}) for r in results):
         errors = [e for e in results.errors if e is not None]
@@ -200,6 +201,22 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     hyperparameters = {k: v for k, v in best.config.items() if k in param_space}
     summary = _summary(trainer, trial_id, hyperparameters, best)
     return BestRun(trial_id, best.metrics[METRIC], hyperparameters, summary)
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored():
+    """``Tuner.fit()`` installs its own SIGINT (and SIGUSR1) handler in the main thread and leaves it there
+    after it returns: the user's next Ctrl-C -- in a later ``trainer.train()``, say -- would only log "ending
+    Ray Tune run" and be swallowed. The process's handlers are put back as they were."""
+    names = [s for s in ("SIGINT", "SIGUSR1") if hasattr(signal, s)]
+    main = threading.current_thread() is threading.main_thread()
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names} if main else {}
+    try:
+        yield
+    finally:
+        for name, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(getattr(signal, name), handler)
 
 
 @contextlib.contextmanager

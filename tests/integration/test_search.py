@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import optuna
 import pytest
@@ -153,6 +154,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     given = []  # what goes into Tune's trial state: the arguments of tune.with_parameters (the real one runs)
     monkeypatch.setattr(tune, "with_parameters",
                         lambda trainable, **kw: given.append(kw) or with_parameters(trainable, **kw))
+    sigint_before = signal.getsignal(signal.SIGINT)
     with caplog.at_level("WARNING", logger="raytrainer"):
         best = trainer.hyperparameter_search(
             hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
@@ -160,6 +162,8 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
                                     reduction_factor=2),
             max_concurrent_trials=2)
     assert "the trials do not push to the Hub" in caplog.text and not (tmp_path / "hub").exists()
+    # Tune's own Ctrl-C handler is gone again: the next Ctrl-C interrupts the caller's next call
+    assert signal.getsignal(signal.SIGINT) is sigint_before is signal.default_int_handler
     console = "".join(capfd.readouterr())  # a line per trial start and end, none of Tune's status tables
     assert console.count(" started: {'learning_rate': ") == 4 and console.count(" trial(s) ended)") == 4
     for tune_table in ("Trial status:", "Configuration for experiment", "Current time:", "View detailed"):
