@@ -1,10 +1,13 @@
 """What both search backends share: ``BestRun``, the default search spaces and objective, turning a trial's
 hyperparameters into TrainingArguments, the picklability preflight, and running one trial.
 
-A trial is a copy of the user's Trainer with the trial's arguments (``output_dir/run-<trial id>``) and the
-model ``model_init(trial)`` built in the process that holds the trial (the search driver for Optuna, the
-Tune trial actor for Ray Tune), so ``model_init`` runs once per trial with the live trial object. The
-copy's ``train()`` is an ordinary raytrainer run on fresh Ray workers. A driver-side ``TrialReporter``
+A trial is a copy of the user's Trainer with the trial's arguments (``output_dir/run-<trial id>``). With
+``num_workers > 0`` its model is built by ``model_init(trial)`` on each of the trial's workers, as in any
+run with ``model_init``: no trial's weights are built on, or cross, the process that holds the trial (the
+search driver for Optuna, the Tune trial actor for Ray Tune). The workers get a picklable stand-in for the
+trial (``worker_trial``): Tune's config dict as it is, an Optuna trial as a ``FixedTrial`` of its
+parameters. With ``num_workers=0`` the model is built in this process with the live trial. The copy's
+``train()`` is an ordinary raytrainer run (on the search's pooled workers). A driver-side ``TrialReporter``
 (``on_driver = True``) sees each evaluation's metrics, reports the objective to the backend and, when
 the backend prunes the trial, asks the workers to stop (``may_stop_training``, see worker/stop.py).
 """
@@ -19,6 +22,7 @@ import json
 import logging
 import os
 import posixpath
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -237,6 +241,36 @@ class TrialReporter(TrainerCallback):
             control.should_training_stop = True
 
 
+class EvaluateAtTheEnd(TrainerCallback):
+    """A trial that has not evaluated by its last step evaluates there, on its workers: its objective is the
+    last evaluation's, and HF evaluates once after ``train()`` when training never did. Here the trained
+    model stays where it is instead of coming back to the driver to be shipped out again."""
+
+    same_on_every_rank = True  # global_step, max_steps and the evaluations are the same on every rank
+
+    def __init__(self):
+        self.evaluated = False
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.evaluated = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.evaluated and state.max_steps and state.global_step >= state.max_steps:
+            control.should_evaluate = True
+
+
+def worker_trial(trial):
+    """The trial as ``model_init(trial)`` gets it on the workers, picklable: Tune's config dict as it is;
+    a live Optuna trial (it holds its study's storage) as a ``FixedTrial`` of the parameters ``hp_space``
+    suggested, whose ``params``, ``number`` and ``suggest_*`` of those names answer as the live trial's do."""
+    optuna = sys.modules.get("optuna")
+    if optuna is None or not isinstance(trial, optuna.trial.Trial):
+        return trial
+    from raytrainer.search.suggested_trial import SuggestedTrial
+
+    return SuggestedTrial(dict(trial.params), trial.number)
+
+
 def build_model(trainer, trial, seed: int):
     """model_init(trial) under the trial's seed (HF seeds before model_init), without disturbing the
     caller's random state."""
@@ -250,18 +284,25 @@ def build_model(trainer, trial, seed: int):
 
 
 def trial_trainer(trainer, args, model, reporter: TrialReporter):
-    """A copy of ``trainer`` for one trial: its arguments, its model, its own callbacks and state."""
+    """A copy of ``trainer`` for one trial: its arguments, its model, its own callbacks and state.
+
+    ``model=None``: the trial's workers build it with ``model_init``; the copy keeps the caller's instance
+    (HF's ``model_init()`` one, from ``Trainer.__init__``) for the driver's checks only -- it never trains."""
     from raytrainer import data as rdata
 
     t = copy.copy(trainer)
     t.args = args
-    t.model = t.model_wrapped = model
-    t.model_init = None  # the model is built already, with the trial; the workers must not rebuild it
+    if model is not None:
+        t.model = t.model_wrapped = model
+        t.model_init = None  # the model is built already, with the trial; the workers must not rebuild it
+    model = t.model
     t.optimizer = t.lr_scheduler = None
     t.label_names = args.label_names or rdata.default_label_names(model)
     t.can_return_loss = t.label_names == [] or "return_loss" in inspect.signature(model.forward).parameters
-    callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, TrialReporter)]
-    t.callback_handler = CallbackHandler([*copy.deepcopy(callbacks), reporter], model, t.processing_class)
+    callbacks = [c for c in trainer.callback_handler.callbacks
+                 if not isinstance(c, (TrialReporter, EvaluateAtTheEnd))]
+    t.callback_handler = CallbackHandler([*copy.deepcopy(callbacks), EvaluateAtTheEnd(), reporter], model,
+                                         t.processing_class)
     t.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
     t.control = TrainerControl()
     for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
@@ -279,20 +320,27 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     evaluate() when training never evaluated."""
     arg_values, _ = split_hyperparameters(trainer, params, warn=False)
     args = trial_args(trainer.args, arg_values, trial_id)
-    model = build_model(trainer, trial, args.seed)
+    on_workers = bool(args.num_workers)  # the workers build the model (model_init with worker_trial)
     reporter = reporter or TrialReporter(compute_objective, report)
-    t = trial_trainer(trainer, args, model, reporter)
+    t = trial_trainer(trainer, args, None if on_workers else build_model(trainer, trial, args.seed), reporter)
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay
     t._resume_with_new_hyperparameters = resume_from_checkpoint is not None
-    if pool is not None and args.num_workers:
+    if pool is not None and on_workers:
         pool.lend(t)
     try:
-        t.train(resume_from_checkpoint=resume_from_checkpoint)
+        t.train(resume_from_checkpoint=resume_from_checkpoint,
+                trial=worker_trial(trial) if on_workers else None)
+        # the trained weights stay in storage: t.model is the caller's instance, never to be filled with them
+        trained = t.__dict__.pop("_pending_weights", None) if on_workers else None
         if not reporter.evaluations and not reporter.pruned:
+            # a callback stopped training before EvaluateAtTheEnd's last step: evaluate the final weights
+            if trained is not None:
+                t.model = t.model_wrapped = build_model(trainer, trial, args.seed)
+                trained(t.model)
             t.evaluate()
     finally:
-        if pool is not None and args.num_workers:
+        if pool is not None and on_workers:
             pool.take_back(t)
         else:
             t.close()

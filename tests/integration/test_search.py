@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import optuna
 import pytest
@@ -29,13 +30,15 @@ def _args(tmp_path, **kw) -> TrainingArguments:
 
 
 def _record_model_init(folder: str):
-    """model_init(trial) that leaves one file per call (it runs in the trial's driver process)."""
+    """model_init(trial) that leaves one file per call with the trial it got and the process it ran in."""
 
     def model_init(trial):
         if trial is not None:
             lr = trial.params["learning_rate"] if hasattr(trial, "params") else trial["learning_rate"]
-            with open(os.path.join(folder, f"init-{os.getpid()}-{len(os.listdir(folder))}.json"), "w") as f:
-                json.dump({"type": type(trial).__name__, "learning_rate": lr}, f)
+            if hasattr(trial, "suggest_float"):  # an Optuna trial answers a suggestion hp_space made
+                assert trial.suggest_float("learning_rate", 0.0, 1.0) == lr
+            with open(os.path.join(folder, f"init-{os.getpid()}-{time.time_ns()}.json"), "w") as f:
+                json.dump({"type": type(trial).__name__, "learning_rate": lr, "pid": os.getpid()}, f)
         return Regressor()
 
     return model_init
@@ -104,9 +107,12 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
     assert [os.path.basename(p) for p in good.checkpoints] == ["checkpoint-40"]
     assert best.run_summary.best_checkpoint == str(tmp_path / "search" / "run-0" / "checkpoint-40")
     assert os.path.exists(os.path.join(best.run_summary.best_checkpoint, "manifest.json"))
-    # model_init: once per trial, in the driver, with the optuna trial
-    assert sorted((c["type"], c["learning_rate"]) for c in _calls(str(calls))) == [("Trial", 0.0),
-                                                                                 ("Trial", 0.5)]
+    # model_init: on each of the trial's 2 workers (never in this driver), with the trial's parameters
+    made = _calls(str(calls))
+    assert sorted((c["type"], c["learning_rate"]) for c in made) == [("SuggestedTrial", 0.0)] * 2 + [
+        ("SuggestedTrial", 0.5)] * 2
+    assert os.getpid() not in {c["pid"] for c in made}
+    assert all(len({c["pid"] for c in made if c["learning_rate"] == lr}) == 2 for lr in (0.0, 0.5))
 
 
 TOKEN = "hf_planted_tune_token_5e1f"
@@ -191,6 +197,8 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     assert summary.best_checkpoint.startswith(f"{storage}/run-{best.run_id}/checkpoint-")
     committed = s3_bucket.committed(f"search/run-{best.run_id}")  # manifests match the objects
     assert summary.best_checkpoint.rsplit("/", 1)[1] in committed
-    # model_init: once per trial, with the Tune config dict
-    assert sorted(c["learning_rate"] for c in _calls(str(calls))) == sorted(rates)
-    assert {c["type"] for c in _calls(str(calls))} == {"dict"}
+    # model_init: on each of the trial's 2 workers (not in the Tune trial actor), with the Tune config dict
+    made = _calls(str(calls))
+    assert sorted(c["learning_rate"] for c in made) == sorted(rates * 2)
+    assert {c["type"] for c in made} == {"dict"}
+    assert all(len({c["pid"] for c in made if c["learning_rate"] == lr}) == 2 for lr in rates)

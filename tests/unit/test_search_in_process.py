@@ -259,3 +259,38 @@ def test_preflight_names_the_unpicklable_object(make_args, make_examples):
     with pytest.raises(ValueError, match="hp_space"):
         Trainer(model_init=_tiny, args=args, train_dataset=data).hyperparameter_search(
             hp_space=lambda t, _lock=lock: {}, n_trials=1)
+
+
+def test_the_workers_get_a_picklable_trial_that_answers_as_the_live_one(tmp_path):
+    """With num_workers > 0, model_init(trial) runs on the trial's workers: an Optuna trial reaches them as a
+    SuggestedTrial of hp_space's parameters (the live one holds the study's storage); Tune's dict as is."""
+    import cloudpickle
+
+    from raytrainer.search.common import worker_trial
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    live = study.ask()
+    lr = live.suggest_float("learning_rate", 1e-3, 0.5, log=True)
+    width = live.suggest_int("width", 2, 8)
+    sent = cloudpickle.loads(cloudpickle.dumps(worker_trial(live)))
+    assert type(sent).__name__ == "SuggestedTrial" and sent.number == live.number == 0
+    assert sent.params == {"learning_rate": lr, "width": width}
+    assert sent.suggest_float("learning_rate", 1e-3, 0.5, log=True) == lr
+    assert sent.suggest_int("width", 2, 8) == width
+    with pytest.raises(ValueError, match=r"model_init asked the trial for 'depth', which hp_space did not "
+                                         r"suggest.*Suggest 'depth' in hp_space"):
+        sent.suggest_int("depth", 1, 3)
+    config = {"learning_rate": 0.1}
+    assert worker_trial(config) is config and worker_trial(None) is None
+
+
+def test_a_trial_that_never_evaluated_evaluates_at_its_last_step(make_args, make_examples):
+    """HF evaluates once after train() when a trial never did; raytrainer does it at the last step, where
+    the model is (EvaluateAtTheEnd), so that evaluation is the trial's objective and the only one."""
+    data, _, _ = make_examples(32)
+    trainer = _trainer(make_args, data, lambda: TinyClassifier(), max_steps=3, eval_strategy="no")
+    trainer.hyperparameter_search(hp_space=_space, n_trials=1)
+    summary = TrialSummary.load(f"{trainer.args.output_dir}/run-0")
+    assert [e["step"] for e in summary.evaluations] == [3]
+    assert summary.objective == summary.evaluations[0]["objective"] == summary.evaluations[0]["metrics"][
+        "eval_loss"]
