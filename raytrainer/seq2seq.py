@@ -7,14 +7,16 @@ remaining difference in length with -100 (transformers' padding index across pro
 ``compute_metrics`` receives the generated ids and the labels exactly as transformers gives them, and the
 examples' ``tokenizer.batch_decode`` + BLEU / ROUGE code runs unchanged.
 
-Strategies whose forward gathers sharded parameters (DeepSpeed ZeRO-3: ``Strategy.gathers_in_forward``)
+Strategies whose forward gathers sharded parameters (FSDP, DeepSpeed ZeRO-3: ``Strategy.gathers_in_forward``)
 generate with ``synced_gpus=True``: every rank keeps calling the model until the longest sequence of any rank
-ends, so the collectives inside each forward line up. FSDP cannot generate yet
-(``Strategy.generation_unsupported``): refused on the driver, naming why.
+ends, so the collectives inside each forward line up. ``generate`` runs in ``Strategy.generation_context``:
+under FSDP the root unit's parameters (the shared embedding) are gathered for the call, since ``generate``
+calls the encoder and decoder directly and never the root's forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -109,28 +111,9 @@ class Seq2SeqTrainer(Trainer):
             gen_kwargs["num_beams"] = num_beams
         return gen_kwargs
 
-    def _check_generation(self) -> None:
-        """On the driver, before any worker starts: can this run's strategy generate?"""
-        from raytrainer.strategies import strategy_class
-
-        if not getattr(self.args, "predict_with_generate", False):
-            return
-        strategy = strategy_class(self.args, max(self.args.num_workers, 1))
-        if strategy.generation_unsupported:
-            raise ValueError(
-                f"predict_with_generate=True under {strategy.name}: not supported yet -- "
-                f"{strategy.generation_unsupported}. Evaluate with generation in a run without "
-                f"{strategy.name} (DDP or DeepSpeed), or set predict_with_generate=False.")
-
-    def train(self, *args, **kwargs):
-        if not self._on_rank:
-            self._check_generation()  # evaluations during training generate
-        return super().train(*args, **kwargs)
-
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval", **gen_kwargs) -> dict[str, float]:
         if not self._on_rank:
-            self._check_generation()
             return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
@@ -139,7 +122,6 @@ class Seq2SeqTrainer(Trainer):
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
                 **gen_kwargs):
         if not self._on_rank:
-            self._check_generation()
             return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
@@ -166,7 +148,7 @@ class Seq2SeqTrainer(Trainer):
             generation_inputs = {k: v for k, v in inputs.items()
                                  if k not in ("decoder_input_ids", "decoder_attention_mask")}
         generator = self.model
-        with torch.no_grad():
+        with torch.no_grad(), self._generating(generator):
             generated = generator.generate(**generation_inputs, **gen_kwargs)
         gen_config = generator.generation_config
         if getattr(gen_config, "_from_model_config", False):
@@ -193,6 +175,30 @@ class Seq2SeqTrainer(Trainer):
             if label_target is not None:
                 labels = self._pad_tensors_to_max_len(labels, label_target)
         return loss, generated, labels
+
+    @contextlib.contextmanager
+    def _generating(self, model):
+        """``generate()`` as transformers' Trainer runs it, on this rank's strategy. With bf16 / fp16 the
+        model's own forward runs in autocast with fp32 outputs (accelerate wraps the prepared model's
+        forward so): the decoder steps, which call that forward, autocast; the encoder, which ``generate``
+        calls directly, does not -- the same ids as transformers'. The strategy's ``generation_context``
+        (FSDP: gather the root unit's parameters) around the call."""
+        strategy = self._strategy
+        if strategy is None:
+            yield
+            return
+        own = model.__dict__.get("forward")  # a forward set on the instance already (rare): put back after
+        wrapped = strategy.precision.forward_in_autocast(model.forward)
+        if wrapped is not None:
+            model.forward = wrapped  # an instance attribute: the module's hooks still run around it
+        try:
+            with strategy.generation_context(model):
+                yield
+        finally:
+            if wrapped is not None:
+                model.__dict__.pop("forward", None)
+                if own is not None:
+                    model.forward = own
 
     def _pad_tensors_to_max_len(self, tensor: torch.Tensor, max_length: int) -> torch.Tensor:
         processing = self.processing_class

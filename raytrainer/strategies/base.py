@@ -20,8 +20,6 @@ class Strategy:
     #: Whether the model's forward gathers parameters sharded across ranks (a collective in every forward):
     #: then every rank must run the same number of forwards, as ``generate(synced_gpus=True)`` does.
     gathers_in_forward = False
-    #: Why ``generate`` cannot run under this strategy yet (Seq2SeqTrainer refuses on the driver); None: can.
-    generation_unsupported: str | None = None
 
     def __init__(self, ctx: RankContext, args):
         from raytrainer.strategies.precision import select_precision
@@ -55,6 +53,11 @@ class Strategy:
     def eval_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module evaluation and prediction run: no collective may hide in its forward."""
         return self.unwrap(model)
+
+    def generation_context(self, model: torch.nn.Module):
+        """What ``model.generate()`` runs in on this rank (Seq2SeqTrainer): ``generate`` calls submodules
+        (an encoder, a decoder) directly rather than the wrapped model's forward. Nothing by default."""
+        return contextlib.nullcontext()
 
     # -- one optimizer step ----------------------------------------------------------------------
     def no_sync(self, model: torch.nn.Module, sync: bool):

@@ -35,9 +35,6 @@ def _full_options():
 class FSDPStrategy(Strategy):
     name = "fsdp"
     gathers_in_forward = True
-    generation_unsupported = (
-        "generate() calls the model's encoder and decoder directly, not the FSDP root's forward, so the "
-        "parameters the root unit holds (the shared embedding) stay sharded")
 
     def __init__(self, ctx, args):
         super().__init__(ctx, args)
@@ -49,6 +46,23 @@ class FSDPStrategy(Strategy):
             from raytrainer.strategies.dcp import OPTIMIZER_DIR
 
             self.sharded_state_dir = OPTIMIZER_DIR
+
+    @contextlib.contextmanager
+    def generation_context(self, model):
+        """``generate()`` calls the encoder and decoder directly, never the root's forward, whose hooks gather
+        the parameters the root unit holds (a shared embedding, a tied LM head, the final norms): gathered
+        for the whole call and freed after. Each inner unit (a layer) still gathers its own parameters in
+        its forward, one layer at a time, as in training."""
+        from torch.distributed.fsdp import FSDPModule
+
+        root = model if isinstance(model, FSDPModule) else None
+        if root is not None:
+            root.unshard()
+        try:
+            yield
+        finally:
+            if root is not None:
+                root.reshard()
 
     def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
         from raytrainer.strategies.dcp import save_optimizer

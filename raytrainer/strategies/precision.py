@@ -19,6 +19,11 @@ class Precision:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def forward_in_autocast(self, forward):
+        """``forward`` as accelerate's prepared model runs it -- in autocast, floating outputs cast back to
+        fp32 -- through which transformers' Trainer generates; None: no autocast, nothing to wrap."""
+        return None
+
     def convert_input(self, data):
         """Inputs as the model expects them (an engine that casts the module casts floating inputs)."""
         return data
@@ -46,6 +51,11 @@ class AutocastPrecision(Precision):
 
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def forward_in_autocast(self, forward):
+        from accelerate.utils import convert_outputs_to_fp32
+
+        return convert_outputs_to_fp32(self.autocast()(forward))
 
 
 class Fp16Precision(AutocastPrecision):

@@ -1,5 +1,5 @@
 """Seq2SeqTrainer on 2 Ray workers: predict_with_generate returns, in dataset order, the ids one process
-generates with the same weights (DDP); the translation example runs on 2 workers."""
+generates with the same weights (DDP, FSDP, ZeRO-3); the translation example runs on 2 workers."""
 
 from __future__ import annotations
 
@@ -28,11 +28,21 @@ def _trainer(tmp_path, state, num_workers: int, **kw):
     return Seq2SeqTrainer(model=tiny_t5(state), args=args, compute_metrics=token_accuracy)
 
 
+_ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+          "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}}
+
+
 @pytest.mark.timeout(600)
-def test_generation_on_two_workers_equals_one_process(tmp_path, trained):
+@pytest.mark.parametrize("strategy", [{}, {"fsdp": "full_shard auto_wrap"}, {"deepspeed": _ZERO3}],
+                         ids=["ddp", "fsdp", "zero3"])
+def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strategy):
+    """Under FSDP each rank holds half of every T5 block and of the root unit (the shared embedding, the tied
+    LM head): generate() gathers the root's for the call and each block's in its own forward; under ZeRO-3
+    every forward gathers its layers' partitions. Both generate with synced_gpus (the ranks' sequences end
+    at different steps), and the ids equal one process's exactly."""
     data = reversal_pairs(13)  # not a multiple of 2 ranks x 3: the last batches are padded and cut
     one = _trainer(tmp_path, trained, 0).predict(data, num_beams=2, max_length=6)
-    two = _trainer(tmp_path, trained, 2).predict(data, num_beams=2, max_length=6)
+    two = _trainer(tmp_path, trained, 2, **strategy).predict(data, num_beams=2, max_length=6)
     assert len(np.unique(one.predictions)) > 5  # varied ids, not a column of pads
     assert two.predictions.shape == one.predictions.shape == (13, 20)  # padded to the config's max_length
     np.testing.assert_array_equal(two.predictions, one.predictions)

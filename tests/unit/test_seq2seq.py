@@ -131,11 +131,41 @@ def test_training_with_generated_metrics_keeps_the_best_and_saves_the_generation
     assert final.predictions.shape[1] == 9  # generated with the configured max_length
 
 
-def test_generation_under_fsdp_is_refused_on_the_driver_naming_why(tmp_path):
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), num_workers=2, fsdp="full_shard",
-                                    predict_with_generate=True, report_to="none")
-    trainer = Seq2SeqTrainer(model=tiny_t5(), args=args)
-    for call in (lambda: trainer.predict(reversal_pairs(4)), lambda: trainer.evaluate(reversal_pairs(4))):
-        with pytest.raises(ValueError, match=r"predict_with_generate=True under fsdp: not supported yet -- "
-                                             r"generate\(\) calls the model's encoder"):
-            call()
+def test_bf16_autocast_generation_matches_transformers(tmp_path, trained):
+    """bf16=True: the loss forward runs under CPU bf16 autocast in both trainers; generate() runs outside it
+    (as transformers does), so the generated ids equal transformers' exactly."""
+    ours, theirs = both(tmp_path, trained, bf16=True)
+    data = reversal_pairs(12)
+    mine, ref = ours.predict(data, num_beams=2), theirs.predict(data, num_beams=2)
+    assert len(np.unique(mine.predictions)) > 5
+    np.testing.assert_array_equal(mine.predictions, ref.predictions)
+    np.testing.assert_array_equal(mine.label_ids, ref.label_ids)
+    assert mine.metrics["test_loss"] == pytest.approx(ref.metrics["test_loss"], rel=1e-6)
+    plain, _ = both(tmp_path / "fp32", trained)
+    # autocast did run: the bf16 loss differs from the fp32 one, by bf16's rounding only
+    fp32_loss = plain.predict(data, num_beams=2).metrics["test_loss"]
+    assert mine.metrics["test_loss"] != fp32_loss
+    assert mine.metrics["test_loss"] == pytest.approx(fp32_loss, rel=2e-2)
+
+
+def test_the_generation_config_is_pushed_with_the_model(tmp_path, trained):
+    """push_to_hub: generation_config.json (the configured max_length and beams) goes to the repository with
+    the weights, so the pushed model generates as it was evaluated."""
+    import json
+
+    from transformers import GenerationConfig
+
+    repo = tmp_path / "hub" / "t5"
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "out"), num_workers=0, max_steps=2, per_device_train_batch_size=8,
+        save_strategy="steps", save_steps=2, push_to_hub=True, hub_model_id=f"file://{repo}",
+        hub_strategy="end", predict_with_generate=True,
+        generation_config=GenerationConfig(max_length=7, num_beams=3, decoder_start_token_id=0,
+                                           pad_token_id=0, eos_token_id=1),
+        report_to="none", disable_tqdm=True)
+    trainer = Seq2SeqTrainer(model=tiny_t5(trained), args=args, train_dataset=reversal_pairs(16, seed=11))
+    trainer.train()
+    trainer.push_to_hub()
+    pushed = json.loads((repo / "main" / "generation_config.json").read_text())
+    assert pushed["max_length"] == 7 and pushed["num_beams"] == 3
+    assert (repo / "main" / "model.safetensors").exists()
