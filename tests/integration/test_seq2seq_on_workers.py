@@ -41,8 +41,17 @@ def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strateg
     every forward gathers its layers' partitions. Both generate with synced_gpus (the ranks' sequences end
     at different steps), and the ids equal one process's exactly."""
     data = reversal_pairs(13)  # not a multiple of 2 ranks x 3: the last batches are padded and cut
-    one = _trainer(tmp_path, trained, 0).predict(data, num_beams=2, max_length=6)
-    two = _trainer(tmp_path, trained, 2, **strategy).predict(data, num_beams=2, max_length=6)
+    single, workers = _trainer(tmp_path, trained, 0), _trainer(tmp_path, trained, 2, **strategy)
+    greedy_one, greedy_two = single.predict(data), workers.predict(data)  # greedy, the config's max_length
+    np.testing.assert_array_equal(greedy_two.predictions, greedy_one.predictions)
+    assert len(np.unique(greedy_one.predictions)) > 5
+    # evaluate() honours its generation arguments on the workers: the same metrics as one process
+    scored_one = single.evaluate(data, max_length=4, num_beams=2)
+    scored_two = workers.evaluate(data, max_length=4, num_beams=2)
+    assert scored_two["eval_token_accuracy"] == scored_one["eval_token_accuracy"]
+    assert scored_one["eval_token_accuracy"] != single.evaluate(data)["eval_token_accuracy"]  # max_length bit
+    one = single.predict(data, num_beams=2, max_length=6)
+    two = workers.predict(data, num_beams=2, max_length=6)
     assert len(np.unique(one.predictions)) > 5  # varied ids, not a column of pads
     assert two.predictions.shape == one.predictions.shape == (13, 20)  # padded to the config's max_length
     np.testing.assert_array_equal(two.predictions, one.predictions)
