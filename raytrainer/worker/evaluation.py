@@ -1,7 +1,7 @@
 """Evaluation and prediction across ranks, returning what one process would have returned.
 
-Each rank runs ``prediction_step`` over its blocks (see ``raytrainer.data``), keeps predictions on the
-host (every ``eval_accumulation_steps`` when set, else at the end), and sends them to rank 0, which
+Each rank runs ``prediction_step`` over its blocks (see ``raytrainer.data``) and sends its predictions to
+rank 0 every ``eval_accumulation_steps`` steps when set, else at the end (``_Gatherer``); rank 0
 restores dataset order, cuts the padding, pads variable-length outputs with -100 and computes metrics.
 The metrics are then broadcast, so every rank's callbacks see the same numbers.
 """
@@ -78,27 +78,48 @@ def nested_unshard(per_rank: list, batch_size: int, num_examples: int):
 
 
 class _Accumulator:
-    """Device-side parts flushed to host numpy every ``every`` steps (or at the end)."""
+    """One output's device-side parts, moved to host numpy when flushed."""
 
-    def __init__(self, every: int | None):
-        self.every = every
+    def __init__(self):
         self.device_parts: list = []
-        self.host_parts: list = []
 
-    def add(self, value, step: int) -> None:
-        if value is None:
-            return
-        self.device_parts.append(value)
+    def add(self, value) -> None:
+        if value is not None:
+            self.device_parts.append(value)
+
+    def take(self) -> list:
+        """The parts so far, on the host; the accumulator is empty after."""
+        parts, self.device_parts = self.device_parts, []
+        return [_to_numpy(p) for p in parts]
+
+
+class _Gatherer:
+    """The outputs' parts go to rank 0 at every flush -- every ``eval_accumulation_steps`` steps when set and
+    every rank runs the same steps (raytrainer's evaluation loader), else once at the end -- so a rank other
+    than 0 holds at most one flush's predictions, and rank 0 receives them as the evaluation goes rather than
+    in one object at the end. Rank 0 keeps each rank's parts in rank order for ``nested_unshard``."""
+
+    def __init__(self, ctx, accumulators: list[_Accumulator], every: int | None):
+        self.ctx, self.accumulators, self.every = ctx, accumulators, every
+        self.per_rank = [[[] for _ in accumulators] for _ in range(ctx.world_size)]  # rank -> output -> parts
+
+    def step_done(self, step: int) -> None:
         if self.every and (step + 1) % self.every == 0:
             self.flush()
 
     def flush(self) -> None:
-        self.host_parts.extend(_to_numpy(p) for p in self.device_parts)
-        self.device_parts = []
+        gathered = self.ctx.gather_object([acc.take() for acc in self.accumulators])
+        for rank, outputs in enumerate(gathered or []):
+            for parts, new in zip(self.per_rank[rank], outputs):
+                parts.extend(new)
 
-    def result(self):
+    def results(self) -> list[list] | None:
+        """On rank 0: for each output, every rank's concatenated parts (None where it had none)."""
         self.flush()
-        return nested_concat(self.host_parts) if self.host_parts else None
+        if not self.ctx.is_world_zero:
+            return None
+        return [[nested_concat(rank[i]) if rank[i] else None for rank in self.per_rank]
+                for i in range(len(self.accumulators))]
 
 
 def evaluation_loop(trainer, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
@@ -119,14 +140,18 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     keep_preds = not (stream and description != "Prediction")
     n_batches = len(dataloader) if stream else None
     batch_metrics, seen = None, 0
-    losses, preds, labels, inputs_acc = (_Accumulator(args.eval_accumulation_steps) for _ in range(4))
+    accumulators = [_Accumulator() for _ in range(4)]
+    losses, preds, labels, inputs_acc = accumulators
+    ours = _num_real_examples(dataloader, counted=False) is not None  # else the user's: ranks may differ
+    every = args.eval_accumulation_steps if ours else None
+    gatherer = _Gatherer(ctx, accumulators, every)
     for step, inputs in enumerate(dataloader):
         batch_inputs = inputs.get("input_ids") if "inputs" in include else None
         loss, logits, label_ids = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         batch_size = batch_size_of(inputs)
         seen += batch_size
         batch_losses = loss.detach().reshape(1).repeat(batch_size) if loss is not None else None
-        losses.add(batch_losses, step)
+        losses.add(batch_losses)
         if logits is not None and trainer.preprocess_logits_for_metrics is not None:
             logits = trainer.preprocess_logits_for_metrics(logits, label_ids)
         if stream and logits is not None and label_ids is not None:
@@ -134,23 +159,22 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
                 predictions=logits, label_ids=label_ids, inputs=batch_inputs,
                 losses=batch_losses if "loss" in include else None), compute_result=step == n_batches - 1)
         if keep_preds:
-            preds.add(logits, step)
-            labels.add(label_ids, step)
-            inputs_acc.add(batch_inputs, step)
+            preds.add(logits)
+            labels.add(label_ids)
+            inputs_acc.add(batch_inputs)
+        gatherer.step_done(step)
         trainer.control = handler.on_prediction_step(args, trainer.state, trainer.control)
 
-    local = [acc.result() for acc in (losses, preds, labels, inputs_acc)]
     num_examples = _num_real_examples(dataloader)
     if num_examples is None:  # a loader of the user's own (get_eval_dataloader overridden): what it yielded
         num_examples = int(ctx.sum([float(seen)])[0])
-    gathered = ctx.gather_object(local)
+    gathered = gatherer.results()
 
     metrics = None
     if ctx.is_world_zero:
         batch_size = getattr(dataloader, "batch_size", None) or args.eval_batch_size
         all_losses, all_preds, all_labels, all_inputs = (
-            nested_unshard([g[i] for g in gathered], batch_size, num_examples) for i in range(4)
-        )
+            nested_unshard(per_rank, batch_size, num_examples) for per_rank in gathered)
         mean_loss = float(np.mean(all_losses)) if all_losses is not None and len(all_losses) else None
         if not args.eval_do_concat_batches:  # transformers' lists, one entry per batch (of one process)
             all_losses, all_preds, all_labels, all_inputs = (
@@ -228,9 +252,13 @@ def _metrics_by_batch(trainer, preds, labels, inputs, losses, include, batch_siz
     return dict(result or {})
 
 
-def _num_real_examples(dataloader) -> int | None:
+def _num_real_examples(dataloader, counted: bool = True) -> int | None:
+    """The real examples of raytrainer's evaluation loader (a stream's are counted as it is read: known
+    after the loop; ``counted=False`` asks only whether the loader is raytrainer's); None: the user's own."""
     sampler = getattr(dataloader, "sampler", None)
     if hasattr(sampler, "num_examples"):
         return sampler.num_examples
     dataset = getattr(dataloader, "dataset", None)
-    return dataset.num_real if hasattr(dataset, "num_real") else None
+    if not hasattr(dataset, "num_real"):
+        return None
+    return dataset.num_real if counted else 0

@@ -41,7 +41,10 @@ def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strateg
     every forward gathers its layers' partitions. Both generate with synced_gpus (the ranks' sequences end
     at different steps), and the ids equal one process's exactly."""
     data = reversal_pairs(13)  # not a multiple of 2 ranks x 3: the last batches are padded and cut
-    single, workers = _trainer(tmp_path, trained, 0), _trainer(tmp_path, trained, 2, **strategy)
+    # eval_accumulation_steps=2: each rank sends its sequences to rank 0 every 2 batches (of 3 rows, the last
+    # one cut), and rank 0 puts the variable-length parts back in dataset order
+    single = _trainer(tmp_path, trained, 0)
+    workers = _trainer(tmp_path, trained, 2, eval_accumulation_steps=2, **strategy)
     greedy_one, greedy_two = single.predict(data), workers.predict(data)  # greedy, the config's max_length
     np.testing.assert_array_equal(greedy_two.predictions, greedy_one.predictions)
     assert len(np.unique(greedy_one.predictions)) > 5
