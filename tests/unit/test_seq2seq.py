@@ -169,3 +169,31 @@ def test_the_generation_config_is_pushed_with_the_model(tmp_path, trained):
     pushed = json.loads((repo / "main" / "generation_config.json").read_text())
     assert pushed["max_length"] == 7 and pushed["num_beams"] == 3
     assert (repo / "main" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kw", [{"prediction_loss_only": True}, {"eval_accumulation_steps": 2},
+                                {"include_for_metrics": ["inputs", "loss"]}],
+                         ids=["prediction_loss_only", "eval_accumulation_steps", "include_for_metrics"])
+def test_evaluation_options_match_transformers(tmp_path, trained, kw):
+    """The evaluation options the example scripts use, with generation: the same outputs as transformers'."""
+    seen = {}
+
+    def metrics(p):
+        seen.setdefault("inputs", []).append(None if p.inputs is None else np.asarray(p.inputs).shape)
+        seen.setdefault("losses", []).append(None if p.losses is None else np.asarray(p.losses).shape)
+        return token_accuracy(p)
+
+    ours, theirs = both(tmp_path, trained, **kw)
+    ours.compute_metrics = theirs.compute_metrics = metrics
+    data = reversal_pairs(12)  # whole batches: transformers weighs a short last batch as a full one
+    mine, ref = ours.predict(data, num_beams=2), theirs.predict(data, num_beams=2)
+    assert (mine.predictions is None) == (ref.predictions is None) == ("prediction_loss_only" in kw)
+    if mine.predictions is not None:
+        np.testing.assert_array_equal(mine.predictions, ref.predictions)
+        np.testing.assert_array_equal(mine.label_ids, ref.label_ids)
+    assert mine.metrics["test_loss"] == pytest.approx(ref.metrics["test_loss"], rel=1e-6)
+    assert {k: v for k, v in mine.metrics.items() if "token" in k} == {
+        k: v for k, v in ref.metrics.items() if "token" in k}
+    if "include_for_metrics" in kw:  # both trainers' compute_metrics got the inputs and the losses
+        assert seen["inputs"][0] == seen["inputs"][1] == (12, 6)
+        assert seen["losses"][0] is not None and seen["losses"][1] is not None
