@@ -117,6 +117,8 @@ class Seq2SeqTrainer(Trainer):
             return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
+        if getattr(self.args, "predict_with_generate", False) and self.model is not None:
+            _settled_generation_config(self.model)
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
@@ -125,6 +127,8 @@ class Seq2SeqTrainer(Trainer):
             return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
+        if getattr(self.args, "predict_with_generate", False) and self.model is not None:
+            _settled_generation_config(self.model)
         return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None,
@@ -150,11 +154,7 @@ class Seq2SeqTrainer(Trainer):
         generator = self.model
         with torch.no_grad(), self._generating(generator):
             generated = generator.generate(**generation_inputs, **gen_kwargs)
-        gen_config = generator.generation_config
-        if getattr(gen_config, "_from_model_config", False):
-            gen_config._from_model_config = False
-        if hasattr(gen_config, "_get_default_generation_params"):  # transformers 5: fill unset defaults
-            gen_config.update(**gen_config._get_default_generation_params(), defaults_only=True)
+        gen_config = _settled_generation_config(generator)
         target = _padded_length(generated.shape[-1], gen_config)
         if target is not None:
             generated = self._pad_tensors_to_max_len(generated, target)
@@ -214,6 +214,20 @@ class Seq2SeqTrainer(Trainer):
                             device=tensor.device)
         padded[:, : tensor.shape[-1]] = tensor
         return padded
+
+
+def _settled_generation_config(model):
+    """The model's generation config with its unset values filled with transformers' defaults, before the
+    first ``generate``. transformers' Seq2SeqTrainer fills them after its first batch, so that batch alone
+    (with ``max_length`` unset: ``20 + 1`` for an encoder-decoder) may run one token longer than every later
+    one; on several ranks each rank's first batch would, and the ids would depend on the number of workers.
+    Filled first, every batch of every rank generates as transformers' later batches do."""
+    gen_config = model.generation_config
+    if getattr(gen_config, "_from_model_config", False):
+        gen_config._from_model_config = False
+    if hasattr(gen_config, "_get_default_generation_params"):  # transformers 5: fill unset defaults
+        gen_config.update(**gen_config._get_default_generation_params(), defaults_only=True)
+    return gen_config
 
 
 def _padded_length(length: int, gen_config) -> int | None:

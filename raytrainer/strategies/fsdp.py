@@ -57,6 +57,10 @@ class FSDPStrategy(Strategy):
 
         root = model if isinstance(model, FSDPModule) else None
         if root is not None:
+            # FSDP2 decides which unit is the root at the first forward through it; a predict() before any
+            # training step would otherwise make the first encoder layer the root. Idempotent; torch has no
+            # public spelling of it (fully_shard's own pre-forward hook calls the same).
+            root._get_fsdp_state()._lazy_init()
             root.unshard()
         try:
             yield

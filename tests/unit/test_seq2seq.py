@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from raytrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from raytrainer.seq2seq import _settled_generation_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from models import reversal_pairs, tiny_t5, token_accuracy
@@ -37,6 +38,10 @@ def both(tmp_path, state, **kw):
         output_dir=str(tmp_path / "ours"), num_workers=0, **common), compute_metrics=token_accuracy)
     theirs = transformers.Seq2SeqTrainer(model=tiny_t5(state), args=transformers.Seq2SeqTrainingArguments(
         output_dir=str(tmp_path / "theirs"), use_cpu=True, **common), compute_metrics=token_accuracy)
+    # transformers fills the generation config's unset defaults after its first batch (that batch alone may
+    # run to max_length 21); raytrainer fills them before the first, on every rank: compare with transformers'
+    # every later batch by filling them the same way first
+    _settled_generation_config(theirs.model)
     return ours, theirs
 
 
