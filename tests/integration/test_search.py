@@ -140,9 +140,8 @@ def _assert_token_nowhere(folder, bucket) -> None:
     assert places > 50  # the scan did read the run's files
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.timeout(600)  # 4 trials, each a fresh Ray Train run (a Tune trial cannot borrow a live group):
-# 120-170 s on a quiet 2-core machine, over the default 240 s beside another CPU-heavy process
+# 120-170 s on a quiet 2-core machine, over 300 s beside another CPU-heavy process
 def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch, capfd):
     """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's
     run-<id> folder are there. A planted hub token is nowhere in them, nor in Ray's session files."""
