@@ -101,6 +101,13 @@ class Seq2SeqTrainer(Trainer):
             raise ValueError(str(exc) + "\n\nFix these issues to train your model.") from None
         return gen_config
 
+    def _begin_generation(self, gen_kwargs: dict) -> None:
+        """On a rank, before evaluate() / predict() runs its batches: the call's generation arguments, and the
+        model's generation config settled once (``_settled_generation_config``)."""
+        self._gen_kwargs = self._generation_kwargs(gen_kwargs)
+        if getattr(self.args, "predict_with_generate", False) and self.model is not None:
+            _settled_generation_config(self.model)
+
     def _generation_kwargs(self, gen_kwargs: dict) -> dict:
         gen_kwargs = dict(gen_kwargs)
         max_length = getattr(self.args, "generation_max_length", None)
@@ -116,9 +123,7 @@ class Seq2SeqTrainer(Trainer):
         if not self._on_rank:
             return self._dispatch("evaluate", eval_dataset=eval_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
-        self._gen_kwargs = self._generation_kwargs(gen_kwargs)
-        if getattr(self.args, "predict_with_generate", False) and self.model is not None:
-            _settled_generation_config(self.model)
+        self._begin_generation(gen_kwargs)
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
@@ -126,9 +131,7 @@ class Seq2SeqTrainer(Trainer):
         if not self._on_rank:
             return self._dispatch("predict", test_dataset=test_dataset, ignore_keys=ignore_keys,
                                   metric_key_prefix=metric_key_prefix, **gen_kwargs)
-        self._gen_kwargs = self._generation_kwargs(gen_kwargs)
-        if getattr(self.args, "predict_with_generate", False) and self.model is not None:
-            _settled_generation_config(self.model)
+        self._begin_generation(gen_kwargs)
         return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys: list[str] | None = None,

@@ -299,8 +299,7 @@ def trial_trainer(trainer, args, model, reporter: TrialReporter):
     t.optimizer = t.lr_scheduler = None
     t.label_names = args.label_names or rdata.default_label_names(model)
     t.can_return_loss = t.label_names == [] or "return_loss" in inspect.signature(model.forward).parameters
-    callbacks = [c for c in trainer.callback_handler.callbacks
-                 if not isinstance(c, (TrialReporter, EvaluateAtTheEnd))]
+    callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, TrialReporter)]
     t.callback_handler = CallbackHandler([*copy.deepcopy(callbacks), EvaluateAtTheEnd(), reporter], model,
                                          t.processing_class)
     t.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)

@@ -142,8 +142,8 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     batch_metrics, seen = None, 0
     accumulators = [_Accumulator() for _ in range(4)]
     losses, preds, labels, inputs_acc = accumulators
-    ours = _num_real_examples(dataloader, counted=False) is not None  # else the user's: ranks may differ
-    every = args.eval_accumulation_steps if ours else None
+    # a loader of the user's own (get_eval_dataloader overridden) may give ranks different step counts
+    every = args.eval_accumulation_steps if _is_raytrainers_loader(dataloader) else None
     gatherer = _Gatherer(ctx, accumulators, every)
     for step, inputs in enumerate(dataloader):
         batch_inputs = inputs.get("input_ids") if "inputs" in include else None
@@ -252,13 +252,17 @@ def _metrics_by_batch(trainer, preds, labels, inputs, losses, include, batch_siz
     return dict(result or {})
 
 
-def _num_real_examples(dataloader, counted: bool = True) -> int | None:
+def _is_raytrainers_loader(dataloader) -> bool:
+    """Whether ``dataloader`` is raytrainer's evaluation loader (every rank runs the same number of steps)."""
+    return hasattr(getattr(dataloader, "sampler", None), "num_examples") or hasattr(
+        getattr(dataloader, "dataset", None), "num_real")
+
+
+def _num_real_examples(dataloader) -> int | None:
     """The real examples of raytrainer's evaluation loader (a stream's are counted as it is read: known
-    after the loop; ``counted=False`` asks only whether the loader is raytrainer's); None: the user's own."""
+    after the loop); None: a loader of the user's own."""
     sampler = getattr(dataloader, "sampler", None)
     if hasattr(sampler, "num_examples"):
         return sampler.num_examples
     dataset = getattr(dataloader, "dataset", None)
-    if not hasattr(dataset, "num_real"):
-        return None
-    return dataset.num_real if counted else 0
+    return dataset.num_real if hasattr(dataset, "num_real") else None
