@@ -59,6 +59,8 @@ VARIANTS = {
     "rt0_compile": ("raytrainer num_workers=0, torch_compile=True", {"compile": True}),
     "rt1_compile": ("raytrainer num_workers=1 (Ray Train worker), torch_compile=True",
                     {"num_workers": 1, "compile": True}),
+    "rt1_init": ("raytrainer num_workers=1 (Ray Train worker), model_init (the worker builds the model)",
+                 {"num_workers": 1, "model_init": True}),
     "rt0_unfused": ("raytrainer num_workers=0, optim=adamw_torch (foreach, not fused)",
                     {"optim": "adamw_torch"}),
     "rt0_nopin": ("raytrainer num_workers=0, dataloader_pin_memory=False", {"pin_memory": False}),
@@ -195,7 +197,10 @@ def run_plain(cfg: dict, opts: dict, out: str) -> None:
             losses.append(round(running.item() / cfg["logging_steps"], 4))
             running.zero_()
         clock.step_end(step)
-    write_result(out, clock, losses, step)
+        if step == 1:
+            _sync()
+            first_step_at = time.time()
+    write_result(out, clock, losses, step, first_step_s=first_step_at - cfg["launched_at"])
 
 
 def _trainer_kwargs(cfg: dict, opts: dict, out_dir: str) -> dict:
@@ -219,14 +224,18 @@ def _callback(base, cfg: dict, out: str):
 
         def on_step_end(self, args, state, control, **kwargs):
             self.clock.step_end(state.global_step)
+            if state.global_step == 1:
+                _sync()
+                self.first_step_at = time.time()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
         def on_train_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
-                write_result(out, self.clock, self.losses, state.global_step)
+            if state.is_world_process_zero:  # the side's launch time: the clock of the same machine
+                write_result(out, self.clock, self.losses, state.global_step,
+                             first_step_s=self.first_step_at - cfg["launched_at"])
 
     return MFUCallback()
 
@@ -253,8 +262,13 @@ def run_raytrainer(cfg: dict, opts: dict, out: str) -> None:
     args = raytrainer.TrainingArguments(**_trainer_kwargs(cfg, opts, os.path.dirname(out) + "/rt"),
                                         num_workers=workers, use_gpu=use_gpu)
     # num_workers=0 trains in this process: build on its device. On Ray the model travels to the worker as a
-    # user's model= does (the driver, which does not train, builds it on the CPU).
-    trainer = raytrainer.Trainer(model=build_model(cfg, _device() if workers == 0 else "cpu"), args=args,
+    # user's model= does (the driver, which does not train, builds it on the CPU); with model_init the worker
+    # builds it (the driver's Trainer builds one on the CPU too, as transformers' does).
+    if opts.get("model_init"):
+        model = {"model_init": lambda: build_model(cfg, "cpu")}
+    else:
+        model = {"model": build_model(cfg, _device() if workers == 0 else "cpu")}
+    trainer = raytrainer.Trainer(**model, args=args,
                                  train_dataset=TokenDataset(cfg, args.max_steps * cfg["batch_size"]),
                                  callbacks=[_callback(raytrainer.TrainerCallback, cfg, out)])
     trainer.train()
@@ -306,7 +320,7 @@ def _run_side(side: str, opts: dict, cfg: dict, workdir: str, timeout: float) ->
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--run-side", side, "--config",
-           json.dumps({"cfg": cfg, "opts": opts}), "--result", out]
+           json.dumps({"cfg": {**cfg, "launched_at": time.time()}, "opts": opts}), "--result", out]
     log = os.path.join(workdir, f"{side}.log")
     start = time.time()
     with open(log, "w") as f:
@@ -338,17 +352,20 @@ def _row(result: dict, cfg: dict, peak: float | None) -> dict:
 def markdown(rows: list[dict], labels: dict) -> str:
     base = next((r for r in rows if r["side"] == "plain" and "tokens_per_s" in r), None)
     lines = ["| side | what runs | tokens/s | step (ms) | TFLOP/s | MFU | vs hand-written | peak GPU memory "
-             "(GiB) | logged losses |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "(GiB) | first step (s) | wall (s) | logged losses |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['side']} | {labels[r['side']]} | failed: {r.get('error')} | | | | | | |")
+            lines.append(f"| {r['side']} | {labels[r['side']]} | failed: {r.get('error')} | | | | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a"
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
         lines.append(f"| {r['side']} | {labels[r['side']]} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                     f"{r['tflops']:.1f} | {mfu} | {ratio} | {peak} | {losses} |")
+                     f"{r['tflops']:.1f} | {mfu} | {ratio} | {peak} | {first} | {r['wall_s']:.0f} | "
+                     f"{losses} |")
     return "\n".join(lines)
 
 
