@@ -322,6 +322,7 @@ def _t5_helpers():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
     import models
 
+    cloudpickle.register_pickle_by_value(models)  # compute_metrics and the data travel to Ray workers
     return models
 
 
