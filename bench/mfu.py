@@ -221,12 +221,20 @@ def _callback(base, cfg: dict, out: str):
     class MFUCallback(base):
         def __init__(self):
             self.clock, self.losses = Clock(cfg["warmup"], cfg["steps"]), []
+            self.marks = {}  # phase -> seconds since the side's launch (the driver's marks travel along)
+
+        def mark(self, phase: str) -> None:
+            self.marks[phase] = round(time.time() - cfg["launched_at"], 2)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.mark("on_train_begin")
 
         def on_step_end(self, args, state, control, **kwargs):
             self.clock.step_end(state.global_step)
             if state.global_step == 1:
                 _sync()
                 self.first_step_at = time.time()
+                self.mark("first_step_end")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -235,7 +243,7 @@ def _callback(base, cfg: dict, out: str):
         def on_train_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:  # the side's launch time: the clock of the same machine
                 write_result(out, self.clock, self.losses, state.global_step,
-                             first_step_s=self.first_step_at - cfg["launched_at"])
+                             first_step_s=self.first_step_at - cfg["launched_at"], phases=self.marks)
 
     return MFUCallback()
 
@@ -264,13 +272,23 @@ def run_raytrainer(cfg: dict, opts: dict, out: str) -> None:
     # num_workers=0 trains in this process: build on its device. On Ray the model travels to the worker as a
     # user's model= does (the driver, which does not train, builds it on the CPU); with model_init the worker
     # builds it (the driver's Trainer builds one on the CPU too, as transformers' does).
+    callback = _callback(raytrainer.TrainerCallback, cfg, out)
+    callback.mark("imports_done")
     if opts.get("model_init"):
-        model = {"model_init": lambda: build_model(cfg, "cpu")}
+        def model_init():
+            start = time.time() - cfg["launched_at"]
+            built = build_model(cfg, "cpu")
+            with open(out + ".model_init", "a") as f:  # each call: pid, start and end since the launch
+                f.write(f"{os.getpid()} {start:.2f} {time.time() - cfg['launched_at']:.2f}\n")
+            return built
+
+        model = {"model_init": model_init}
     else:
         model = {"model": build_model(cfg, _device() if workers == 0 else "cpu")}
     trainer = raytrainer.Trainer(**model, args=args,
                                  train_dataset=TokenDataset(cfg, args.max_steps * cfg["batch_size"]),
-                                 callbacks=[_callback(raytrainer.TrainerCallback, cfg, out)])
+                                 callbacks=[callback])
+    callback.mark("trainer_built")
     trainer.train()
 
 
