@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from raytrainer import data as rdata
+from raytrainer import meta_model
 from raytrainer.args import TrainingArguments
 from raytrainer.callbacks import (
     CallbackHandler,
@@ -38,6 +39,7 @@ from raytrainer.trainer_utils import (
     TrainOutput,
     has_length,
     seed_worker,
+    set_seed,
     speed_metrics,
 )
 from raytrainer.worker.saving import TRAINER_STATE_NAME
@@ -88,7 +90,12 @@ class Trainer:
         if callbacks is not None and callback is not None:
             raise ValueError("Pass callbacks once, as `callbacks=[...]` (`callback=` is its alias).")
         self.model_init = model_init
-        self.model = self.call_model_init() if model_init is not None else model
+        if model_init is None:
+            self.model = model
+        elif args.num_workers > 0:  # a big model stays a weightless skeleton here: the workers build it
+            self.model = meta_model.driver_model(self.call_model_init)
+        else:
+            self.model = self.call_model_init()
         self.model_wrapped = self.model
         self.data_collator = data_collator if data_collator is not None else rdata.default_data_collator
         self.train_dataset = train_dataset
@@ -178,6 +185,8 @@ class Trainer:
         pending = self.__dict__.pop("_pending_weights", None)
         model = self.__dict__.get("_model")
         if pending is not None and model is not None:
+            if meta_model.is_skeleton(model):
+                meta_model.materialise(model, self.call_model_init)
             pending(model)  # fills the module in place: model_wrapped and the callbacks hold the same one
         return model
 
@@ -349,6 +358,9 @@ class Trainer:
             from raytrainer.strategies.precision import CastPrecision, full_eval_dtype
 
             self._strategy = select_strategy(self.args, self._ctx)
+            if self.model is None and self.model_init is not None:  # the driver kept a skeleton
+                set_seed(self.args.seed, deterministic=self.args.full_determinism)
+                self.model = self.callback_handler.model = self.call_model_init()
             self.model_wrapped = self._strategy.setup_model(self.model)
             self.model = self._strategy.unwrap(self.model_wrapped)
             dtype = full_eval_dtype(self.args)

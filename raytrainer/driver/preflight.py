@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from raytrainer import data as rdata
+from raytrainer import meta_model
 from raytrainer.deps import require
 from raytrainer.trainer_utils import has_length
 
@@ -215,12 +216,16 @@ FORWARD_CHECK_MAX_PARAMS = 100_000_000
 
 def _check_returns_loss(trainer, dataset) -> None:
     """Run forward once on (up to) two collated examples -- no more than the batch size: the model must
-    return a loss. Skipped for a model above FORWARD_CHECK_MAX_PARAMS or not materialised (meta)."""
+    return a loss. A driver's weightless skeleton (raytrainer.meta_model) runs it on the meta device: shapes
+    only, at no cost. Skipped for a real model above FORWARD_CHECK_MAX_PARAMS, or one partly on meta."""
     from raytrainer.trainer import _loss_from_outputs
 
     model = trainer.model
     params = list(model.parameters())
-    if sum(p.numel() for p in params) > FORWARD_CHECK_MAX_PARAMS or any(p.is_meta for p in params):
+    skeleton = meta_model.is_skeleton(model)
+    if any(p.is_meta for p in params) and not skeleton:
+        return
+    if not skeleton and sum(p.numel() for p in params) > FORWARD_CHECK_MAX_PARAMS:
         return
     examples = _first_examples(dataset, max(1, min(2, trainer.args.per_device_train_batch_size)))
     batch = trainer._collator_for(dataset)(examples)
@@ -236,6 +241,12 @@ def _check_returns_loss(trainer, dataset) -> None:
             f"{type(model).__name__}.forward could not take a collated batch with keys {sorted(batch)}: "
             f"{exc}. Check remove_unused_columns, label_names and the data collator."
         ) from exc
+    except (NotImplementedError, RuntimeError) as exc:
+        if not skeleton:
+            raise
+        # a forward that reads values (``.item()``, data-dependent shapes) cannot run without weights
+        logger.debug("the forward check does not run on the meta device: %s", exc)
+        return
     finally:
         model.train(was_training)
     _loss_from_outputs(outputs, model)
@@ -246,9 +257,12 @@ def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
     """The Trainer pickled for the workers; on failure, the error names the object that fails.
 
     ``train`` with ``model_init`` ships no model: every worker builds its own (``training_loop``), so the
-    driver's instance -- built, as HF does, in ``Trainer.__init__`` -- never crosses the network."""
+    driver's instance -- built, as HF does, in ``Trainer.__init__`` -- never crosses the network. Nor does
+    evaluate/predict's while the driver holds a weightless skeleton (raytrainer.meta_model): the workers build
+    the model under the run's seed, as the driver's ``Trainer.__init__`` would have."""
     shipped = copy.copy(trainer)  # workers may run in another directory: paths become absolute
-    if method == "train" and trainer.model_init is not None:
+    skeleton = "_pending_weights" not in vars(trainer) and meta_model.is_skeleton(vars(trainer).get("_model"))
+    if trainer.model_init is not None and (method == "train" or skeleton):
         shipped.model = shipped.model_wrapped = None
         shipped.callback_handler = copy.copy(trainer.callback_handler)
         shipped.callback_handler.model = None

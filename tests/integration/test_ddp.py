@@ -213,3 +213,29 @@ def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, ca
     logs = tmp_path / "flags" / "logs"
     for rank in (0, 1):
         assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
+
+
+def test_a_skeleton_on_the_driver_evaluates_and_trains_as_a_real_model(tmp_path, monkeypatch):
+    """A model_init model the driver keeps on the meta device (raytrainer.meta_model; every model counts as
+    big here): evaluate() before train() builds the seeded model on the workers, train() matches one process
+    with twice the batch, and the driver's module becomes real, in place, with the trained weights."""
+    from raytrainer import meta_model
+
+    monkeypatch.setattr(meta_model, "DRIVER_META_ABOVE_PARAMS", 0)
+    data, held_out = make_data(48), make_data(21, seed=7)
+    same = {"num_train_epochs": 1, "optim": "sgd", "learning_rate": 0.5}
+    ref = Trainer(model_init=lambda: Regressor(), train_dataset=data, eval_dataset=held_out,
+                  args=_args(tmp_path, "ref", num_workers=0, per_device_train_batch_size=16, **same))
+    before_ref = ref.evaluate()["eval_loss"]
+    ref.train()
+
+    ddp = Trainer(model_init=lambda: Regressor(), train_dataset=data, eval_dataset=held_out,
+                  args=_args(tmp_path, "ddp", num_workers=2, per_device_train_batch_size=8, **same))
+    skeleton = ddp.__dict__["_model"]
+    assert meta_model.is_skeleton(skeleton)
+    assert ddp.evaluate()["eval_loss"] == pytest.approx(before_ref, rel=1e-6)
+    assert meta_model.is_skeleton(ddp.__dict__["_model"])  # evaluate's workers built their own
+    ddp.train()
+    assert ddp.model is skeleton and not meta_model.is_skeleton(ddp.model)
+    for name, ref_param in ref.model.state_dict().items():
+        torch.testing.assert_close(ddp.model.state_dict()[name], ref_param, rtol=1e-5, atol=1e-6)

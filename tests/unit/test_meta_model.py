@@ -1,0 +1,131 @@
+"""The driver's model_init model as a weightless skeleton (raytrainer.meta_model), in one process: when it
+is one, that nothing random is drawn for it, the forward check on the meta device, the spec of evaluate,
+and the skeleton made real in place on the trained weights' first use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raytrainer import Trainer, meta_model
+from raytrainer.driver.preflight import _check_returns_loss, pickled_spec
+
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+
+
+class Counted:
+    """model_init building a tiny Llama (seed 0), counting its calls and the devices it built on."""
+
+    def __init__(self):
+        self.devices = []
+
+    def __call__(self):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        self.devices.append(next(model.parameters()).device.type)
+        return model
+
+
+def tokens(n: int = 4) -> list[dict]:
+    ids = torch.randint(0, 64, (n, 8), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+@pytest.fixture
+def above_threshold(monkeypatch):
+    """Every model counts as big: the tiny Llama takes the skeleton path."""
+    monkeypatch.setattr(meta_model, "DRIVER_META_ABOVE_PARAMS", 0)
+
+
+def test_a_big_model_init_model_stays_a_skeleton_and_draws_no_random_numbers(make_args, above_threshold):
+    build = Counted()
+    torch.manual_seed(123)
+    trainer = Trainer(model_init=build, args=make_args(num_workers=2), train_dataset=tokens())
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(3))  # model_init's own manual_seed(0) was undone
+    assert build.devices == ["meta"]  # built once, on the meta device: no real weights on the driver
+    assert meta_model.is_skeleton(trainer.model)
+    assert trainer.model.config.vocab_size == 64 and trainer.label_names == ["labels"]  # the checks read it
+
+
+def test_small_models_and_in_process_runs_build_for_real(make_args):
+    small = Counted()  # below the threshold: the skeleton only measured it, then the real one is built
+    trainer = Trainer(model_init=small, args=make_args(num_workers=2), train_dataset=tokens())
+    assert small.devices == ["meta", "cpu"] and not meta_model.is_skeleton(trainer.model)
+    local = Counted()
+    Trainer(model_init=local, args=make_args(num_workers=0), train_dataset=tokens())
+    assert local.devices == ["cpu"]  # num_workers=0 trains here: never a skeleton
+
+
+def test_a_model_init_that_refuses_the_meta_device_is_built_for_real(make_args, above_threshold, tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(tmp_path / "saved")
+
+    def from_files():  # from_pretrained raises under a meta device context: the driver builds it for real
+        return LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+
+    trainer = Trainer(model_init=from_files, args=make_args(num_workers=2), train_dataset=tokens())
+    assert not meta_model.is_skeleton(trainer.model)
+
+
+class LogitsOnly(torch.nn.Module):
+    """Returns logits, never a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)
+
+    def forward(self, input_ids, labels=None):
+        return (self.head(self.embed(input_ids)),)
+
+
+def test_the_forward_check_runs_on_the_skeleton(make_args, above_threshold, caplog):
+    trainer = Trainer(model_init=Counted(), args=make_args(num_workers=2), train_dataset=tokens())
+    with caplog.at_level("DEBUG", logger="raytrainer.driver.preflight"):
+        _check_returns_loss(trainer, trainer.train_dataset)
+    # transformers' LLaMA reads a value in its forward (.item()): without weights the check steps aside
+    assert "the forward check does not run on the meta device: Tensor.item()" in caplog.text
+
+    trainer = Trainer(model_init=LogitsOnly, args=make_args(num_workers=2), train_dataset=tokens())
+    assert meta_model.is_skeleton(trainer.model)
+    with pytest.raises(ValueError, match="LogitsOnly returned no loss"):
+        _check_returns_loss(trainer, trainer.train_dataset)
+    bad = [{**e, "pixels": e["labels"]} for e in tokens()]
+    trainer.args.remove_unused_columns = False
+    with pytest.raises(ValueError, match="could not take a collated batch with keys"):
+        _check_returns_loss(trainer, bad)
+
+
+def test_evaluate_ships_no_skeleton_and_the_workers_build_the_model(make_args, above_threshold):
+    """evaluate() before train(): the spec holds no model (the workers build it under the run's seed, as
+    the driver's Trainer.__init__ would have), and a worker's copy builds exactly the seeded model."""
+    import cloudpickle
+
+    trainer = Trainer(model_init=Counted(), args=make_args(num_workers=2), eval_dataset=tokens())
+    shipped = cloudpickle.loads(pickled_spec(trainer, {}, "evaluate"))
+    assert shipped.model is None and shipped.callback_handler.model is None
+    shipped.args.num_workers = 0  # run its evaluate here, as a worker would (one process)
+    metrics = shipped.evaluate()
+    reference = Trainer(model=Counted()(), args=make_args(num_workers=0), eval_dataset=tokens()).evaluate()
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+
+
+def test_the_skeleton_becomes_real_in_place_on_the_trained_weights_first_use(make_args, above_threshold):
+    trainer = Trainer(model_init=Counted(), args=make_args(num_workers=2), train_dataset=tokens())
+    skeleton = trainer.model
+    torch.manual_seed(7)
+    trained = LlamaForCausalLM(LlamaConfig(**CONFIG)).state_dict()  # stands for the final weights
+    trainer._weights_pending(lambda model: model.load_state_dict(trained))
+    model = trainer.model
+    assert model is skeleton and trainer.callback_handler.model is model  # the same object, now real
+    assert not any(p.is_meta for p in model.parameters())
+    for name, value in trained.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    real = Counted()()
+    for name, buffer in real.named_buffers():  # non-persistent buffers (rotary tables) are the init's
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    assert model.lm_head.weight is model.lm_head.weight and model(**{
+        k: v[None] for k, v in tokens(1)[0].items()}).loss.isfinite()
