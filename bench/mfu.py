@@ -80,13 +80,14 @@ def model_config(cfg: dict):
                        tie_word_embeddings=False, use_cache=False)
 
 
-def build_model(cfg: dict, device: str = "cpu"):
-    """The same weights on every side: built under seed 0 (directly on ``device``, which is quicker)."""
+def build_model(cfg: dict, device: str | None = "cpu"):
+    """The same weights on every side: built under seed 0 (directly on ``device``, which is quicker; None:
+    on the default device, or the one a caller's device context names)."""
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device(device) if device else contextlib.nullcontext():
         return LlamaForCausalLM(model_config(cfg))
 
 
@@ -277,7 +278,7 @@ def run_raytrainer(cfg: dict, opts: dict, out: str) -> None:
     if opts.get("model_init"):
         def model_init():
             start = time.time() - cfg["launched_at"]
-            built = build_model(cfg, "cpu")
+            built = build_model(cfg, None)
             with open(out + ".model_init", "a") as f:  # each call: pid, start and end since the launch
                 f.write(f"{os.getpid()} {start:.2f} {time.time() - cfg['launched_at']:.2f}\n")
             return built

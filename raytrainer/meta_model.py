@@ -36,16 +36,18 @@ def is_skeleton(model) -> bool:
 
 def driver_model(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """``build()`` on the meta device when the model is big enough to matter, else for real."""
-    skeleton = _on_meta(build)
-    if skeleton is None:
+    model = _on_meta(build)
+    if model is None:
         return build()
-    n = sum(p.numel() for p in skeleton.parameters())
+    if not is_skeleton(model):
+        return model  # it chose its own device: that build is the real one, not repeated
+    n = sum(p.numel() for p in model.parameters())
     if n <= DRIVER_META_ABOVE_PARAMS:
         return build()
     logger.info("model_init's %s has %.2fB parameters: the driver keeps it on the meta device (no weights); "
                 "the workers build the real one, and trainer.model gets the trained weights after train()",
-                type(skeleton).__name__, n / 1e9)
-    return skeleton
+                type(model).__name__, n / 1e9)
+    return model
 
 
 def materialise(model: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> None:
@@ -61,18 +63,20 @@ def materialise(model: torch.nn.Module, build: Callable[[], torch.nn.Module]) ->
 
 
 def _on_meta(build) -> torch.nn.Module | None:
-    """``build()`` under the meta device, every random generator's state put back after (the real build
-    that may follow draws what it would have drawn); None where the build fails there or comes out real."""
+    """``build()`` under the meta device; None where it fails there. Unless the model came out real (a
+    ``model_init`` that names its device), every random generator's state is put back after, so the real
+    build that may follow draws what it would have drawn."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    model = None
     try:
         with torch.device("meta"):
             model = build()
     except Exception as exc:  # any failure only means: build it for real
         logger.debug("model_init cannot run on the meta device (%s: %s); the driver builds it for real",
                      type(exc).__name__, exc)
-        return None
     finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-    return model if is_skeleton(model) else None
+        if model is None or is_skeleton(model):
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+    return model

@@ -60,6 +60,17 @@ def test_small_models_and_in_process_runs_build_for_real(make_args):
     assert local.devices == ["cpu"]  # num_workers=0 trains here: never a skeleton
 
 
+def test_a_model_init_that_names_its_device_is_built_once(make_args, above_threshold):
+    build = Counted()
+
+    def on_cpu():  # its own device context wins over the driver's meta one: that build is the real one
+        with torch.device("cpu"):
+            return build()
+
+    trainer = Trainer(model_init=on_cpu, args=make_args(num_workers=2), train_dataset=tokens())
+    assert build.devices == ["cpu"] and not meta_model.is_skeleton(trainer.model)
+
+
 def test_a_model_init_that_refuses_the_meta_device_is_built_for_real(make_args, above_threshold, tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(tmp_path / "saved")
