@@ -122,8 +122,10 @@ class FSDPStrategy(Strategy):
                 if self._from_rank0 and self.ctx.is_world_zero else None)
         if "offload" in options:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        elif not self._from_rank0 or self.ctx.is_world_zero:
+        elif not self._from_rank0:
             model = model.to(self.ctx.device)
+        # rank 0's full model stays where model_init built it (the CPU): fully_shard moves each unit's
+        # tensors to the device as it shards them, so the device never holds more than one unit whole
         units = self._units(model, config) if "auto_wrap" in options else []
         if config.get("activation_checkpointing"):
             _checkpoint_activations(model, units or self._units(model, config))
