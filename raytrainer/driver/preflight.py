@@ -10,6 +10,7 @@ import copy
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 import cloudpickle
@@ -271,6 +272,7 @@ def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
     shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)
     if shipped.args.storage_path and "://" not in shipped.args.storage_path:
         shipped.args.storage_path = os.path.abspath(shipped.args.storage_path)
+    ship_dynamic_modules()
     try:
         cloudpickle.dumps(kwargs)
         return cloudpickle.dumps(shipped)
@@ -282,6 +284,22 @@ def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
             "generators out of models, datasets and callbacks (or build them inside model_init / the "
             "dataset's __getitem__)."
         ) from exc
+
+
+#: Packages that transformers, evaluate and datasets create at run time from code under ``HF_HOME/modules``
+#: (a Hub model's ``trust_remote_code`` classes, an ``evaluate.load`` metric, a data set's loading script).
+#: A worker on another node has no such folder, and one on this node not on its ``sys.path``.
+DYNAMIC_MODULE_PACKAGES = ("transformers_modules", "evaluate_modules", "datasets_modules")
+
+
+def ship_dynamic_modules() -> None:
+    """Let the classes and functions of those packages travel by value (their source with them), as
+    cloudpickle does for ``__main__``: a ``compute_metrics`` holding an ``evaluate`` metric then unpickles on
+    every worker (transformers' example scripts load theirs that way)."""
+    for name in DYNAMIC_MODULE_PACKAGES:
+        module = sys.modules.get(name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
 
 
 def _find_unpicklable(trainer, kwargs: dict) -> str:

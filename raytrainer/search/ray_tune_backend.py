@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import cloudpickle
 
+from raytrainer.driver.preflight import ship_dynamic_modules
 from raytrainer.search.common import (
     BestRun,
     TrialReporter,
@@ -275,6 +276,7 @@ def _trial_spec(trainer) -> bytes:
     saved = args.hub_token, args.push_to_hub
     args.hub_token, args.push_to_hub = None, False
     try:
+        ship_dynamic_modules()
         return cloudpickle.dumps(trainer)
     finally:
         args.hub_token, args.push_to_hub = saved
