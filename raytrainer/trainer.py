@@ -641,7 +641,12 @@ class Trainer:
             labels = labels[0] if len(labels) == 1 else labels
         with torch.no_grad(), self.compute_loss_context_manager():
             if has_labels or loss_without_labels:
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                num_items = self._eval_num_items(model, inputs)
+                if num_items is not None and self._compute_loss_takes_num_items():
+                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                                      num_items_in_batch=num_items)
+                else:
+                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
                 loss = loss.mean().detach()
                 logits = _logits_from_outputs(outputs, [*ignore_keys, "loss"], drop_first=True)
             else:
@@ -650,6 +655,18 @@ class Trainer:
         if prediction_loss_only:
             return loss, None, None
         return loss, logits, labels
+
+    def _eval_num_items(self, model, inputs) -> torch.Tensor | None:
+        """The batch's label count, as transformers 5.23 passes it to ``compute_loss`` in evaluation too (a
+        loss normalised by it then equals training's): this rank's batch only, so ``eval_loss`` does not
+        depend on the number of workers; a tensor on the batch's device (no host sync)."""
+        if "labels" not in inputs or not (self.compute_loss_func is not None
+                                          or self._model_accepts_loss_kwargs(model)):
+            return None
+        from raytrainer.worker.loss import label_targets, loss_shifts_labels
+
+        shifted = loss_shifts_labels(getattr(model, "module", model))
+        return label_targets(inputs, shifted).ne(-100).sum()
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """Forward+backward FLOPs of a batch: the model's own estimate, else 6 x params x tokens."""

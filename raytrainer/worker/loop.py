@@ -33,6 +33,7 @@ from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set
 from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
+from raytrainer.worker.loss import label_targets, loss_shifts_labels
 from raytrainer.worker.neftune import NEFTune
 from raytrainer.worker.nonfinite import NonFiniteGuard
 
@@ -163,7 +164,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     # Count label tokens only when something uses the count (HF's loss normalisation, or an override).
     count_items = normalised_loss or (trainer._overrides("compute_loss")
                                       and trainer._compute_loss_takes_num_items())
-    shifted = count_items and _loss_shifts_labels(trainer.model)
+    shifted = count_items and loss_shifts_labels(trainer.model)
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
     must_sync = ctx.distributed and not all(
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
@@ -347,35 +348,16 @@ def _whole(model: torch.nn.Module) -> bool:
     return not any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _loss_shifts_labels(model) -> bool:
-    """transformers' rule: a causal-LM loss (``ForCausalLMLoss``, not an encoder-decoder) predicts label i+1
-    at position i, so position 0 of each row is never a target and is not counted."""
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:
-        return False
-    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
-
-
 def _num_items_in_batch(micro: list, args, ctx, global_count: bool, shifted: bool = False) -> int | None:
     """Label tokens (not -100) in one accumulation window, counted as transformers does (``shift_labels``
     when the batch has them, else ``labels[..., 1:]`` for a loss that shifts, else ``labels``); summed across
     ranks (one all-reduce) only when the loss is normalised by it and ``average_tokens_across_devices``."""
     if not micro or "labels" not in micro[0]:
         return None
-    count = sum(int(_targets(b, shifted).ne(-100).sum()) for b in micro)
+    count = sum(int(label_targets(b, shifted).ne(-100).sum()) for b in micro)
     if global_count and args.average_tokens_across_devices and ctx.world_size > 1:
         count = int(ctx.sum([float(count)])[0])
     return count
-
-
-def _targets(batch, shifted: bool):
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    return batch["labels"][..., 1:] if shifted else batch["labels"]
 
 
 def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:

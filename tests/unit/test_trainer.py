@@ -228,6 +228,40 @@ def test_causal_lm_loss_counts_shifted_labels_as_transformers(make_args):
     assert logged == [pytest.approx(expected, abs=1e-6)]  # unrounded; counting every position gave 54/58
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_eval_loss_of_a_causal_lm_counts_labels_as_transformers(make_args, tmp_path, arch):
+    """transformers 5.23 passes ``num_items_in_batch`` to ``compute_loss`` in evaluation too, counted by the
+    same rule as in training: a GPT-2 (no ``loss_type`` until its first forward) counts every label
+    position, so its eval_loss is 15/16 of the model's mean here; a LLaMA counts ``labels[..., 1:]``.
+    raytrainer's eval_loss equals transformers' for both (it was the model's mean: 16/15 of transformers')."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        if arch == "gpt2":
+            return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+        return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                            max_position_embeddings=16))
+
+    ids = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(1))
+    ids[0, 10:] = -100
+    data = [{"input_ids": row.clamp(min=0), "labels": row} for row in ids]
+    ours = Trainer(model=build(), args=make_args(per_device_eval_batch_size=3), eval_dataset=data).evaluate()
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True,
+                                             per_device_eval_batch_size=3, report_to="none")
+    theirs = transformers.Trainer(model=build(), eval_dataset=data, args=hf_args).evaluate()
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-6)
+    with torch.no_grad():
+        model = build()
+        means = [model(input_ids=ids[i:i + 3].clamp(min=0), labels=ids[i:i + 3]).loss.item() for i in (0, 3)]
+    if arch == "gpt2":
+        assert ours["eval_loss"] != pytest.approx(sum(means) / 2, rel=1e-3)  # not the model's own mean
+    else:
+        assert ours["eval_loss"] == pytest.approx(sum(means) / 2, rel=1e-6)
+
+
 # -- 2. gradient accumulation --------------------------------------------------------------------------------
 class DigitsClassifier(nn.Module):
     def __init__(self):
