@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -248,6 +249,7 @@ class Trainer:
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
         if not self._on_rank:
+            self._align_special_tokens()  # the driver's model: its saved config.json as transformers'
             return self._dispatch("train", resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                   ignore_keys_for_eval=ignore_keys_for_eval)
         from raytrainer.worker.loop import training_loop
@@ -350,6 +352,21 @@ class Trainer:
         if model is None:
             raise ValueError("model_init returned None; it must return a torch.nn.Module.")
         return model
+
+    def _align_special_tokens(self) -> None:
+        """As transformers 5's ``train()``: the model's config and generation config take the PAD/BOS/EOS
+        ids of the tokenizer (``processing_class``) where they differ (transformers warns which)."""
+        transformers = sys.modules.get("transformers")  # a transformers tokenizer means it is imported
+        model = self.__dict__.get("_model")  # not the lazy load of trained weights: the config is enough
+        if transformers is None or not hasattr(model, "config"):
+            return
+        try:
+            from transformers import PreTrainedTokenizerBase, ProcessorMixin
+            from transformers.trainer_utils import align_special_tokens
+        except ImportError:  # a transformers without it
+            return
+        if isinstance(self.processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
+            align_special_tokens(model, self.processing_class)
 
     def _prepare_model_for_inference(self) -> None:
         """Place the model for evaluate()/predict() called on their own (outside train())."""
@@ -669,15 +686,28 @@ class Trainer:
         return label_targets(inputs, shifted).ne(-100).sum()
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """Forward+backward FLOPs of a batch: the model's own estimate, else 6 x params x tokens."""
+        """Forward+backward FLOPs of a batch. A transformers model: transformers 5.23's count, 6 x the main
+        input's elements x the parameters outside the embeddings (0 without that input); a model with its
+        own ``floating_point_ops``: that; any other module: 6 x tokens (or examples) x all its parameters,
+        where transformers reports 0."""
         if hasattr(self.model, "floating_point_ops"):
             return self.model.floating_point_ops(inputs)
+        if hasattr(self.model, "num_parameters"):
+            main = getattr(self.model, "main_input_name", "input_ids")
+            if not isinstance(inputs, Mapping) or main not in inputs:
+                return 0
+            return 6 * inputs[main].numel() * self._parameter_count(exclude_embeddings=True)
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else rdata.batch_size_of(inputs)
+        return 6 * tokens * self._parameter_count(exclude_embeddings=False)
+
+    def _parameter_count(self, exclude_embeddings: bool) -> int:
         cached = self.__dict__.get("_num_params")
         if cached is None or cached[0] is not self.model:
-            cached = self._num_params = (self.model, sum(p.numel() for p in self.model.parameters()))
-        return 6 * tokens * cached[1]
+            count = (self.model.num_parameters(exclude_embeddings=True) if exclude_embeddings
+                     else sum(p.numel() for p in self.model.parameters()))
+            cached = self._num_params = (self.model, count)
+        return cached[1]
 
     # -- logging and callbacks ------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from raytrainer.callbacks import TrainerControl, TrainerState
+from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
 from raytrainer.data import batch_size_of, skip_first_batches
 from raytrainer.optim import reapply_hyperparameters
 from raytrainer.strategies import select_strategy
@@ -82,6 +82,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         with strategy.model_init_context():  # a sharded strategy builds only this rank's share
             trainer.model = trainer.call_model_init(trial)
         trainer.optimizer = trainer.lr_scheduler = None
+    trainer._align_special_tokens()  # as transformers' train(), on the model this rank trains
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
     if resume is not None:
@@ -131,6 +132,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     handler = trainer.callback_handler
     epochs_trained, skip_updates = 0, 0
     control = trainer.control = TrainerControl()
+    state.stateful_callbacks = TrainerState._export_callbacks(  # as transformers; a resume replaces it
+        [cb for cb in [*handler.callbacks, control] if isinstance(cb, ExportableState)])
     if resume is not None:
         console.compare_with_checkpoint(args, resume.state)
         _restore_state(state, resume.state)
@@ -211,6 +214,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
                 if not last:
                     control = trainer.control = handler.on_substep_end(args, state, control)
 
+            loop.learning_rate = trainer._get_learning_rate()  # this step's rate: the one its log shows
             if not guard.skip_update(state):  # nonfinite_loss: raises, or skips this update everywhere
                 if args.max_grad_norm is not None and args.max_grad_norm > 0:
                     strategy.precision.unscale(optimizer)
@@ -267,6 +271,7 @@ class _LogState:
         self.total_loss = total_loss
         self.last_logged = last_logged
         self.grad_norm = grad_norm
+        self.learning_rate = None  # the last step's, read before its scheduler step (as transformers logs)
 
 
 def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys, must_sync: bool = False):
@@ -280,7 +285,8 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
         logs = {"loss": loss / (state.global_step - loop.last_logged)}  # unrounded, as transformers 5
         if loop.grad_norm is not None:
             logs["grad_norm"] = float(loop.grad_norm)
-        logs["learning_rate"] = trainer._get_learning_rate()
+        logs["learning_rate"] = (loop.learning_rate if loop.learning_rate is not None
+                                 else trainer._get_learning_rate())
         loop.last_logged = state.global_step
         tr_loss = torch.zeros_like(tr_loss)
         trainer.log(logs)
