@@ -74,11 +74,26 @@ def _trainable_class():
         def _report(self, step, objective, metrics) -> bool:
             """Hand the evaluation to Tune and wait for its verdict: the next step() call means go on,
             cleanup() means stop (the run's workers wait for this at the evaluation, see worker/stop)."""
+            self._provisional_summary(step, objective)
             verdict = {"stop": False, "given": threading.Event()}
             self._results.put(({**metrics, METRIC: objective, "global_step": step, "run_id": self._run_id},
                                verdict))
             verdict["given"].wait()
             return verdict["stop"]
+
+        def _provisional_summary(self, step, objective) -> None:
+            """The trial's summary as of this evaluation, written before Tune sees it. Tune force-kills a
+            trial it stopped 5 s after the experiment's last result (``TuneController._cleanup_trials``), so
+            a trial a scheduler stops last (ASHA at max_t) may never reach the summary its run writes when
+            ``train()`` returns; this one, replaced by that, is what remains then."""
+            from raytrainer.search.common import _plain, trial_args
+
+            args = trial_args(self._trainer.args, {}, self._run_id)
+            summary = TrialSummary(self._run_id, args.output_dir, _plain(dict(self.config)),
+                                   objective=objective, evaluations=list(self._reporter.evaluations),
+                                   global_step=step)
+            fill_checkpoints(summary, args)
+            summary.save()
 
         def _give_verdict(self, stop: bool) -> None:
             if self._verdict is not None:
