@@ -659,11 +659,9 @@ class Trainer:
         with torch.no_grad(), self.compute_loss_context_manager():
             if has_labels or loss_without_labels:
                 num_items = self._eval_num_items(model, inputs)
-                if num_items is not None and self._compute_loss_takes_num_items():
-                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
-                                                      num_items_in_batch=num_items)
-                else:
-                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                counted = ({"num_items_in_batch": num_items}
+                           if num_items is not None and self._compute_loss_takes_num_items() else {})
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True, **counted)
                 loss = loss.mean().detach()
                 logits = _logits_from_outputs(outputs, [*ignore_keys, "loss"], drop_first=True)
             else:
@@ -696,16 +694,19 @@ class Trainer:
             main = getattr(self.model, "main_input_name", "input_ids")
             if not isinstance(inputs, Mapping) or main not in inputs:
                 return 0
-            return 6 * inputs[main].numel() * self._parameter_count(exclude_embeddings=True)
+            return 6 * inputs[main].numel() * self._parameter_count()
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else rdata.batch_size_of(inputs)
-        return 6 * tokens * self._parameter_count(exclude_embeddings=False)
+        return 6 * tokens * self._parameter_count()
 
-    def _parameter_count(self, exclude_embeddings: bool) -> int:
+    def _parameter_count(self) -> int:
+        """The parameters floating_point_ops counts: a transformers model's outside the embeddings (its
+        ``num_parameters``), any other module's all; cached per model."""
         cached = self.__dict__.get("_num_params")
         if cached is None or cached[0] is not self.model:
-            count = (self.model.num_parameters(exclude_embeddings=True) if exclude_embeddings
-                     else sum(p.numel() for p in self.model.parameters()))
+            model = self.model
+            count = (model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters")
+                     else sum(p.numel() for p in model.parameters()))
             cached = self._num_params = (self.model, count)
         return cached[1]
 
