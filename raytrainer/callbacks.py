@@ -555,7 +555,8 @@ class ProgressCallback(TrainerCallback):
         self.current_step = state.global_step  # a resumed run starts part-way
         if state.is_world_process_zero:
             self.training_bar = tqdm(
-                total=state.max_steps, initial=state.global_step, dynamic_ncols=True, file=self.file
+                total=state.max_steps, initial=state.global_step, dynamic_ncols=True, file=self.file,
+                desc=f"trial {state.trial_name}" if state.trial_name else None,
             )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -588,6 +589,10 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and logs:
+            if "loss" in logs:  # beside steps/s and the ETA: the latest loss and learning rate
+                shown = {k: f"{logs[k]:.4g}" for k in ("loss", "learning_rate")
+                         if isinstance(logs.get(k), float)}
+                self.training_bar.set_postfix(shown, refresh=False)
             tqdm.write(str(_format_logs(logs, self.max_str_len)), file=self.file)
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -212,7 +212,7 @@ class Trainer:
         for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
             state[name] = None
         for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders",
-                     "_group"):
+                     "_group", "_pace_sink"):
             state.pop(name, None)  # caches: recomputed where the object lands; the driver's worker group
         return state
 

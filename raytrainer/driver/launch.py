@@ -14,6 +14,7 @@ import threading
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
 from raytrainer.driver import failures
+from raytrainer.driver.pace import StragglerWatch
 from raytrainer.logging_utils import emit_worker_record
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class DriverDisplay:
         self.args = trainer.args
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
         self.control = TrainerControl()
+        self.stragglers = StragglerWatch()
         self._done = 0
         # Callbacks that may stop training decide at each evaluation; the workers wait for the decision.
         self.steers = any(getattr(cb, "may_stop_training", False) for cb in callbacks)
@@ -83,6 +85,8 @@ class _Pump(threading.Thread):
                     self.display.replay(*payload)
                 elif kind == "checkpoint":
                     self.registry.add(payload)
+                elif kind == "pace":
+                    self.display.stragglers.observe(payload)
                 elif kind == "attempt":  # a (re)started worker group numbers its evaluations from 1
                     self._attempt, self._evaluations = payload["attempt"], 0
             except Exception:

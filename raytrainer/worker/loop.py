@@ -36,6 +36,7 @@ from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.loss import label_targets, loss_shifts_labels
 from raytrainer.worker.neftune import NEFTune
 from raytrainer.worker.nonfinite import NonFiniteGuard
+from raytrainer.worker.pace import PaceMeter
 
 _FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
@@ -173,6 +174,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
     epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
     guard = NonFiniteGuard(args.nonfinite_loss, ctx)
+    loop.pace = PaceMeter(trainer.model, ctx) if ctx.distributed else None
     start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):
@@ -190,7 +192,10 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         start_update = skip_updates if first_resumed_epoch else 0
         batches = epoch_batches(start_update * ga)  # from where the checkpoint was taken
         for update in range(start_update, updates_this_epoch):
+            fetch_started = time.perf_counter()
             micro = _take(batches, ga)
+            if loop.pace is not None:
+                loop.pace.fetching(fetch_started)
             if not micro:
                 exhausted = True
                 break
@@ -249,6 +254,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             break
 
     writer.commit()  # the end of training waits for the last save
+    if loop.pace is not None:
+        loop.pace.close()
     console.training_completed()
     if neftune is not None:
         neftune.remove()
@@ -272,6 +279,7 @@ class _LogState:
         self.last_logged = last_logged
         self.grad_norm = grad_norm
         self.learning_rate = None  # the last step's, read before its scheduler step (as transformers logs)
+        self.pace = None  # each rank's own work per step (worker/pace.py), when distributed
 
 
 def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys, must_sync: bool = False):
@@ -280,7 +288,7 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
     loop's stop): one more flag all-reduce on the steps that log, evaluate or save, none on the others."""
     args, state, control, ctx = trainer.args, trainer.state, trainer.control, trainer._ctx
     if control.should_log and state.global_step > loop.last_logged:
-        loss = _mean_across_ranks(tr_loss, ctx)
+        loss = _logging_window_sums(trainer, tr_loss, loop.pace, ctx)
         loop.total_loss += loss
         logs = {"loss": loss / (state.global_step - loop.last_logged)}  # unrounded, as transformers 5
         if loop.grad_norm is not None:
@@ -371,6 +379,18 @@ def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:
     if args.torch_compile_mode:
         kwargs["mode"] = args.torch_compile_mode
     return torch.compile(model, **kwargs)
+
+
+def _logging_window_sums(trainer, tr_loss: torch.Tensor, pace, ctx) -> float:
+    """The loss summed since the last log, averaged across ranks; each rank's pace rides in the same
+    all-reduce, and rank 0 hands it to the driver (``_pace_sink``)."""
+    if pace is None:
+        return _mean_across_ranks(tr_loss, ctx)
+    total, *per_rank = ctx.sum([float(tr_loss.item()), *pace.slots()])
+    sink = getattr(trainer, "_pace_sink", None)
+    if sink is not None and ctx.is_world_zero:
+        sink(pace.report(per_rank))
+    return total / ctx.world_size
 
 
 def _mean_across_ranks(t: torch.Tensor, ctx) -> float:

@@ -23,6 +23,8 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
             if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
                 return {"global_step": 0}
             _split_callbacks(trainer, ctx, channel)
+            if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
+                trainer._pace_sink = lambda report: channel.send("pace", report)
         output = getattr(trainer, method)(**kwargs)
         weights_at = None
         if method == "train" and channel is not None:

@@ -392,3 +392,19 @@ def token_accuracy(p) -> dict:
     n = min(preds.shape[1], labels.shape[1])
     mask = labels[:, :n] != -100
     return {"token_accuracy": float((preds[:, :n][mask] == labels[:, :n][mask]).mean())}
+
+
+class SlowOnRank:
+    """A collator that takes ``seconds`` longer on one rank: a straggler's slow data loading."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def __call__(self, examples):
+        import time
+
+        from raytrainer import default_data_collator
+
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == self.rank:
+            time.sleep(self.seconds)
+        return default_data_collator(examples)

@@ -9,7 +9,15 @@ import threading
 import numpy as np
 import pytest
 import torch
-from models import FlagsOnOneRank, LoggingTrainer, Regressor, StopAtStepOnRank, UnusedHead, make_data
+from models import (
+    FlagsOnOneRank,
+    LoggingTrainer,
+    Regressor,
+    SlowOnRank,
+    StopAtStepOnRank,
+    UnusedHead,
+    make_data,
+)
 
 from raytrainer import ArgumentParser, Trainer, TrainingArguments
 
@@ -213,6 +221,25 @@ def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, ca
     logs = tmp_path / "flags" / "logs"
     for rank in (0, 1):
         assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
+
+
+def test_a_slow_worker_is_named_by_the_straggler_warning(tmp_path, capfd):
+    """Rank 1 reads each batch 0.15 s slower: the driver names rank 1 and its node once, and not rank 0;
+    the run's result is the same as the even run's (pace is only measured)."""
+    import ray
+
+    args = _args(tmp_path, "slow", num_workers=2, max_steps=8, logging_steps=2)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(64),
+                      data_collator=SlowOnRank(rank=1, seconds=0.15))
+    out = trainer.train()
+    assert out.global_step == 8
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "is a straggler" in line]
+    assert len(warnings) == 1, err
+    node = ray.util.get_node_ip_address()
+    assert f"rank 1 on node {node} is a straggler: its own work" in warnings[0]
+    seconds = float(warnings[0].split(" takes ")[1].split(" s per step")[0])
+    assert 0.15 <= seconds < 1.0  # the sleep, measured on rank 1 through the logging all-reduce
 
 
 def test_a_skeleton_on_the_driver_evaluates_and_trains_as_a_real_model(tmp_path, monkeypatch):

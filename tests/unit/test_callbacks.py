@@ -442,14 +442,26 @@ def test_progress_bar_follows_global_step_with_missing_events():
         cb.on_step_end(args, state, control)
         assert bar.n == step
     assert bar.total == 10
-    cb.on_log(args, state, control, logs={"loss": 0.123456789, "total_flos": 1.0, "note": "x" * 200})
+    cb.on_log(args, state, control, logs={"loss": 0.123456789, "learning_rate": 2.5e-05, "total_flos": 1.0,
+                                          "note": "x" * 200})
+    assert bar.postfix == "loss=0.1235, learning_rate=2.5e-05"  # beside steps/s and the ETA
+    cb.on_log(args, state, control, logs={"eval_loss": 0.5})  # an evaluation's log leaves the bar's loss
+    assert bar.postfix == "loss=0.1235, learning_rate=2.5e-05"
     cb.on_train_end(args, state, control)
     assert bar.n == 10 and cb.training_bar is None
     text = out.getvalue()
-    assert "10/10" in text
+    assert "10/10" in text and "it/s, loss=0.1235, learning_rate=2.5e-05]" in text
     assert "'loss': '0.1235'" in text
     assert "total_flos" not in text
     assert "String too long to display, length: 200 > 100" in text
+
+
+def test_a_search_trial_s_bar_is_named_after_the_trial():
+    cb = ProgressCallback(file=io.StringIO())
+    cb.on_train_begin(make_args(), TrainerState(max_steps=4, trial_name="3"), TrainerControl())
+    assert cb.training_bar.desc == "trial 3"
+    cb.on_train_begin(make_args(), TrainerState(max_steps=4), TrainerControl())
+    assert cb.training_bar.desc == ""
 
 
 def test_progress_bar_catches_up_at_train_end_and_resume():

@@ -1,0 +1,70 @@
+"""Each rank's own pace, for the driver's straggler warning (driver/pace.py).
+
+In a data-parallel step every rank waits for the slowest at the gradient all-reduce, so the wall time of a
+step is the same everywhere and says nothing about who is slow. What differs is the work a rank does
+before it reaches a collective: reading its batches, and the forward pass. ``PaceMeter`` times those two
+on each rank (a clock read around the batch fetch, and a forward pre-hook and hook on the unwrapped model,
+which run inside DDP's wrapper after its buffer broadcast).
+
+Nothing is sent on its own: at each logging step the loop already sums the loss across ranks in one
+all-reduce, and the per-rank seconds ride in that same tensor, one slot per rank (``window``). Rank 0
+passes the result to the driver with the rank's node, gathered once per ``train()``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class PaceMeter:
+    def __init__(self, model: torch.nn.Module, ctx):
+        self.ctx = ctx
+        self.seconds = 0.0  # this rank's own work since the last window
+        self.steps = 0
+        self._forward_started = None
+        self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        self.nodes = ctx.gather_object(_node()) if ctx.distributed else None  # rank 0 only; once
+
+    def _pre(self, module, inputs):
+        self._forward_started = time.perf_counter()
+
+    def _post(self, module, inputs, output):
+        if self._forward_started is not None and module.training:
+            self.seconds += time.perf_counter() - self._forward_started
+        self._forward_started = None
+
+    def fetching(self, started: float) -> None:
+        """The batches of one step were read, starting at ``started`` (``time.perf_counter()``)."""
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+
+    def slots(self) -> list[float]:
+        """This rank's seconds per step since the last window, in its own slot of a world-size vector (the
+        other slots 0): summed across ranks, the vector holds every rank's pace."""
+        out = [0.0] * self.ctx.world_size
+        out[self.ctx.rank] = self.seconds / max(self.steps, 1)
+        self.seconds, self.steps = 0.0, 0
+        return out
+
+    def report(self, per_rank: list[float]) -> dict:
+        return {"seconds_per_step": per_rank, "nodes": self.nodes}
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _node() -> str:
+    """This process's node, as ``ray status`` names it (its IP), or the host name outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    import socket
+
+    return socket.gethostname()

@@ -1,0 +1,44 @@
+"""The driver's straggler rule (driver/pace.py) on reports as rank 0 sends them; the 2-worker run that
+slows one rank down is tests/integration/test_ddp.py::test_a_slow_worker_is_named_by_the_straggler_warning."""
+
+from __future__ import annotations
+
+from raytrainer.driver.pace import StragglerWatch
+
+NODES = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+
+
+def _report(*seconds):
+    return {"seconds_per_step": list(seconds), "nodes": NODES[:len(seconds)]}
+
+
+def test_a_rank_slow_in_two_reports_in_a_row_is_named_once_with_its_node():
+    watch = StragglerWatch()
+    assert watch.observe(_report(0.010, 0.011, 0.200, 0.012)) == []  # the first report may be warm-up
+    (message,) = watch.observe(_report(0.010, 0.011, 0.180, 0.012))
+    assert message.startswith("rank 2 on node 10.0.0.2 is a straggler: its own work (reading batches, "
+                              "forward) takes 0.180 s per step against 0.011 s on the other ranks (median)")
+    assert watch.observe(_report(0.010, 0.011, 0.190, 0.012)) == []  # said once per run
+    assert watch.warned == {2}
+
+
+def test_one_slow_report_resets_and_noise_is_not_a_straggler():
+    watch = StragglerWatch()
+    assert watch.observe(_report(0.01, 0.30)) == []
+    assert watch.observe(_report(0.01, 0.01)) == []  # a pause (GC, a checkpoint), not a slow rank
+    assert watch.observe(_report(0.01, 0.30)) == []
+    # three times slower, but by 2 ms a step: under min_gap, clock noise at millisecond steps
+    for _ in range(3):
+        assert watch.observe(_report(0.001, 0.003)) == []
+    # evenly slow ranks: nobody stands out
+    for _ in range(3):
+        assert watch.observe(_report(0.5, 0.5, 0.52, 0.49)) == []
+    assert watch.warned == set()
+
+
+def test_one_rank_alone_has_no_straggler_and_nodes_are_optional():
+    watch = StragglerWatch()
+    assert watch.observe({"seconds_per_step": [5.0], "nodes": None}) == []
+    watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
+    (message,) = watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
+    assert message.startswith("rank 0 is a straggler")
