@@ -27,7 +27,9 @@ def _config(stage: int, **extra) -> dict:
     return {**_CONFIG, "zero_optimization": {"stage": stage}, **extra}
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero0", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("fsdp", marks=pytest.mark.full),
+                                      pytest.param("zero0", marks=pytest.mark.full), "zero2",
+                                      pytest.param("zero3", marks=pytest.mark.full)])  # CI: one ZeRO stage
 def test_each_strategy_reaches_the_ddp_accuracy_band_on_the_demo(tmp_path, strategy):
     import train_digits
 
@@ -65,7 +67,7 @@ def _args(out, stage: int, **kw) -> TrainingArguments:
 
 
 @pytest.mark.timeout(900)  # five runs: the full one, a resume, 2 -> 1 and 1 -> 2 with conversions
-@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (3, True)])
+@pytest.mark.parametrize(("stage", "bf16"), [pytest.param(1, False, marks=pytest.mark.full), (3, True)])
 def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage, bf16):
     data = make_data(48)  # 6 updates per epoch with 2 x 4, 18 steps in all
     full = ReportEngine(model=DropoutRegressor(), args=_args(tmp_path / "full", stage, bf16=bf16),
@@ -142,7 +144,8 @@ def test_neftune_noise_under_a_deepspeed_engine(tmp_path, capfd):
         assert f"rank {rank}: neftune hooks at train end=0" in console
 
 
-@pytest.mark.timeout(600)  # a 256 MiB model, two runs
+@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, two runs
+@pytest.mark.timeout(600)
 def test_zero3_model_init_builds_partitioned_and_resumes(tmp_path, capfd):
     """ZeRO-3 with model_init: built under deepspeed.zero.Init, so each rank holds half the parameters and its
     memory grew by less than model + partition while model_init ran; before the first step the

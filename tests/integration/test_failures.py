@@ -73,6 +73,7 @@ def test_a_lost_worker_is_replaced_and_the_run_resumes_bitwise(tmp_path, uninter
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
 
+@pytest.mark.full  # the full tier (scripts/test.sh --full): CI kills a worker mid-run (test above)
 def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_path, uninterrupted, caplog):
     """Rank 0 dies half-way through writing checkpoint-4 (its weights file cut short, no manifest): the new
     worker group resumes from checkpoint-2, the last committed one, writes checkpoint-4 again whole, and ends

@@ -72,7 +72,8 @@ def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
         assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console
 
 
-@pytest.mark.timeout(600)  # a 256 MiB model, three runs
+@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, three runs
+@pytest.mark.timeout(600)
 def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_path, capfd):
     """model_init: rank 1 builds on the meta device and receives its shard from rank 0, so before the first
     step each rank holds half the parameters, and rank 1's resident memory grew by its shard and a transient

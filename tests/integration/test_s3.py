@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+import pytest
 import torch
 from models import RecordPid, WideDropoutRegressor, make_data
 from test_fsdp import _args  # FSDP full_shard on 2 workers, saving every 5 steps
@@ -33,6 +34,7 @@ def _reads_by_rank(requests, out) -> dict[int, dict[str, int]]:
     return reads
 
 
+@pytest.mark.full  # the full tier (scripts/test.sh --full): CI reads a bucket with ZeRO-3 below
 def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tmp_path, s3_bucket):
     uri = f"{s3_bucket.uri}/runs/fsdp"
     data = make_data(48)

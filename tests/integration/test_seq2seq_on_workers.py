@@ -33,7 +33,8 @@ _ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", [{}, {"fsdp": "full_shard auto_wrap"}, {"deepspeed": _ZERO3}],
+@pytest.mark.parametrize("strategy", [{}, pytest.param({"fsdp": "full_shard auto_wrap"},
+                                                      marks=pytest.mark.full), {"deepspeed": _ZERO3}],
                          ids=["ddp", "fsdp", "zero3"])
 def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strategy):
     """Under FSDP each rank holds half of every T5 block and of the root unit (the shared embedding, the tied
@@ -64,6 +65,7 @@ def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strateg
     assert two.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-5)
 
 
+@pytest.mark.full  # the full tier (scripts/test.sh --full): tests/unit runs the example in one process
 def test_the_translation_example_on_two_workers(tmp_path, capsys):
     """examples/translate.py as written, in its smoke setting, with --num_workers 2: it trains, generates on
     the workers and scores the generations with BLEU."""

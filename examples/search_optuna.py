@@ -1,0 +1,76 @@
+"""Hyperparameter search with optuna, its study kept in sqlite: stop the script, run it again, and the study
+goes on where it was (``n_trials`` counts the trials the study already holds).
+
+    python examples/search_optuna.py                     # each trial on 2 Ray workers
+    python examples/search_optuna.py --num_workers 0     # each trial in this process
+    python examples/search_optuna.py --n_trials 4 --num_train_epochs 1      # a smoke run
+
+Task: the digits MLP of train_digits.py, built by ``model_init`` for each trial with the trial's hidden size;
+the search tries learning rates and hidden sizes, with optuna's median pruner stopping trials that fall
+behind at an evaluation. The study lives in ``OUTPUT_DIR/search.db``. The script prints the best trial and
+exits with status 1 unless the study holds ``--n_trials`` finished or pruned trials and the best test
+accuracy reaches ``--min_accuracy``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from train_digits import DigitsMLP, accuracy, digits_splits
+
+from raytrainer import ArgumentParser, Trainer, TrainingArguments
+
+
+def hp_space(trial) -> dict:
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 3e-2, log=True),
+            "hidden_size": trial.suggest_categorical("hidden_size", [32, 64, 128])}
+
+
+def model_init(trial) -> DigitsMLP:
+    return DigitsMLP(hidden=trial.params["hidden_size"] if trial is not None else 64)
+
+
+@dataclass
+class SearchArguments:
+    n_trials: int = field(default=12, metadata={"help": "Trials the study should hold when the search ends."})
+    min_accuracy: float = field(default=0.9, metadata={"help": "Exit with status 1 below this accuracy."})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import optuna
+
+    defaults = {"output_dir": "search_output", "num_workers": 2, "num_train_epochs": 4,
+                "per_device_train_batch_size": 32, "eval_strategy": "epoch", "save_strategy": "no",
+                "logging_strategy": "epoch", "metric_for_best_model": "accuracy",
+                "ddp_find_unused_parameters": False}
+    parser = ArgumentParser((SearchArguments, TrainingArguments))
+    parser.set_defaults(**defaults)
+    task, args = parser.parse_args_into_dataclasses(args=argv)
+    train, test = digits_splits(args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+    storage = f"sqlite:///{os.path.abspath(os.path.join(args.output_dir, 'search.db'))}"
+
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
+                      compute_metrics=accuracy)
+    best = trainer.hyperparameter_search(
+        hp_space=hp_space, backend="optuna", n_trials=task.n_trials, direction="maximize",
+        compute_objective=lambda metrics: metrics["eval_accuracy"],
+        storage=storage, study_name="digits", load_if_exists=True,
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+    study = optuna.load_study(study_name="digits", storage=storage)
+    ended = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE,
+                                                      optuna.trial.TrialState.PRUNED)]
+    pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in ended)
+    print(f"study 'digits' in {storage}: {len(ended)} trials ({pruned} pruned); best trial {best.run_id}: "
+          f"accuracy {best.objective:.2%} with {best.hyperparameters}")
+    if len(ended) < task.n_trials or best.objective < task.min_accuracy:
+        print(f"expected {task.n_trials} trials and an accuracy of {task.min_accuracy} at least",
+              file=sys.stderr)
+        sys.exit(1)
+    return {"best": best, "trials": len(ended), "pruned": pruned, "storage": storage}
+
+
+if __name__ == "__main__":
+    main()
