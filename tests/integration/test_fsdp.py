@@ -58,6 +58,7 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     assert [s for s, _ in restored] == [3, 6, 9, 12, 15, 18]
 
 
+@pytest.mark.full  # the full tier: CI runs examples/train_gpt2.py with an accelerate FSDP YAML
 def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
     import os
 

@@ -1,6 +1,6 @@
 """The examples in their smoke setting: each run as written (its ``main`` with the flags a user would pass),
 in this process (``--num_workers 0``), asserting the outcome the script checks for itself. Their runs on
-Ray workers are tests/integration/test_examples_on_workers.py."""
+Ray workers (the strategy configs) are tests/integration/test_examples_on_workers.py."""
 
 from __future__ import annotations
 
