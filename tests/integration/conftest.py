@@ -55,12 +55,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import cloudpickle  # noqa: E402
 import models  # noqa: E402
+import search_asha  # noqa: E402
 import train_digits  # noqa: E402
 import train_gpt2  # noqa: E402
 import translate  # noqa: E402
 
 # Ray workers cannot import test modules: ship the test models (and the examples') by value.
 cloudpickle.register_pickle_by_value(models)
+cloudpickle.register_pickle_by_value(search_asha)
 cloudpickle.register_pickle_by_value(train_digits)
 cloudpickle.register_pickle_by_value(train_gpt2)
 cloudpickle.register_pickle_by_value(translate)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import search_asha
 import train_gpt2
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
@@ -31,3 +32,42 @@ def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, 
     else:  # the accelerate YAML's fsdp_* keys and the JSON both become fsdp + fsdp_config, as in transformers
         assert args.num_workers == 2 and "full_shard" in str(args.fsdp)
         assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+
+
+@pytest.mark.full  # the full tier: CI runs a Ray Tune search with ASHA in test_search.py
+@pytest.mark.timeout(600)
+def test_the_asha_search_example(tmp_path, capsys):
+    out = search_asha.main(["--n_trials", "4", "--num_train_epochs", "2", "--output_dir", str(tmp_path),
+                            "--disable_tqdm", "1", "--report_to", "none", "--min_accuracy", "0.5"])
+    trials, best = out["trials"], out["best"]
+    assert len(trials) == 4 and best.objective >= 0.5
+    assert best.objective == max(t.objective for t in trials)
+    for t in trials:  # ASHA may end a trial after its first evaluation; none runs past max_t
+        assert 1 <= len(t.evaluations) <= 2 and t.global_step == 23 * len(t.evaluations)  # 1,437 / (2 x 32)
+        assert t.pruned == (len(t.evaluations) < 2)
+    printed = capsys.readouterr().out
+    assert printed.count(" evaluation(s), step ") == 4 and f"best trial {best.run_id}: accuracy" in printed
+
+
+@pytest.mark.full  # the full tier: CI submits jobs in test_submit.py and runs two nodes in test_multinode.py
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_local_cluster_job_example(tmp_path, nodes):
+    """examples/local_cluster_job.sh as written: a local cluster of 1 or 2 nodes, the demo submitted as a
+    job, its exit status the job's, the cluster stopped afterwards."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    state = f"/tmp/rt-ex-{nodes}-{os.getpid()}"  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(RAY_MN_STATE=state, RAY_MN_IP_START="22", RAY_MN_WORKER_PORT_BASE="27000",
+               RAY_MN_AUTH_MODE="disabled", RAY_MN_VENV=os.path.dirname(os.path.dirname(sys.executable)),
+               OMP_NUM_THREADS="1", HOME=str(tmp_path))
+    proc = subprocess.run(["bash", "examples/local_cluster_job.sh", str(nodes), "--num_train_epochs", "5",
+                           "--output_dir", str(tmp_path / "out")], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    final = float(proc.stdout.split("final test accuracy: ")[1].split("%")[0])
+    assert final > 90.0
+    assert not os.path.exists(os.path.join(state, "address"))  # the cluster was stopped
