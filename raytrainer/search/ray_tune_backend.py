@@ -252,27 +252,51 @@ def _tune_output(quiet: bool):
 
 
 def _trial_lines(param_names: list[str]):
-    """A Tune callback (in this process) that prints one line as each trial starts and one as it ends, in
-    place of Tune's status tables -- which ``verbose=1`` or ``2`` in the search's arguments bring back."""
+    """A Tune callback (in this process) in place of Tune's status tables -- which ``verbose=1`` or ``2`` in
+    the search's arguments bring back: a line as each trial starts and one as it ends, and while trials run,
+    one status line per running trial (its step, evaluations and objective, redrawn in place)."""
     from ray import tune
+    from tqdm.auto import tqdm
 
     class TrialLines(tune.Callback):
+        def __init__(self):
+            self.ended = 0
+            self.status: dict[str, tqdm] = {}  # trial id -> its status line
+            self.slots: dict[str, int] = {}  # trial id -> its line's position under the others
+
         def on_trial_start(self, iteration, trials, trial, **info):
             params = {k: trial.config.get(k) for k in param_names}
-            print(f"trial {trial.trial_id} started: {params}", flush=True)
+            tqdm.write(f"trial {trial.trial_id} started: {params}")
+            slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
+            self.slots[trial.trial_id] = slot
+            self.status[trial.trial_id] = tqdm(total=0, position=slot, leave=False, bar_format="{desc}",
+                                               desc=f"trial {trial.trial_id}: starting")
 
-        ended = 0
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            line = self.status.get(trial.trial_id)
+            if line is not None:
+                line.set_description_str(
+                    f"trial {trial.trial_id}: step {result.get('global_step', 0)}, "
+                    f"{result.get('training_iteration', 0)} evaluation(s), objective {result.get(METRIC)}")
+
+        def _close(self, trial) -> None:
+            self.slots.pop(trial.trial_id, None)
+            line = self.status.pop(trial.trial_id, None)
+            if line is not None:
+                line.close()
 
         def on_trial_complete(self, iteration, trials, trial, **info):
+            self._close(trial)
             result = trial.last_result or {}
             self.ended += 1
-            print(f"trial {trial.trial_id} ended after {result.get('training_iteration', 0)} evaluation(s), "
-                  f"step {result.get('global_step', 0)}: objective {result.get(METRIC)} ({self.ended} "
-                  f"trial(s) ended)", flush=True)
+            tqdm.write(f"trial {trial.trial_id} ended after {result.get('training_iteration', 0)} "
+                       f"evaluation(s), step {result.get('global_step', 0)}: objective {result.get(METRIC)} "
+                       f"({self.ended} trial(s) ended)")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            print(f"trial {trial.trial_id} failed; its error: {trial.error_file or 'in the Tune records'}",
-                  flush=True)
+            self._close(trial)
+            where = trial.error_file or "in the Tune records"
+            tqdm.write(f"trial {trial.trial_id} failed; its error: {where}")
 
     return TrialLines()
 

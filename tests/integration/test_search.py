@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -174,6 +175,8 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     assert after is sigint_before and getattr(after, "__name__", "") != "signal_interrupt_tune_run", after
     console = "".join(capfd.readouterr())  # a line per trial start and end, none of Tune's status tables
     assert console.count(" started: {'learning_rate': ") == 4 and console.count(" trial(s) ended)") == 4
+    # while they ran: a status line per running trial, redrawn at each of its evaluations
+    assert re.search(r"trial \w+: step 4, 1 evaluation\(s\), objective [0-9.]+", console), console[-3000:]
     for tune_table in ("Trial status:", "Configuration for experiment", "Current time:", "View detailed"):
         assert tune_table not in console, tune_table
     assert trainer.args.hub_token == TOKEN and trainer.args.push_to_hub  # the caller's arguments, untouched
