@@ -153,7 +153,7 @@ CASES = [
                       call_kwargs={"resume_from_checkpoint": _other_model_checkpoint(o)})),
 ]
 
-# Fault scenarios and the integration test that measures each (run in CI).
+# Fault scenarios and the test that measures each: in CI, or in the full tier (scripts/test.sh --full).
 SCENARIOS = [
     ("a worker process lost mid-run (rank 1 exits at step 5), max_failures=1", "a new worker group resumes "
      "from the last committed checkpoint; final weights bitwise equal to an uninterrupted run's",
@@ -173,7 +173,7 @@ SCENARIOS = [
      "tests/unit/test_checkpoint.py"),
     ("rank 0 killed half-way through writing a checkpoint, max_failures=1", "that checkpoint is never used: "
      "the new worker group resumes from the one before, writes it again whole, and ends bitwise equal to an "
-     "uninterrupted run", "tests/integration/test_failures.py"),
+     "uninterrupted run", "tests/integration/test_failures.py (full tier)"),
     ("the storage is full during a save (ENOSPC)", "the run stops with an error naming the checkpoint and "
      "the file; the checkpoint is not committed, the earlier ones are intact and resume",
      "tests/unit/test_checkpoint.py"),
@@ -186,6 +186,26 @@ SCENARIOS = [
      "weights_only=True and its checkpoint types allow-listed: refused, naming the file; the payload never "
      "runs",
      "tests/unit/test_deepspeed_load.py"),
+    ("the driver of a 2-worker Ray run killed (SIGKILL) mid-run, the script run again with "
+     "resume_from_checkpoint=True", "Ray ends the killed job's controller, workers, channel and placement "
+     "group; the rerun resumes from the last committed checkpoint through the same steps and losses as an "
+     "uninterrupted run; no checkpoint is pushed to the hub twice",
+     "tests/integration/test_driver_killed_on_ray.py (full tier)"),
+    ("a worker lost more often than max_failures (rank 1 dies twice, max_failures=1)", "an error naming rank "
+     "1; no controller, worker or channel actor and no placement group left; the last committed checkpoint "
+     "resumes", "tests/integration/test_failures.py"),
+    ("a worker process lost during a warm `evaluate()` (rank 1 exits at its first prediction step), "
+     "max_failures=1", "Ray Train restarts the group; the new ranks find the command unanswered and run it "
+     "again: the same loss as the trained weights give; the new group serves `predict()`",
+     "tests/integration/test_warm_workers.py"),
+    ("Ctrl-C on the driver while `train()` runs on a live group", "KeyboardInterrupt reaches the caller; the "
+     "run is aborted through its controller; its controller, workers and channel end; the next call starts "
+     "a new group", "tests/integration/test_warm_workers.py"),
+    ("`close()` / the `with` block after train, evaluate, predict", "no controller, worker or channel actor "
+     "and no placement group left (Ray's state API)", "tests/integration/test_warm_workers.py"),
+    ("one worker slower than the others (rank 1 reads each batch 0.15 s slower)", "the driver names rank 1 "
+     "and its node once (straggler warning); the run's result is unchanged",
+     "tests/integration/test_ddp.py"),
     ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
      "stay in its log folder", "tests/integration/test_failures.py"),
 ]
