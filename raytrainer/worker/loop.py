@@ -174,7 +174,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
     epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
     guard = NonFiniteGuard(args.nonfinite_loss, ctx)
-    loop.pace = PaceMeter(trainer.model, ctx) if ctx.distributed else None
+    if ctx.distributed:  # each rank's own work per step, for the driver's straggler warning
+        loop.pace = PaceMeter(trainer.model, ctx, time_forward=not args.torch_compile)
     start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):

@@ -19,12 +19,14 @@ import torch
 
 
 class PaceMeter:
-    def __init__(self, model: torch.nn.Module, ctx):
+    def __init__(self, model: torch.nn.Module, ctx, time_forward: bool = True):
         self.ctx = ctx
         self.seconds = 0.0  # this rank's own work since the last window
         self.steps = 0
         self._forward_started = None
-        self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        # Under torch.compile a clock read in a hook would break the graph: there only batch reading counts.
+        self._hooks = ([model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+                       if time_forward else [])
         self.nodes = ctx.gather_object(_node()) if ctx.distributed else None  # rank 0 only; once
 
     def _pre(self, module, inputs):
