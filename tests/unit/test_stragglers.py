@@ -42,3 +42,36 @@ def test_one_rank_alone_has_no_straggler_and_nodes_are_optional():
     watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
     (message,) = watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
     assert message.startswith("rank 0 is a straggler")
+
+
+def test_the_pace_meter_counts_batch_reading_and_training_forwards_only():
+    import time
+
+    import torch
+
+    from raytrainer.worker.context import RankContext
+    from raytrainer.worker.pace import PaceMeter
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)
+            return x
+
+    model = Slow()
+    meter = PaceMeter(model, RankContext())
+    for _ in range(2):  # two steps: 0.02 s reading the batch, one 0.05 s forward
+        started = time.perf_counter()
+        time.sleep(0.02)
+        meter.fetching(started)
+        model(torch.zeros(1))
+    model.eval()
+    model(torch.zeros(1))  # an evaluation forward is not training work
+    (per_step,) = meter.slots()
+    assert 0.07 <= per_step < 0.2
+    assert meter.slots() == [0.0]  # each window starts afresh
+    meter.close()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+    quiet = PaceMeter(model, RankContext(), time_forward=False)  # under torch.compile
+    assert not model._forward_hooks
+    quiet.close()
