@@ -193,14 +193,14 @@ SCENARIOS = [
      "tests/integration/test_driver_killed_on_ray.py (full tier)"),
     ("a worker lost more often than max_failures (rank 1 dies twice, max_failures=1)", "an error naming rank "
      "1; no controller, worker or channel actor and no placement group left; the last committed checkpoint "
-     "resumes", "tests/integration/test_failures.py"),
+     "resumes", "tests/integration/test_failures.py (full tier)"),
     ("a worker process lost during a warm `evaluate()` (rank 1 exits at its first prediction step), "
      "max_failures=1", "Ray Train restarts the group; the new ranks find the command unanswered and run it "
      "again: the same loss as the trained weights give; the new group serves `predict()`",
-     "tests/integration/test_warm_workers.py"),
+     "tests/integration/test_warm_workers.py (full tier)"),
     ("Ctrl-C on the driver while `train()` runs on a live group", "KeyboardInterrupt reaches the caller; the "
      "run is aborted through its controller; its controller, workers and channel end; the next call starts "
-     "a new group", "tests/integration/test_warm_workers.py"),
+     "a new group", "tests/integration/test_warm_workers.py (full tier)"),
     ("`close()` / the `with` block after train, evaluate, predict", "no controller, worker or channel actor "
      "and no placement group left (Ray's state API)", "tests/integration/test_warm_workers.py"),
     ("one worker slower than the others (rank 1 reads each batch 0.15 s slower)", "the driver names rank 1 "

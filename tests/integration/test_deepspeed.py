@@ -66,7 +66,8 @@ def _args(out, stage: int, **kw) -> TrainingArguments:
 
 
 @pytest.mark.timeout(900)  # five runs: the full one, a resume, 2 -> 1 and 1 -> 2 with conversions
-@pytest.mark.parametrize(("stage", "bf16"), [pytest.param(1, False, marks=pytest.mark.full), (3, True)])
+@pytest.mark.full  # the full tier: CI trains and resumes ZeRO-3 from a bucket (test_s3.py)
+@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (3, True)])
 def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage, bf16):
     data = make_data(48)  # 6 updates per epoch with 2 x 4, 18 steps in all
     full = ReportEngine(model=DropoutRegressor(), args=_args(tmp_path / "full", stage, bf16=bf16),

@@ -95,6 +95,7 @@ def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_
     assert set(rewritten) == set(uninterrupted)
 
 
+@pytest.mark.full  # the full tier: CI loses a worker once and resumes (test above)
 def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_path, ray_session):
     """Rank 1 dies at step 5, and again at step 5 after the restart: with max_failures=1 the second loss ends
     the run with an error naming rank 1; the last committed checkpoint is intact and resumes; the run leaves

@@ -80,6 +80,7 @@ def test_submit_runs_the_demo_with_token_auth_and_fails_without(head, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.full  # the full tier: CI submits the demo with token auth (test above)
 def test_exit_status_follows_the_job(head, tmp_path):
     address, token, _ = head
     failed = _cli(["submit", "--address", address, "--", "python", "-c", "import sys; sys.exit(7)"], token,
