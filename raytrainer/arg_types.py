@@ -5,6 +5,7 @@ Every check raises a `ValueError` that reads "<field>=<value>: <what is wrong>; 
 
 import json
 import logging
+import os
 from enum import Enum
 from typing import Any
 
@@ -151,9 +152,23 @@ def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
 
 
 def _parse_dict(name: str, value: Any) -> dict | None:
-    """A dict field given as a dict, None, or a JSON object string (as the command line gives it)."""
+    """A dict field given as a dict, None, a JSON object string (as the command line gives it), or the path
+    of a JSON file holding the object (as transformers reads ``--fsdp_config``)."""
     if value is None or isinstance(value, dict):
         return value
+    path = value.strip() if isinstance(value, str) else ""
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            try:
+                parsed = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise _error(name, value, f"names a file that is not valid JSON ({exc.msg}, line "
+                             f"{exc.lineno})", "fix the file, or pass the JSON object itself") from None
+        if isinstance(parsed, dict):
+            return parsed
+        raise _error(name, value, "names a JSON file that does not hold an object", "put a JSON object in it")
+    if path.endswith(".json") and not path.startswith("{"):
+        raise _error(name, value, "no such file", "pass the path of a JSON file, or the JSON object itself")
     if isinstance(value, str):
         if not value.strip():
             return {}

@@ -201,26 +201,35 @@ def trial_args(args, values: dict[str, Any], trial_id: str):
 # -- one trial ----------------------------------------------------------------------------------------------
 class TrialReporter(TrainerCallback):
     """Runs on the driver of a trial's run: each evaluation's objective goes to ``report(step, objective,
-    metrics)``; when that returns True (prune), training stops on every worker within a few steps."""
+    metrics)``; when that returns True (prune), training stops on every worker within a few steps.
+
+    ``stop_at_the_end_prunes``: whether a stop at the run's last step marks the trial pruned. An Optuna
+    pruner's verdict there does (transformers raises ``TrialPruned`` after any evaluation); a Tune scheduler's
+    STOP there is its way of saying the trial reached ``max_t``, and the trial ran to its end."""
 
     on_driver = True
     may_stop_training = True
     same_on_every_rank = True
 
-    def __init__(self, compute_objective: Callable, report: Callable | None):
+    def __init__(self, compute_objective: Callable, report: Callable | None,
+                 stop_at_the_end_prunes: bool = True):
         self.compute_objective, self.report = compute_objective, report
+        self.stop_at_the_end_prunes = stop_at_the_end_prunes
         self.evaluations: list[dict] = []
         self.pruned = False
         self._control = None  # the run's control on the driver, once training has begun
         self._stop_asked = False
+        self._at_the_end = False  # the last evaluation was at the run's last step
 
     def __getstate__(self):  # workers get a hollow copy (they drop driver-side callbacks anyway)
         return {"compute_objective": None, "report": None, "evaluations": [], "pruned": False,
-                "_control": None, "_stop_asked": False}
+                "stop_at_the_end_prunes": self.stop_at_the_end_prunes, "_control": None, "_stop_asked": False,
+                "_at_the_end": False}
 
     def stop(self) -> None:
         """Stop the run now (from any thread of the trial's driver), as when the trial is pruned."""
-        self._stop_asked = self.pruned = True
+        self._stop_asked = True
+        self.pruned = self.pruned or self.stop_at_the_end_prunes or not self._at_the_end
         if self._control is not None:
             self._control.should_training_stop = True
 
@@ -236,8 +245,9 @@ class TrialReporter(TrainerCallback):
         metrics = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
         objective = self.compute_objective(dict(metrics))
         self.evaluations.append({"step": state.global_step, "objective": objective, "metrics": metrics})
+        self._at_the_end = bool(state.max_steps) and state.global_step >= state.max_steps
         if self.report is not None and not self.pruned and self.report(state.global_step, objective, metrics):
-            self.pruned = True
+            self.pruned = self.stop_at_the_end_prunes or not self._at_the_end
             control.should_training_stop = True
 
 

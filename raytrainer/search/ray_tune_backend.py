@@ -66,7 +66,8 @@ def _trainable_class():
             self._compute_objective = compute_objective
             self._run_id = str(hp_name(config) if hp_name is not None else self.trial_id)
             self._results: queue.Queue = queue.Queue()
-            self._reporter = TrialReporter(compute_objective, self._report)
+            # ASHA's STOP at max_t, on the run's last evaluation, is not an early stop
+            self._reporter = TrialReporter(compute_objective, self._report, stop_at_the_end_prunes=False)
             self._thread = None
             self._resume = None  # a checkpoint PBT restored this trial from
             self._verdict = None  # the evaluation Tune is deciding on

@@ -383,3 +383,19 @@ def test_process_view_names_hf_scripts_log(tmp_path):
     assert view == ("cpu", 0, "not_parallel", -1)
     args._set_process(world_size=4, rank=3, local_rank=1, node_rank=1)
     assert (str(args.parallel_mode), args.local_rank) == ("distributed", 1)
+
+
+def test_fsdp_config_may_name_a_json_file_as_in_transformers(tmp_path):
+    import json
+
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps({"transformer_layer_cls_to_wrap": ["GPT2Block"], "min_num_params": 0}))
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard auto_wrap", fsdp_config=str(path),
+                             num_workers=2)
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    sharded = {"output_dir": str(tmp_path), "fsdp": "full_shard", "num_workers": 2}
+    with pytest.raises(ValueError, match=r"fsdp_config='.*missing\.json': no such file; pass the path of a"):
+        TrainingArguments(fsdp_config=str(tmp_path / "missing.json"), **sharded)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="names a JSON file that does not hold an object"):
+        TrainingArguments(fsdp_config=str(tmp_path / "list.json"), **sharded)
