@@ -4,20 +4,23 @@
 #   bash scripts/test.sh           the CI tier: tests marked `full` (second variants of what it covers:
 #                                  other ZeRO stages, FSDP twins of DeepSpeed tests, 256 MiB model_init
 #                                  runs) are deselected, and pytest says how many
-#   bash scripts/test.sh --full    every test (about twice as long)
+#   bash scripts/test.sh --full    every test, and bench/mfu.py --tiny --check (about twice as long)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 export OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
 tier=(-m "not full")
+full=0
 if [ "${1:-}" = "--full" ]; then
   shift
   tier=()
+  full=1
 fi
 .venv/bin/python -m pytest tests -ra --durations=15 "${tier[@]}" "$@"
-# The GPU benchmark's code, on CPU with a tiny config: every side (plain loop, transformers.Trainer,
-# raytrainer num_workers=0 and 1) must produce its row (tests/gpu is collected above and skipped without CUDA).
-if [ $# -eq 0 ]; then
+# The full tier also runs the GPU benchmark's code on CPU with a tiny config: every side (plain loop,
+# transformers.Trainer, raytrainer num_workers=0 and 1) must produce its row (tests/gpu is collected above
+# and skipped without CUDA; bench/gpu.sh runs it all on a GPU).
+if [ "$full" = 1 ] && [ $# -eq 0 ]; then
   exec .venv/bin/python bench/mfu.py --tiny --check
 fi

@@ -20,7 +20,7 @@ SMOKE = ["--num_workers", "2", "--disable_tqdm", "1", "--report_to", "none", "--
     ["--accelerate_config", os.path.join(CONFIGS, "accelerate_fsdp.yaml")],
     pytest.param(["--fsdp", "full_shard auto_wrap", "--fsdp_config", os.path.join(CONFIGS, "fsdp.json")],
                  marks=pytest.mark.full),
-    pytest.param(["--deepspeed", os.path.join(CONFIGS, "ds_zero3.json")], marks=pytest.mark.full),
+    ["--deepspeed", os.path.join(CONFIGS, "ds_zero3.json")],
 ], ids=["accelerate-fsdp-yaml", "fsdp-config", "zero3-json"])
 def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, capsys):
     out = train_gpt2.main([*SMOKE, "--output_dir", str(tmp_path), "--max_perplexity", "30", *strategy])

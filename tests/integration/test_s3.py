@@ -80,6 +80,7 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
         assert reads[rank][f"{prefix}rng_state_{other}.safetensors"] == 0  # each rank its own RNG state
 
 
+@pytest.mark.full  # the full tier: CI writes a search's checkpoints to a bucket (test_search.py)
 def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_partition(tmp_path, s3_bucket):
     """DeepSpeed's loader reads files by path: from a bucket each rank downloads (verified) its own ZeRO
     partition files and the shared ones, none of the other rank's; the resume is bitwise."""
