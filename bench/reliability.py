@@ -257,7 +257,9 @@ def table(rows: list[dict], machine: dict, soaked: dict | None = None) -> str:
                      f"{'yes' if r['ray_started'] else 'no'} | {message} |")
     lines += ["", "## Fault scenarios (automated tests)", "", "| scenario | outcome | test |",
               "|---|---|---|"]
-    lines += [f"| {s} | {o} | `{t}` |" for s, o, t in SCENARIOS]
+    for scenario, outcome, test in SCENARIOS:
+        path, _, tier = test.partition(" (")
+        lines.append(f"| {scenario} | {outcome} | `{path}`{' (' + tier if tier else ''} |")
     if soaked is not None:
         from soak import markdown
 
@@ -270,6 +272,8 @@ def main() -> None:
     parser.add_argument("--write", help="write the markdown table to this file")
     parser.add_argument("--soak", type=int, default=0, metavar="N",
                         help="then N back-to-back runs on Ray, counting what each leaves (bench/soak.py)")
+    parser.add_argument("--keep-soak", action="store_true",
+                        help="without --soak: keep the soak section of the file --write replaces (dated)")
     opts = parser.parse_args()
     rows = [run_case(name, make) for name, make in CASES]
     for r in rows:
@@ -281,6 +285,18 @@ def main() -> None:
 
         soaked = soak(opts.soak)
     text = table(rows, machine_info(os.path.dirname(HERE)), soaked)
+    if opts.keep_soak and soaked is None and opts.write and os.path.exists(opts.write):
+        with open(opts.write) as f:
+            old = f.read()
+        heading, _, kept = old.partition("\n## Soak")[2].partition("\n")
+        earlier = [line for line in kept.splitlines() if line.startswith("Kept from an earlier run")]
+        if earlier:  # kept once already: its date stays the measuring run's
+            when = earlier[0].split(". ", 1)[1]
+            kept = kept.replace(f"\n{earlier[0]}\n", "", 1)
+        else:
+            when = next((line for line in old.splitlines() if line.startswith("Measured ")), "")
+        if kept:  # the soak of an earlier run, said so with that run's date and commit
+            text += f"\n## Soak{heading}\n\nKept from an earlier run of this script. {when}\n{kept}"
     if opts.write:
         with open(opts.write, "w") as f:
             f.write(text)
