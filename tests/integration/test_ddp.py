@@ -153,6 +153,7 @@ def test_demo_reaches_90_percent_on_two_workers(tmp_path):
     assert accuracy > 0.90
 
 
+@pytest.mark.full  # the full tier: Ray Data sharding (CI trains from map-style datasets on 2 workers)
 def test_ray_dataset_is_sharded_per_worker(tmp_path):
     """A ray.data.Dataset trains on 2 workers, each reading its equal shard; evaluation sees every row."""
     import ray
