@@ -167,10 +167,10 @@ def _parse_dict(name: str, value: Any) -> dict | None:
         if isinstance(parsed, dict):
             return parsed
         raise _error(name, value, "names a JSON file that does not hold an object", "put a JSON object in it")
-    if path.endswith(".json") and not path.startswith("{"):
+    if path.endswith(".json"):  # a JSON object never ends so: a file that is not there
         raise _error(name, value, "no such file", "pass the path of a JSON file, or the JSON object itself")
     if isinstance(value, str):
-        if not value.strip():
+        if not path:
             return {}
         try:
             parsed = json.loads(value)
