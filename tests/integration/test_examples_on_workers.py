@@ -52,21 +52,25 @@ def test_the_asha_search_example(tmp_path, capsys, workers):
     assert printed.count(" evaluation(s), step ") == 4 and f"best trial {best.run_id}: accuracy" in printed
 
 
-@pytest.mark.full  # the full tier: CI submits jobs in test_submit.py and runs two nodes in test_multinode.py
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nodes", [1, 2])
+# 2 nodes in the full tier: CI runs two nodes in test_multinode.py
+@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_the_local_cluster_job_example(tmp_path, nodes):
     """examples/local_cluster_job.sh as written: a local cluster of 1 or 2 nodes, the demo submitted as a
-    job, its exit status the job's, the cluster stopped afterwards."""
+    job (with Ray's token authentication on the 1-node cluster), its exit status the job's, the cluster
+    stopped afterwards."""
+    import secrets
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     state = f"/tmp/rt-ex-{nodes}-{os.getpid()}"  # short: Ray's socket paths must fit 107 bytes
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_TOKEN"))}
     env.update(RAY_MN_STATE=state, RAY_MN_IP_START="22", RAY_MN_WORKER_PORT_BASE="27000",
                RAY_MN_AUTH_MODE="disabled", RAY_MN_VENV=os.path.dirname(os.path.dirname(sys.executable)),
                OMP_NUM_THREADS="1", HOME=str(tmp_path))
+    if nodes == 1:  # the cluster asks for a token; the script's `raytrainer submit` sends the user's
+        env.update(RAY_MN_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
     proc = subprocess.run(["bash", "examples/local_cluster_job.sh", str(nodes), "--num_train_epochs", "5",
                            "--output_dir", str(tmp_path / "out")], env=env, cwd=root, capture_output=True,
                           text=True, timeout=540)

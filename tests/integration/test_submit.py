@@ -50,8 +50,10 @@ def _cli(args, token, home, timeout=300):
     return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.timeout(600)
-def test_submit_runs_the_demo_with_token_auth_and_fails_without(head, tmp_path):
+@pytest.mark.timeout(300)
+def test_submit_with_token_auth_and_the_job_commands(head, tmp_path):
+    """Token auth and `raytrainer jobs`, on a short job. The demo itself is submitted with token auth by
+    examples/local_cluster_job.sh in CI (tests/integration/test_examples_on_workers.py)."""
     address, token, _ = head
     denied = _cli(["submit", "--address", address, "--", "python", "-c", "print('never runs')"], None,
                   tmp_path)
@@ -60,27 +62,25 @@ def test_submit_runs_the_demo_with_token_auth_and_fails_without(head, tmp_path):
     wrong = _cli(["jobs", "list", "--address", address], "not-the-token", tmp_path)
     assert wrong.returncode == 2 and "Forbidden" in wrong.stderr
 
-    out_dir = tmp_path / "demo"
-    done = _cli(["submit", "--address", address, "--working-dir", "examples", "--submission-id", "demo-1",
-                 "--env", "RAYTRAINER_TEST=1", "--", "python", "train_digits.py",
-                 "--output_dir", str(out_dir), "--disable_tqdm", "true"], token, tmp_path)
+    # --working-dir travels (the job runs in a copy of examples/) and --env reaches the job
+    job = "import os; print('job sees', os.environ['RAYTRAINER_TEST'], os.path.isfile('train_digits.py'))"
+    done = _cli(["submit", "--address", address, "--working-dir", "examples", "--submission-id", "short-1",
+                 "--env", "RAYTRAINER_TEST=41", "--", "python", "-c", job], token, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "final test accuracy" in done.stdout  # the job's logs, streamed
-    accuracy = float(done.stdout.split("final test accuracy: ")[1].split("%")[0])
-    assert accuracy > 90
-    assert "job demo-1 SUCCEEDED" in done.stderr
+    assert "job sees 41 True" in done.stdout  # the job's logs, streamed
+    assert "job short-1 SUCCEEDED" in done.stderr
 
     listed = _cli(["jobs", "list", "--address", address], token, tmp_path)
     assert listed.returncode == 0
-    assert any(line.split()[:2] == ["demo-1", "SUCCEEDED"] for line in listed.stdout.splitlines())
-    status = _cli(["jobs", "status", "demo-1", "--address", address], token, tmp_path)
+    assert any(line.split()[:2] == ["short-1", "SUCCEEDED"] for line in listed.stdout.splitlines())
+    status = _cli(["jobs", "status", "short-1", "--address", address], token, tmp_path)
     assert status.stdout.startswith("SUCCEEDED")
-    logs = _cli(["jobs", "logs", "demo-1", "--address", address], token, tmp_path)
-    assert "final test accuracy" in logs.stdout
+    logs = _cli(["jobs", "logs", "short-1", "--address", address], token, tmp_path)
+    assert "job sees 41 True" in logs.stdout
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.full  # the full tier: CI submits the demo with token auth (test above)
+@pytest.mark.full  # the full tier: CI submits with token auth (test above) and the demo by the example
 def test_exit_status_follows_the_job(head, tmp_path):
     address, token, _ = head
     failed = _cli(["submit", "--address", address, "--", "python", "-c", "import sys; sys.exit(7)"], token,
