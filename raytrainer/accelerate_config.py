@@ -42,6 +42,8 @@ def _fsdp(config: dict) -> tuple[list[str], dict]:
         fsdp_config["min_num_params"] = int(config.get("fsdp_min_num_params", 100_000_000))
     if config.get("fsdp_activation_checkpointing"):
         fsdp_config["activation_checkpointing"] = True
+    if str(config.get("fsdp_cpu_ram_efficient_loading")).lower() == "true":  # rank 0 builds, then broadcasts
+        fsdp_config["cpu_ram_efficient_loading"] = True
     if config.get("fsdp_state_dict_type"):
         fsdp_config["state_dict_type"] = str(config["fsdp_state_dict_type"]).upper()
     return options, fsdp_config

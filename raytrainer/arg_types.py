@@ -98,6 +98,15 @@ INCLUDE_FOR_METRICS = ("inputs", "loss")
 _DICT_FIELDS = ("lr_scheduler_kwargs", "resources_per_worker", "fsdp_config",
                 "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
 TRAIN_SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
+#: fsdp_config keys raytrainer reads (transformers' names; an ``fsdp_`` prefix is dropped first, as
+#: transformers does). ``use_orig_params`` and ``sync_module_states`` are what FSDP2 always does; ``version``
+#: must be 2.
+FSDP_CONFIG_KEYS = frozenset({
+    "transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing", "state_dict_type",
+    "cpu_ram_efficient_loading", "sync_module_states", "use_orig_params", "reshard_after_forward", "version",
+    "cpu_offload", "auto_wrap_policy", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
+#: Keys transformers passes to FSDP1 only (fsdp_config version 1): accepted, without effect under FSDP2.
+FSDP1_ONLY_KEYS = frozenset({"forward_prefetch", "backward_prefetch", "limit_all_gathers"})
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "offload",
                 "auto_wrap")
 
@@ -111,6 +120,29 @@ def _normalize_fsdp(value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else list(value)
     # the command line gives ["full_shard auto_wrap"] for --fsdp "full_shard auto_wrap": split each item
     return [word.lower() for v in items for word in str(v).split()]
+
+
+def _normalize_fsdp_config(config: dict | None, fsdp: list[str]) -> tuple[dict | None, list[str]]:
+    """transformers' reading of ``fsdp_config``: an ``fsdp_`` prefix dropped from each key, a single layer
+    class name made a list; ``cpu_offload`` and ``auto_wrap_policy`` given there add the ``fsdp`` options
+    they stand for (``offload``, ``auto_wrap``)."""
+    if not config:
+        return config, fsdp
+    config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in config.items()}
+    if isinstance(config.get("transformer_layer_cls_to_wrap"), str):
+        config["transformer_layer_cls_to_wrap"] = [config["transformer_layer_cls_to_wrap"]]
+    fsdp = list(fsdp)
+    if as_flag(config.get("cpu_offload")) and "offload" not in fsdp:
+        fsdp.append("offload")
+    policy = str(config.get("auto_wrap_policy", "")).upper()
+    if policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP") and fsdp and "auto_wrap" not in fsdp:
+        fsdp.append("auto_wrap")
+    return config, fsdp
+
+
+def as_flag(value: Any) -> bool:
+    """A boolean as transformers reads fsdp_config flags: True, or a string spelling it ("true", "True")."""
+    return str(value).lower() == "true"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -278,12 +310,30 @@ def check_fsdp(args) -> None:
     if sharding and sharding[0] != "no_shard" and args.num_workers == 0:
         raise _error("fsdp", " ".join(args.fsdp), "shards across Ray workers, but num_workers=0",
                      "pass --num_workers 2 (or more), or drop --fsdp")
-    allowed = {"transformer_layer_cls_to_wrap", "min_num_params", "activation_checkpointing",
-               "state_dict_type"}
-    extra = sorted(set(args.fsdp_config or {}) - allowed)
+    config = args.fsdp_config or {}
+    extra = sorted(set(config) - FSDP_CONFIG_KEYS - FSDP1_ONLY_KEYS)
     if extra:
         raise _error("fsdp_config", args.fsdp_config, f"unknown key {extra[0]!r}",
-                     f"use keys from {', '.join(sorted(allowed))}")
+                     f"use keys from {', '.join(sorted(FSDP_CONFIG_KEYS))}")
+    if str(config.get("version", 2)) != "2":
+        raise _error("fsdp_config", args.fsdp_config, f"version {config['version']!r}: raytrainer runs FSDP2 "
+                     "(fully_shard) only", "drop 'version' or set it to 2")
+    xla = [k for k in ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt") if as_flag(config.get(k))]
+    if xla:
+        raise _error("fsdp_config", args.fsdp_config, f"{xla[0]} is set, and raytrainer does not run on XLA",
+                     f"drop {xla[0]!r} (Ray workers run FSDP2 on CUDA or CPU)")
+    unsynced = str(config.get("sync_module_states")).lower() == "false"
+    if as_flag(config.get("cpu_ram_efficient_loading")) and unsynced:
+        raise _error("fsdp_config", args.fsdp_config, "cpu_ram_efficient_loading needs sync_module_states "
+                     "(rank 0's weights are broadcast to the other ranks)",
+                     "drop sync_module_states or set it true")
+    if "reshard_after_forward" in config:
+        zero2 = bool({"shard_grad_op", "hybrid_shard_zero2"} & set(args.fsdp))
+        if as_flag(config["reshard_after_forward"]) == zero2:
+            raise _error("fsdp_config", args.fsdp_config, f"reshard_after_forward "
+                         f"{config['reshard_after_forward']!r} contradicts fsdp={' '.join(args.fsdp)!r}",
+                         "drop reshard_after_forward: full_shard / hybrid_shard reshard after forward, "
+                         "shard_grad_op / hybrid_shard_zero2 do not")
     kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
     if kind not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         raise _error("fsdp_config", args.fsdp_config, f"state_dict_type {kind!r} is unknown",

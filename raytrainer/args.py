@@ -46,6 +46,7 @@ from raytrainer.arg_types import (
     _is_int,
     _is_number,
     _normalize_fsdp,
+    _normalize_fsdp_config,
     _normalize_report_to,
     _normalize_steps,
     _parse_dict,
@@ -624,6 +625,7 @@ class TrainingArguments:
         for name in _DICT_FIELDS:
             setattr(self, name, _parse_dict(name, getattr(self, name)))
         self.fsdp = _normalize_fsdp(self.fsdp)
+        self.fsdp_config, self.fsdp = _normalize_fsdp_config(self.fsdp_config, self.fsdp)
         if self.torch_compile_backend or self.torch_compile_mode:
             self.torch_compile = True  # as HF: naming a backend or a mode turns compilation on
         if self.lr_scheduler_kwargs is None:

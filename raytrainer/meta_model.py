@@ -36,7 +36,7 @@ def is_skeleton(model) -> bool:
 
 def driver_model(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """``build()`` on the meta device when the model is big enough to matter, else for real."""
-    model = _on_meta(build)
+    model = build_on_meta(build)
     if model is None:
         return build()
     if not is_skeleton(model):
@@ -62,8 +62,9 @@ def materialise(model: torch.nn.Module, build: Callable[[], torch.nn.Module]) ->
     vars(model).update(vars(real))
 
 
-def _on_meta(build) -> torch.nn.Module | None:
-    """``build()`` under the meta device; None where it fails there. Unless the model came out real (a
+def build_on_meta(build) -> torch.nn.Module | None:
+    """``build()`` under the meta device (the driver's skeleton; FSDP's per-shard construction on a worker);
+    None where it fails there. Unless the model came out real (a
     ``model_init`` that names its device), every random generator's state is put back after, so the real
     build that may follow draws what it would have drawn."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()

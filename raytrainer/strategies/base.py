@@ -37,6 +37,13 @@ class Strategy:
         sharded strategies build only this rank's share; the default builds the whole model."""
         return contextlib.nullcontext()
 
+    def build_model(self, factory, fresh: bool = True) -> torch.nn.Module:
+        """``factory()`` (the Trainer's ``model_init``) on this rank, in ``model_init_context``. ``fresh``:
+        no checkpoint's weights will be loaded into it (a sharded strategy may then initialise each rank's
+        share itself)."""
+        with self.model_init_context():
+            return factory()
+
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
         return model.to(self.ctx.device)

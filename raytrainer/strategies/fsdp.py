@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 
+from raytrainer.arg_types import as_flag
 from raytrainer.strategies.base import Strategy
 
 
@@ -38,7 +39,8 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, ctx, args):
         super().__init__(ctx, args)
-        self._from_rank0 = False  # model_init built real weights on rank 0 only (model_init_context)
+        self._from_rank0 = False  # model_init built real weights on rank 0 only (build_model)
+        self._init_shards = None  # model_init built on meta on every rank: (factory, initialise)
         kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
         # SHARDED_STATE_DICT: the optimizer state (2x the weights for Adam) stays sharded, one DCP file per
         # rank in optimizer_0/; FULL_STATE_DICT: consolidated into optimizer.pt on rank 0.
@@ -99,16 +101,43 @@ class FSDPStrategy(Strategy):
                 units.append(module)
         return units
 
-    def model_init_context(self):
-        """With ``model_init`` on several ranks, rank 0 alone builds the model with real weights (a
-        ``from_pretrained`` inside reads the files there only); the other ranks build it on the meta device,
-        which allocates nothing. ``setup_model`` then shards it, allocates each rank's shard and broadcasts
-        rank 0's values into the shards (accelerate's ``cpu_ram_efficient_loading``). Not with ``offload``,
-        whose shards live on the CPU while buffers go to the device: every rank builds the model then."""
+    def build_model(self, factory, fresh: bool = True) -> torch.nn.Module:
+        """``model_init`` on several ranks builds no rank's whole model where it can be avoided.
+
+        - Each rank initialises its own shard (the default for a fresh run): every rank builds the model on
+          the meta device (no storage), ``setup_model`` shards it, allocates each rank's shard and runs the
+          model's own initialisation on the shards -- transformers' ``initialize_weights`` (``_init_weights``,
+          which transformers itself relies on for every weight a checkpoint lacks), or the root module's own
+          ``reset_parameters()``. A rank holds its shard, never the model.
+        - Else rank 0 builds the real model and broadcasts it into every rank's shard, the other ranks
+          building on meta (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained`` inside
+          ``model_init`` (which refuses the meta device), a model neither way can initialise, a resumed run
+          (its weights come from the checkpoint), or ``fsdp_config["cpu_ram_efficient_loading"]`` (the initial
+          weights exactly those of one process's ``model_init()``, at the cost of one whole model on rank 0's
+          CPU).
+        - Not with ``offload`` (its shards live on the CPU while buffers go to the device) or one worker:
+          every rank builds the model then."""
         if self.ctx.world_size == 1 or "offload" in self.args.fsdp:
-            return contextlib.nullcontext()
+            return factory()
+        model = None
+        if fresh and not as_flag((self.args.fsdp_config or {}).get("cpu_ram_efficient_loading")):
+            from raytrainer.meta_model import build_on_meta, is_skeleton
+
+            model = build_on_meta(factory)
+            initialise = _initialiser(model) if model is not None and is_skeleton(model) else None
+            mine = "shards" if initialise is not None else "rank0"
+            if model is not None and not is_skeleton(model):
+                mine = "real"  # model_init chose its own device: built for real, not built again
+            not_shards, not_real = self.ctx.any_flags([mine != "shards", mine != "real"])
+            if not not_shards:
+                self._init_shards = factory, initialise  # factory: for the rank-0 way, should it fail
+                return model
+            if not not_real:
+                return model  # whole on every rank: sharded in setup_model as with one builder
+            del model
         self._from_rank0 = True
-        return contextlib.nullcontext() if self.ctx.is_world_zero else torch.device("meta")
+        with torch.device("meta") if not self.ctx.is_world_zero else contextlib.nullcontext():
+            return factory()
 
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -122,7 +151,7 @@ class FSDPStrategy(Strategy):
                 if self._from_rank0 and self.ctx.is_world_zero else None)
         if "offload" in options:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        elif not self._from_rank0:
+        elif not self._from_rank0 and not self._init_shards:
             model = model.to(self.ctx.device)
         # rank 0's full model stays where model_init built it (the CPU): fully_shard moves each unit's
         # tensors to the device as it shards them, so the device never holds more than one unit whole
@@ -132,9 +161,42 @@ class FSDPStrategy(Strategy):
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        if self._init_shards:
+            if self._initialise_shards(model):
+                return model
+            (factory, _), self._init_shards = self._init_shards, None  # every rank goes the rank-0 way
+            del model, units
+            return self.setup_model(self.build_model(factory, fresh=False))
         if self._from_rank0:
             self._fill_from_rank0(model, full)
         return model
+
+    def _initialise_shards(self, model: torch.nn.Module) -> bool:
+        """Allocate this rank's shards of the meta-built ``model`` and initialise them with the model's own
+        initialisation; False (on every rank) where that failed on any rank. Random draws: each rank its own
+        stream (on a CPU mesh DTensor's random ops draw from the local generator, so the same seed would give
+        every shard the same values); every rank then goes on from the shared generator state it had."""
+        import logging
+        import warnings
+
+        model.to_empty(device=self.ctx.device)
+        state = torch.get_rng_state()
+        torch.manual_seed(torch.initial_seed() + self.ctx.rank)
+        error = None
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+                self._init_shards[1]()
+        except Exception as exc:  # any failure means: the rank-0 way
+            error = exc
+        finally:
+            torch.set_rng_state(state)
+        if self.ctx.any_flags([error is not None])[0]:
+            logging.getLogger(__name__).warning(
+                "FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
+                "broadcasts it instead", type(model).__name__, error or "on another rank")
+            return False
+        return True
 
     def _fill_from_rank0(self, model: torch.nn.Module, full: dict | None) -> None:
         """Allocate the meta ranks' shards, then fill every rank's shard from rank 0's full weights one
@@ -208,6 +270,31 @@ def _gradient_sync_off(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def _initialiser(model: torch.nn.Module):
+    """How ``model`` initialises every parameter and buffer it holds, on whatever storage they have (its
+    shards), or None: transformers' ``initialize_weights`` or the root module's own ``reset_parameters``.
+    Taken from the model as built, before ``fully_shard`` changes its class."""
+    hf = (getattr(model, name, None) for name in ("initialize_weights", "_init_weights"))
+    if all(callable(method) for method in hf):
+        custom = type(model).is_custom_code() if hasattr(type(model), "is_custom_code") else False
+
+        def initialise():
+            for module in model.modules():
+                module.__dict__.pop("_is_hf_initialized", None)
+            # FSDP2 made the root's class a subclass defined in torch, which transformers would take for
+            # custom code (and then skip the modules that hold no parameters of their own)
+            model.is_custom_code = lambda: custom
+            try:
+                model.initialize_weights()
+            finally:
+                del model.is_custom_code
+        return initialise
+    if any("reset_parameters" in vars(cls) for cls in type(model).__mro__[:-1]
+           if cls is type(model) or cls.__module__.split(".")[0] != "torch"):
+        return model.reset_parameters
+    return None
 
 
 def _checkpoint_activations(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:

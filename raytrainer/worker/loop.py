@@ -79,13 +79,12 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     memory.start("train")
     set_seed(args.seed, deterministic=args.full_determinism)  # every rank, as enable_full_determinism
     strategy = trainer._strategy = select_strategy(args, ctx)
-    if trainer.model_init is not None:
-        with strategy.model_init_context():  # a sharded strategy builds only this rank's share
-            trainer.model = trainer.call_model_init(trial)
-        trainer.optimizer = trainer.lr_scheduler = None
-    trainer._align_special_tokens()  # as transformers' train(), on the model this rank trains
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
+    if trainer.model_init is not None:  # a sharded strategy builds only this rank's share
+        trainer.model = strategy.build_model(lambda: trainer.call_model_init(trial), fresh=resume is None)
+        trainer.optimizer = trainer.lr_scheduler = None
+    trainer._align_special_tokens()  # as transformers' train(), on the model this rank trains
     if resume is not None:
         strategy.before_resume(list(resume.reader.files), resume.state.global_step)
     if resume is not None and _whole(trainer.model):
@@ -263,7 +262,9 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     total_loss = loop.total_loss + _mean_across_ranks(tr_loss, ctx)
     train_loss = total_loss / max(state.global_step - start_step, 1)
     num_samples = int(ctx.sum([float(samples_seen)])[0])
-    metrics = speed_metrics("train", start_time, num_samples=num_samples, num_steps=state.global_step)
+    # the steps this call ran (as transformers), not those a resumed checkpoint had done
+    metrics = speed_metrics("train", start_time, num_samples=num_samples,
+                            num_steps=state.global_step - start_step)
     metrics["total_flos"] = float(ctx.sum([state.total_flos])[0])  # a float, as transformers
     state.total_flos = metrics["total_flos"]
     metrics["train_loss"] = train_loss

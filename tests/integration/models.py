@@ -225,6 +225,13 @@ class WideStack(torch.nn.Module):
         self.head = torch.nn.Linear(width, 2)
         self.register_buffer("scale", torch.full((width,), 0.5), persistent=False)
 
+    def reset_parameters(self):
+        """Every parameter and buffer as ``__init__`` makes them (FSDP initialises each rank's shard so)."""
+        for layer in self.layers:
+            layer.reset_parameters()
+        self.head.reset_parameters()
+        self.scale.fill_(0.5)
+
     def forward(self, x, labels=None):
         for layer in self.layers:
             x = torch.tanh(layer(x * self.scale) + x)
@@ -269,6 +276,51 @@ class ReportParameterMemory(TrainerCallback):
         built = (int(os.environ["TESTS_PEAK_AFTER_MODEL_INIT_KIB"]) - base) * 1024
         log.error("rank %d: held=%d full=%d peak_growth=%d init_growth=%d", args.process_index, held, full,
                   growth, built)
+
+
+def tiny_gpt2():
+    """model_init: a 2-layer GPT-2 from a config (transformers initialises it with its ``_init_weights``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=64, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def counting_data(n: int) -> list[dict]:
+    """Lines of 16 tokens counting up from a start by a step of 1-3 (mod 31, 0 left out): learnable."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(n):
+        start = int(torch.randint(1, 32, (1,), generator=g))
+        step = int(torch.randint(1, 4, (1,), generator=g))
+        ids = torch.tensor([(start + i * step - 1) % 31 + 1 for i in range(16)])
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+class ReportInitialShards(TrainerCallback):
+    """On every rank before the first step: the parameter bytes the rank holds against the model's, and the
+    initial weights' statistics, gathered (a collective on every rank): the std of GPT-2's residual
+    projections (scaled by 1/sqrt(2 n_layer)) and of its other matrices, whether the norms are ones, and
+    whether the two halves of the token embedding (the two ranks' shards) hold the same numbers."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        held = full = 0
+        weights = {}
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            held += local.numel() * local.element_size()
+            full += p.numel() * p.element_size()
+            weights[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        proj = torch.cat([w.flatten() for n, w in weights.items() if n.endswith("c_proj.weight")])
+        attn = torch.cat([w.flatten() for n, w in weights.items() if n.endswith("c_attn.weight")])
+        ones = all(bool((w == 1).all()) for n, w in weights.items() if ".ln_" in n and n.endswith("weight"))
+        wte = weights["transformer.wte.weight"]
+        log.error("rank %d: held=%d full=%d proj_std=%.5f attn_std=%.5f norms_ones=%s halves_equal=%s",
+                  args.process_index, held, full, proj.std(), attn.std(), ones,
+                  torch.equal(wte[:16], wte[16:]))
 
 
 class InfLossOnRank(Trainer):

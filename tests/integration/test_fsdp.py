@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from models import DropoutRegressor, ReportSharding, make_data
@@ -73,34 +75,77 @@ def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
         assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, three runs
-@pytest.mark.timeout(600)
-def test_fsdp_model_init_builds_on_rank_0_only_and_trains_as_a_given_model(tmp_path, capfd):
-    """model_init: rank 1 builds on the meta device and receives its shard from rank 0, so before the first
-    step each rank holds half the parameters, and rank 1's resident memory grew by its shard and a transient
-    of about the same size (to_empty's allocation, kept by the allocator), where building the model costs 1x
-    plus the shard (rank 0); the run trains exactly as the same model handed in built (by every rank)."""
+@pytest.mark.timeout(300)
+def test_fsdp_model_init_initialises_each_rank_shard_of_a_transformers_model(tmp_path, capfd):
+    """A GPT-2 from a config in model_init: every rank builds it on the meta device and initialises only its
+    own shard with transformers' _init_weights, so each holds half the parameters before the first step;
+    the weights follow GPT-2's scheme (residual projections at 0.02/sqrt(2 n_layer)), the two ranks' shards
+    are drawn apart (not copies), and it trains."""
+    import re
+
+    from models import ReportInitialShards, counting_data, tiny_gpt2
+
+    args = _args(tmp_path, fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]}, max_steps=12,
+                 learning_rate=3e-3, per_device_train_batch_size=8, logging_steps=4, save_strategy="no")
+    trainer = Trainer(model_init=tiny_gpt2, args=args, train_dataset=counting_data(96),
+                      callbacks=[ReportInitialShards()])
+    trainer.train()
+    console = "".join(capfd.readouterr())
+    report = {int(r): (int(h), int(f), float(p), float(a), o, e) for r, h, f, p, a, o, e in re.findall(
+        r"rank (\d): held=(\d+) full=(\d+) proj_std=([\d.]+) attn_std=([\d.]+) norms_ones=(\w+) "
+        r"halves_equal=(\w+)", console)}
+    assert sorted(report) == [0, 1], console[-3000:]
+    for held, full, proj, attn, ones, equal in report.values():
+        assert held == full // 2  # this rank's shard, never the model
+        assert proj == pytest.approx(0.02 / 2, rel=0.15) and attn == pytest.approx(0.02, rel=0.15)
+        assert ones == "True" and equal == "False"
+    assert "initialising each rank's shard" not in console  # no fall-back to rank 0's build
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, four runs
+@pytest.mark.timeout(900)
+def test_fsdp_model_init_never_builds_the_whole_model_on_a_rank(tmp_path, capfd):
+    """model_init of a model whose root has reset_parameters(): every rank builds it on the meta device and
+    initialises its own shard, so no rank's memory ever grows by the model. With
+    fsdp_config["cpu_ram_efficient_loading"], rank 0 builds it whole and broadcasts it into the shards (the
+    others build on meta): the run then trains exactly as the same model handed in built."""
     import re
 
     from models import ReportParameterMemory, WideStack, build_wide_stack, wide_data
 
     from raytrainer.trainer_utils import set_seed
 
+    def report_of(console):
+        found = {int(r): (int(h), int(f), int(g), int(i)) for r, h, f, g, i in re.findall(
+            r"rank (\d): held=(\d+) full=(\d+) peak_growth=(-?\d+) init_growth=(-?\d+)", console)}
+        assert sorted(found) == [0, 1], console[-3000:]
+        return found
+
     data = wide_data(16)
-    kw = {"fsdp": "full_shard", "fsdp_config": {}, "max_steps": 2, "save_steps": 1, "logging_steps": 1,
+    kw = {"fsdp": "full_shard", "max_steps": 2, "save_steps": 1, "logging_steps": 1,
           "per_device_train_batch_size": 2, "learning_rate": 1e-3}
+    sharded = Trainer(model_init=build_wide_stack, args=_args(tmp_path / "shards", fsdp_config={}, **kw),
+                      train_dataset=data, callbacks=[ReportParameterMemory()])
+    sharded.train()
+    report = report_of("".join(capfd.readouterr()))
+    full = report[0][1]
+    assert full > 256 << 20  # 256 MiB of weights
+    for rank, (held, _, peak, built) in report.items():
+        assert abs(held - full / 2) < 0.01 * full, (rank, held, full)  # half each, before the first step
+        assert built < 0.1 * full, report  # model_init on the meta device allocates nothing
+        assert peak < 0.75 * full, report  # its shard, and never the whole model
+    assert all(math.isfinite(h["loss"]) for h in sharded.state.log_history if "loss" in h)
+
+    kw["fsdp_config"] = {"cpu_ram_efficient_loading": True}
     built = Trainer(model_init=build_wide_stack, args=_args(tmp_path / "init", **kw), train_dataset=data,
                     callbacks=[ReportParameterMemory()])
     built.train()
-    console = "".join(capfd.readouterr())
-    report = {int(r): (int(h), int(f), int(g), int(i)) for r, h, f, g, i in re.findall(
-        r"rank (\d): held=(\d+) full=(\d+) peak_growth=(-?\d+) init_growth=(-?\d+)", console)}
-    assert sorted(report) == [0, 1], console[-3000:]
-    full = report[0][1]
-    assert full > 256 << 20  # 256 MiB of weights
+    report = report_of("".join(capfd.readouterr()))
     for rank, (held, _, _, _) in report.items():
-        assert abs(held - full / 2) < 0.01 * full, (rank, held, full)  # half each, before the first step
-    assert report[1][3] < 0.1 * full, report  # model_init on the meta device allocates nothing
+        assert abs(held - full / 2) < 0.01 * full, (rank, held, full)
+    assert report[1][3] < 0.1 * full, report  # rank 1: model_init on the meta device allocates nothing
     assert report[1][2] < 1.35 * full, report  # its shard twice at most, never the model plus its shard
     assert report[0][2] < 2.25 * full, report  # the full build it broadcasts from, plus its shard
 

@@ -45,6 +45,13 @@ def test_fsdp_v2_reshard_after_forward(tmp_path):
     extra = "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"
     args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, extra, kind="FSDP"))
     assert args.fsdp == ["shard_grad_op"]
+    assert "cpu_ram_efficient_loading" not in args.fsdp_config  # each rank initialises its own shard
+
+
+def test_fsdp_cpu_ram_efficient_loading_builds_on_rank_0(tmp_path):
+    extra = "fsdp_config:\n  fsdp_version: 2\n  fsdp_cpu_ram_efficient_loading: true\n"
+    args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, extra, kind="FSDP"))
+    assert args.fsdp_config == {"cpu_ram_efficient_loading": True}
 
 
 def test_deepspeed_plugin_keys_become_a_deepspeed_config(tmp_path):

@@ -399,3 +399,30 @@ def test_fsdp_config_may_name_a_json_file_as_in_transformers(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="names a JSON file that does not hold an object"):
         TrainingArguments(fsdp_config=str(tmp_path / "list.json"), **sharded)
+
+
+def test_fsdp_config_reads_transformers_keys_and_refuses_what_fsdp2_cannot_do(tmp_path):
+    """A transformers fsdp_config (accelerate's fsdp_ prefix, FSDP1-era keys, cpu_ram_efficient_loading) is
+    read as transformers reads it; what raytrainer's FSDP2 cannot honour is refused, naming the key."""
+    hf = {"fsdp_transformer_layer_cls_to_wrap": "GPT2Block", "fsdp_version": 2, "fsdp_cpu_offload": True,
+          "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "cpu_ram_efficient_loading": "true",
+          "sync_module_states": True, "use_orig_params": True, "backward_prefetch": "BACKWARD_PRE",
+          "forward_prefetch": False, "limit_all_gathers": True, "xla": False}
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", fsdp_config=hf, num_workers=2)
+    assert args.fsdp == ["full_shard", "offload", "auto_wrap"]  # cpu_offload, auto_wrap_policy
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    assert args.fsdp_config["cpu_ram_efficient_loading"] == "true" and "fsdp_version" not in args.fsdp_config
+    sharded = {"output_dir": str(tmp_path), "fsdp": "full_shard", "num_workers": 2}
+    refused = [({"version": 1}, r"version 1: raytrainer runs FSDP2 \(fully_shard\) only; drop 'version'"),
+               ({"fsdp_xla": True}, r"xla is set, and raytrainer does not run on XLA; drop 'xla'"),
+               ({"reshard_after_forward": False},
+                r"reshard_after_forward False contradicts fsdp='full_shard'"),
+               ({"cpu_ram_efficient_loading": True, "sync_module_states": "false"},
+                r"cpu_ram_efficient_loading needs sync_module_states"),
+               ({"wrap_everything": True}, r"unknown key 'wrap_everything'; use keys from activation_chec")]
+    for config, message in refused:
+        with pytest.raises(ValueError, match=message):
+            TrainingArguments(fsdp_config=config, **sharded)
+    zero2 = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op", num_workers=2,
+                              fsdp_config={"reshard_after_forward": "false"})
+    assert zero2.fsdp_config == {"reshard_after_forward": "false"}
