@@ -2,8 +2,9 @@
 
 Study options come from the search's kwargs (``sampler``, ``pruner``, ``storage``, ``study_name``,
 ``load_if_exists``); ``timeout``, ``n_jobs``, ``gc_after_trial``, ``callbacks``, ``catch`` go to
-``study.optimize``. With a ``storage`` (an RDB URL such as ``sqlite:///search.db``) ``n_trials`` is the
-study's total: a resumed search runs only the trials still missing (complete and pruned ones count).
+``study.optimize``. ``n_trials`` is the number of trials this call runs, as in transformers: a search resumed
+on a ``storage`` (an RDB URL such as ``sqlite:///search.db``, with ``load_if_exists=True``) keeps the study's
+finished trials and runs ``n_trials`` more.
 """
 
 from __future__ import annotations
@@ -52,9 +53,8 @@ def run_optuna(trainer, hp_space: Callable, compute_objective: Callable, n_trial
                        "fails). Use n_jobs=1, or a PostgreSQL/MySQL storage.", optimize_kwargs["n_jobs"])
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     done = len(study.get_trials(deepcopy=False, states=finished))
-    remaining = max(n_trials - done, 0) if "storage" in study_kwargs else n_trials
-    if done and "storage" in study_kwargs:
-        logger.info("resuming study %r: %d trials finished, %d to run", study.study_name, done, remaining)
+    if done:
+        logger.info("study %r holds %d finished trials; running %d more", study.study_name, done, n_trials)
     summaries: dict[int, TrialSummary] = {}
 
     def objective(trial):
@@ -80,8 +80,7 @@ def run_optuna(trainer, hp_space: Callable, compute_objective: Callable, n_trial
 
     pool = GroupPool(trainer.args)  # trials run one after another on the same live worker groups
     try:
-        if remaining:
-            study.optimize(objective, n_trials=remaining, **optimize_kwargs)
+        study.optimize(objective, n_trials=n_trials, **optimize_kwargs)
     finally:
         pool.close()
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
