@@ -9,6 +9,7 @@ plain methods here: a subclass's override is what runs on the workers.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import json
 import logging
@@ -43,6 +44,7 @@ from raytrainer.trainer_utils import (
     set_seed,
     speed_metrics,
 )
+from raytrainer.worker import console
 from raytrainer.worker.saving import TRAINER_STATE_NAME
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,9 @@ class Trainer:
                 f"eval_strategy={eval_strategy!r} needs an eval_dataset: pass `eval_dataset=` to Trainer "
                 "or set eval_strategy='no'."
             )
+
+        if args.max_steps > 0 and args.num_train_epochs > 0:
+            console.logger.info("max_steps is given, it will override any value given in num_train_epochs")
 
         user_callbacks = callbacks if callbacks is not None else (callback or [])
         display = PrinterCallback if args.disable_tqdm else ProgressCallback
@@ -741,10 +746,8 @@ class Trainer:
         for k, v in out.items():
             if "_mem_" in k:
                 out[k] = f"{v >> 20}MB"
-            elif "_runtime" in k:
-                h, rem = divmod(v, 3600)
-                m, s = divmod(rem, 60)
-                out[k] = f"{int(h)}:{int(m):02d}:{s:05.2f}"
+            elif "_runtime" in k:  # as transformers' _secs2timedelta: hundredths truncated, not rounded
+                out[k] = f"{datetime.timedelta(seconds=int(v))}.{int(abs(v - int(v)) * 100):02d}"
             elif k == "total_flos":
                 out[k] = f"{int(v) >> 30}GF"
             elif isinstance(v, float):
@@ -756,9 +759,10 @@ class Trainer:
             return
         print(f"***** {split} metrics *****")
         formatted = self.metrics_format(metrics)
-        width = max((len(k) for k in formatted), default=0)
+        k_width = max((len(str(k)) for k in formatted), default=0)
+        v_width = max((len(str(v)) for v in formatted.values()), default=0)  # transformers': the widest
         for key in sorted(formatted):
-            print(f"  {key: <{width}} = {formatted[key]:>9}")
+            print(f"  {key: <{k_width}} = {formatted[key]:>{v_width}}")
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
         if not self.is_world_process_zero():
@@ -788,6 +792,7 @@ class Trainer:
         output_dir = output_dir or self.args.output_dir
         state_dict = self._strategy.full_state_dict(self.model_wrapped) if self._strategy else None
         if self.is_world_process_zero():
+            console.saving_checkpoint(output_dir)  # transformers' _save logs this for save_model() too
             save_model_files(self.model, output_dir, state_dict, self.processing_class, self.args)
         if self.args.push_to_hub and not _internal_call and not self._on_rank:  # HF: a save pushes
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -21,6 +21,7 @@ from raytrainer import data as rdata
 from raytrainer import meta_model
 from raytrainer.deps import require
 from raytrainer.trainer_utils import has_length
+from raytrainer.worker.logs import driver_transformers_level
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def _check_train(trainer) -> None:
     if example is None:
         return
     if not trainer._overrides("compute_loss") and trainer.compute_loss_func is None:
-        _check_labels(trainer, example, "train_dataset")
+        _check_labels(trainer, example, "train_dataset", dataset)
         _check_returns_loss(trainer, dataset)
 
 
@@ -192,21 +193,29 @@ def _check_examples(trainer, dataset, name: str):
     return example
 
 
-def _check_labels(trainer, example, name: str) -> None:
+def _check_labels(trainer, example, name: str, dataset=None) -> None:
     forward = set(inspect.signature(trainer.model.forward).parameters)
     wanted = [n for n in trainer.label_names if n in forward]
     if not wanted:
         return
     keys = set(rdata._as_mapping(example))
-    if "labels" in wanted and keys & set(rdata.LABEL_KEYS):
-        return
-    missing = [n for n in wanted if n not in keys]
+    if dataset is not None and _missing_labels(wanted, keys):
+        # the data collator may make them: DataCollatorForLanguageModeling's masked-token labels
+        with torch.random.fork_rng(devices=[]):  # its masking draws leave the run's random stream as it was
+            keys |= set(trainer._collator_for(dataset)([example]))
+    missing = _missing_labels(wanted, keys)
     if missing:
         raise ValueError(
             f"{name}[0] has no {missing[0]!r} column (its keys: {sorted(keys)}), but "
             f"{type(trainer.model).__name__}.forward takes {missing[0]!r} to compute the loss. Add the "
             "column (as 'labels', 'label' or 'label_ids'), or set label_names= to the right names."
         )
+
+
+def _missing_labels(wanted: list[str], keys: set) -> list[str]:
+    if "labels" in wanted and keys & set(rdata.LABEL_KEYS):
+        return []
+    return [n for n in wanted if n not in keys]
 
 
 #: Above this many parameters the driver does not run the model's forward to check it returns a loss: on a
@@ -270,6 +279,7 @@ def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
     shipped.eval_dataset = _materialized(trainer.eval_dataset)
     shipped.args = copy.copy(trainer.args)
     shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)
+    shipped.args._driver_hf_level = driver_transformers_level()  # the script's verbosity (worker/logs.py)
     if shipped.args.storage_path and "://" not in shipped.args.storage_path:
         shipped.args.storage_path = os.path.abspath(shipped.args.storage_path)
     ship_dynamic_modules()

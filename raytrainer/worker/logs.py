@@ -79,12 +79,23 @@ class _ForwardStream(io.TextIOBase):
 
 @contextlib.contextmanager
 def rank_logging(args, rank: int, channel=None):
-    """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process)."""
+    """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process).
+
+    With a ``passive`` log_level the main rank takes transformers' verbosity from the driver as it was when
+    the call was sent (``args._driver_hf_level``, driver/preflight.py), as if it had run the script's
+    ``transformers.logging.set_verbosity_info()`` itself: under torchrun every rank runs the script.
+    """
+    driver_hf_level = getattr(args, "_driver_hf_level", None)
     level = args.get_process_log_level()
     levels = {logging.getLogger(): level, logging.getLogger("raytrainer"): level}
     hf = _transformers_logger()
     chosen = args.log_level if args.should_log else args.log_level_replica
-    levels[hf] = level if chosen != "passive" else (hf.level or _transformers_default_level())
+    if chosen != "passive":
+        levels[hf] = level
+    elif args.should_log and driver_hf_level is not None:
+        levels[hf] = driver_hf_level
+    else:
+        levels[hf] = hf.level or _transformers_default_level()
     loggers = list(levels)
     saved = [(lg, lg.level, list(lg.handlers)) for lg in loggers]
 
@@ -123,6 +134,12 @@ def rank_logging(args, rank: int, channel=None):
         for h in added:
             h.close()
         streams.close()
+
+
+def driver_transformers_level() -> int | None:
+    """transformers' verbosity in this process (the driver's), or None where its logging is not loaded."""
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    return hf_logging.get_verbosity() if hf_logging is not None else None
 
 
 def _transformers_logger() -> logging.Logger:
