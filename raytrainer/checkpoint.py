@@ -106,12 +106,55 @@ def problems(storage: Storage, folder: str, manifest: dict) -> list[str]:
     """Files the manifest lists that are missing or of the wrong size (a cheap check, no reading)."""
     present = storage.list_files(folder)
     out = []
-    for name, meta in manifest["files"].items():
+    for name, meta in _with_rewritten_weights(manifest["files"], present).items():
+        if meta["sha256"] is None:  # present, unverified: weights the user rewrote in another layout
+            continue
         if name not in present:
             out.append(f"{name} is missing")
         elif present[name] != meta["size"]:
             out.append(f"{name} has {present[name]} bytes, the manifest says {meta['size']}")
     return out
+
+
+#: transformers' names for a model's weights: one file, or an index and the shards it names.
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: Files only raytrainer writes: a folder holding one without a manifest is a raytrainer save that did not
+#: finish, never another library's checkpoint.
+_RAYTRAINER_ONLY = re.compile(r"^(training_args\.json|rng_state_\d+\.safetensors)$")
+
+
+def _is_weights(name: str) -> bool:
+    return name in _WEIGHT_FILES or name in _WEIGHT_INDEXES or bool(
+        re.match(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$", name))
+
+
+def _with_rewritten_weights(files: dict, present: dict[str, int]) -> dict:
+    """The manifest's files, where the model's weights were rewritten in the folder after the save (say,
+    into transformers' sharded layout: an index and its shards, as ``save_pretrained`` writes them) replaced
+    by the files present now -- unverified (``sha256`` None). Only when every weight file the manifest
+    lists is gone and the new layout is complete; anything else missing stays missing."""
+    listed = [n for n in files if _is_weights(n)]
+    if not listed or any(n in present for n in listed):
+        return files
+    index = next((n for n in _WEIGHT_INDEXES if n in present), None)
+    if index is None:
+        return files
+    shards = {n for n in present if _is_weights(n) and n not in _WEIGHT_INDEXES}
+    out = {n: meta for n, meta in files.items() if n not in listed}
+    out.update({n: {"size": present[n], "sha256": None} for n in sorted({index, *shards})})
+    return out
+
+
+def foreign_checkpoint(storage: Storage, folder: str) -> dict | None:
+    """A checkpoint another trainer wrote (transformers.Trainer's ``checkpoint-<step>``: weights,
+    optimizer.pt, scheduler.pt, trainer_state.json, no manifest) as manifest files -- name -> size,
+    ``sha256`` None: read as they are, unverified -- or None where ``folder`` is not one (no
+    trainer_state.json, or a raytrainer save that did not finish)."""
+    present = storage.list_files(folder)
+    if "trainer_state.json" not in present or any(_RAYTRAINER_ONLY.match(n) for n in present):
+        return None
+    return {name: {"size": size, "sha256": None} for name, size in present.items()}
 
 
 def committed_checkpoints(storage: Storage, warn: bool = True) -> list[tuple[int, str]]:
@@ -150,6 +193,8 @@ def resolve_resume(storage: Storage, resume_from_checkpoint) -> str | None:
         raise CheckpointError(f"resume_from_checkpoint={resume_from_checkpoint!r}: Can't find a valid "
                               f"checkpoint at {resume_from_checkpoint} (the folder does not exist).")
     manifest = read_manifest(target, target.root)
+    if manifest is None and foreign_checkpoint(target, target.root) is not None:
+        return target.uri  # another trainer's (transformers.Trainer's): the reader says so when it opens it
     if manifest is None:
         kind = "a partial checkpoint (its manifest.json is missing: the save did not finish)"
         if step_of(target.root) is None and not target.exists(target.path("trainer_state.json")):
@@ -183,8 +228,17 @@ class CheckpointReader:
         self.storage = Storage.from_uri(uri, filesystem)
         manifest = read_manifest(self.storage, self.storage.root)
         if manifest is None:
-            raise CheckpointError(f"{uri} has no manifest: it is not a committed raytrainer checkpoint.")
-        self.files = manifest["files"]
+            self.files = foreign_checkpoint(self.storage, self.storage.root)
+            if self.files is None:
+                raise CheckpointError(f"{uri} has no manifest: it is not a committed raytrainer checkpoint.")
+            _warn_once(f"{uri} was not written by raytrainer (it has no manifest.json, as "
+                       "transformers.Trainer's checkpoints): its files are read as they are, unverified.")
+        else:
+            present = self.storage.list_files(self.storage.root)
+            self.files = _with_rewritten_weights(manifest["files"], present)
+            if any(meta["sha256"] is None for meta in self.files.values()):
+                _warn_once(f"{uri}: its model weights were rewritten after it was committed (they are not "
+                           "the files its manifest lists); they are read as they are, unverified.")
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -197,15 +251,20 @@ class CheckpointReader:
         if name not in self.files:
             raise CheckpointError(f"{self.uri} does not hold {name}.")
         data = self.storage.read_bytes(self.storage.path(name))
-        if hashlib.sha256(data).hexdigest() != self.files[name]["sha256"]:
-            raise self.damaged(name)
+        self._check(name, hashlib.sha256(data).hexdigest())
         return data
 
+    def _check(self, name: str, digest: str) -> None:
+        expected = self.files[name]["sha256"]
+        if expected is not None and digest != expected:  # None: another trainer's file, read unverified
+            raise self.damaged(name)
+
     def verify(self, name: str) -> None:
+        if self.files[name]["sha256"] is None:
+            return
         with self.storage.fs.open_input_stream(self.storage.path(name)) as f:
             digest = _sha256(f)
-        if digest != self.files[name]["sha256"]:
-            raise self.damaged(name)
+        self._check(name, digest)
 
     def verify_share(self, names: list[str], ctx) -> None:
         """Every rank checks every world_size-th of ``names`` against the manifest (streamed), and all
@@ -225,9 +284,11 @@ class CheckpointReader:
         os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
         with self.storage.fs.open_input_stream(self.storage.path(name)) as src, open(dest, "wb") as out:
             digest = _sha256(src, sink=out)
-        if digest != self.files[name]["sha256"]:
+        try:
+            self._check(name, digest)
+        except CheckpointError:
             os.remove(dest)
-            raise self.damaged(name)
+            raise
 
     @contextlib.contextmanager
     def local_copy(self, names: list[str], ctx, mine: list[str] | None = None):
@@ -297,6 +358,15 @@ class CheckpointReader:
 
     def json(self, name: str):
         return json.loads(self.read(name))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:

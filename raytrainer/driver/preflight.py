@@ -138,7 +138,7 @@ def check_resume_target(trainer, resume: str) -> None:
     step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
     strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
     _check_weights_fit(trainer, reader)
-    saved = sum(1 for name in reader.files if name.startswith("rng_state_"))
+    saved = sum(1 for name in reader.files if name.startswith("rng_state_") and name.endswith(".safetensors"))
     if saved and saved != world:
         logger.warning(
             "resuming %s, written by %d workers, on %d: the data position carries over as the share of "

@@ -278,7 +278,8 @@ class Resume:
     @property
     def world_size(self) -> int | None:
         """How many ranks wrote the checkpoint (one RNG state file each); None when it holds none."""
-        return sum(1 for n in self.reader.files if n.startswith("rng_state_")) or None
+        ours = [n for n in self.reader.files if n.startswith("rng_state_") and n.endswith(".safetensors")]
+        return len(ours) or None
 
     def sharded_files(self) -> list[str]:
         """A strategy's own training state: the files in sub-folders (optimizer_0/, global_step<N>/)."""
@@ -290,6 +291,12 @@ class Resume:
             name = rng_file(0)
         if self.reader.has(name):
             restore_rng_state(self.reader.read(name))
+            return
+        pickled = sorted(n for n in self.reader.files if n.startswith("rng_state") and n.endswith(".pth"))
+        if pickled and self.rank == 0:  # transformers.Trainer's: numpy and Python states, pickled
+            logger.warning("%s: %s not restored: it is pickled (transformers.Trainer's format) and "
+                           "raytrainer does not unpickle checkpoint files, so the random streams after the "
+                           "resume differ from an uninterrupted run's.", self.reader.uri, ", ".join(pickled))
 
 
 def restore_callbacks(stored: dict | None, handler, control, log=logger):

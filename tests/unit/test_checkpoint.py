@@ -454,3 +454,37 @@ def test_verification_is_shared_by_bytes_not_by_file_count():
     assert sorted(shares[0] + shares[1]) == names  # every file verified once
     read = [sum(sizes[n] for n in share) for share in shares]
     assert read[0] == read[1] == 1_200_012_600  # one partition and one small file each
+
+
+def test_weights_rewritten_in_transformers_sharded_layout_resume_and_a_partial_save_is_still_refused(
+        tmp_path, caplog):
+    """A committed checkpoint whose model.safetensors the user rewrote as transformers' sharded layout (an
+    index and one shard per tensor) resumes exactly, its new weight files read unverified with a warning;
+    the weight file gone with nothing in its place is still damaged, and a save without its manifest is
+    still partial (raytrainer's own files are there), not taken for another trainer's checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    full = Trainer(model=DropoutNet(), args=args(tmp_path / "full", max_steps=10), train_dataset=data())
+    full.train()
+    folder = tmp_path / "full" / "checkpoint-8"
+    state = load_file(folder / "model.safetensors")
+    os.remove(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"is damaged: model\.safetensors is missing"):
+        Trainer(model=DropoutNet(), args=args(tmp_path / "x", max_steps=10),
+                train_dataset=data()).train(resume_from_checkpoint=str(folder))
+    shards = {key: f"model-{i + 1:05d}-of-{len(state):05d}.safetensors" for i, key in enumerate(state)}
+    for key, shard in shards.items():
+        save_file({key: state[key]}, folder / shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+
+    resumed = Trainer(model=DropoutNet(), args=args(tmp_path / "resumed", max_steps=10), train_dataset=data())
+    with caplog.at_level("WARNING", logger="raytrainer"):
+        resumed.train(resume_from_checkpoint=str(folder))
+    assert "its model weights were rewritten after it was committed" in caplog.text
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+    os.remove(tmp_path / "full" / "checkpoint-4" / "manifest.json")
+    with pytest.raises(CheckpointError, match="is a partial checkpoint"):
+        Trainer(model=DropoutNet(), args=args(tmp_path / "y", max_steps=10),
+                train_dataset=data()).train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))

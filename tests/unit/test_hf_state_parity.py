@@ -79,3 +79,40 @@ def test_trainer_state_config_and_weights_equal_transformers(tmp_path):
     assert weights.keys() == ref_weights.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_written_by_transformers_resumes(tmp_path, caplog):
+    """transformers.Trainer's checkpoint-5 (no manifest; weights, optimizer.pt, scheduler.pt,
+    trainer_state.json, a pickled rng_state.pth) resumes under raytrainer: the same steps, learning rates
+    and final weights as transformers' uninterrupted run (no dropout, so the skipped RNG file changes
+    nothing here); the pickled RNG file is skipped with a warning, never unpickled."""
+    def model():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=16, n_layer=1, n_head=2, vocab_size=41, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    def trainer(module, out, **extra):
+        args = module.TrainingArguments(output_dir=str(out), num_train_epochs=2, learning_rate=5e-3,
+                                        per_device_train_batch_size=4, logging_steps=1, save_strategy="steps",
+                                        save_steps=5, report_to="none", disable_tqdm=True, seed=0, **extra)
+        return module.Trainer(model=model(), args=args, train_dataset=blocks(20, 1))
+
+    theirs = trainer(transformers, tmp_path / "theirs", use_cpu=True)
+    theirs.train()
+    checkpoint = tmp_path / "theirs" / "checkpoint-5"
+    assert (checkpoint / "rng_state.pth").exists() and not (checkpoint / "manifest.json").exists()
+
+    ours = trainer(raytrainer, tmp_path / "ours", num_workers=0)
+    with caplog.at_level("WARNING"):
+        ours.train(resume_from_checkpoint=str(checkpoint))
+    assert "was not written by raytrainer" in caplog.text
+    assert "rng_state.pth not restored: it is pickled" in caplog.text
+    steps = [(h["step"], h["loss"], h["learning_rate"]) for h in ours.state.log_history if "loss" in h]
+    ref = [(h["step"], h["loss"], h["learning_rate"]) for h in theirs.state.log_history if "loss" in h]
+    assert [s for s, _, _ in steps] == list(range(1, 11))  # steps 1-5 from the checkpoint's state
+    assert [lr for _, _, lr in steps] == pytest.approx([lr for _, _, lr in ref], rel=1e-12)  # scheduler
+    assert [loss for _, loss, _ in steps] == pytest.approx([loss for _, loss, _ in ref], rel=1e-5)
+    ref_weights = theirs.model.state_dict()
+    for name, tensor in ours.model.state_dict().items():
+        torch.testing.assert_close(tensor, ref_weights[name], rtol=1e-5, atol=1e-6)
