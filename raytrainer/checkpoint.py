@@ -413,9 +413,18 @@ def check_fits(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: s
         )
 
 
+def loads_its_own_way(model) -> bool:
+    """The model overrides ``load_state_dict`` (or ``_load_from_state_dict``), say to resize a buffer to the
+    saved one: it decides what fits, and raytrainer's shape check steps aside (as transformers calls the
+    model's own method)."""
+    return any(getattr(type(model), name, None) is not getattr(torch.nn.Module, name)
+               for name in ("load_state_dict", "_load_from_state_dict"))
+
+
 def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
     """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
-    check_fits(model.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, source)
+    if not loads_its_own_way(model):
+        check_fits(model.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, source)
     model.load_state_dict(weights, strict=False)
 
 

@@ -117,9 +117,9 @@ def _check_neftune(trainer) -> None:
 def _check_weights_fit(trainer, reader) -> None:
     """A checkpoint of another model is refused here, from its files' headers, not after the workers
     started. With model_init the driver has no model to compare (the workers check as they load)."""
-    from raytrainer.checkpoint import check_fits, weight_shapes
+    from raytrainer.checkpoint import check_fits, loads_its_own_way, weight_shapes
 
-    if trainer.model_init is not None or trainer.model is None:
+    if trainer.model_init is not None or trainer.model is None or loads_its_own_way(trainer.model):
         return
     shapes = weight_shapes(reader)
     if shapes:

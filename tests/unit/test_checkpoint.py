@@ -488,3 +488,29 @@ def test_weights_rewritten_in_transformers_sharded_layout_resume_and_a_partial_s
     with pytest.raises(CheckpointError, match="is a partial checkpoint"):
         Trainer(model=DropoutNet(), args=args(tmp_path / "y", max_steps=10),
                 train_dataset=data()).train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+
+
+def test_a_model_that_loads_its_own_way_resumes_through_its_load_state_dict(tmp_path):
+    """A model that resizes a buffer to the saved one in its own load_state_dict (a record that grows as it
+    trains) resumes: its method decides what fits, as transformers calls it, not raytrainer's shape check."""
+
+    class Recording(DropoutNet):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(0))
+
+        def forward(self, x, labels=None):
+            if self.training:
+                self.seen = torch.cat([self.seen, x[:, 0]])
+            return super().forward(x, labels)
+
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            self.seen = torch.empty_like(state_dict["seen"])
+            return super().load_state_dict(state_dict, strict, assign)
+
+    full = Trainer(model=Recording(), args=args(tmp_path / "full", max_steps=10), train_dataset=data())
+    full.train()
+    resumed = Trainer(model=Recording(), args=args(tmp_path / "resumed", max_steps=10), train_dataset=data())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+    assert resumed.model.seen.shape == (40,)  # 8 batches from the checkpoint, 2 after the resume
+    assert torch.equal(resumed.model.seen, full.model.seen)
