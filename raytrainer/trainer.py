@@ -257,9 +257,26 @@ class Trainer:
             self._align_special_tokens()  # the driver's model: its saved config.json as transformers'
             return self._dispatch("train", resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                   ignore_keys_for_eval=ignore_keys_for_eval)
+        from raytrainer.worker.batch_size import retry_smaller
         from raytrainer.worker.loop import training_loop
 
-        return training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval)
+        asked = self.args.per_device_train_batch_size
+        try:
+            while True:
+                try:
+                    return training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval)
+                except Exception as exc:
+                    if resume_from_checkpoint or not retry_smaller(self, exc):  # resumed: the saved size
+                        raise
+        finally:  # as transformers: the size trained with is the state's (_train_batch_size), not the args'
+            self.args.per_device_train_batch_size = asked
+
+    @property
+    def _train_batch_size(self) -> int:
+        """transformers' attribute: the batch size of the run (after ``auto_find_batch_size``, the one found,
+        or the one a resumed checkpoint trained with), else the arguments' ``train_batch_size``."""
+        found = getattr(self.__dict__.get("state"), "train_batch_size", None)
+        return found or self.args.train_batch_size
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -46,6 +46,26 @@ def find_batch_size(trainer, strategy, wrapped) -> int:
                        "smaller model")
 
 
+def retry_smaller(trainer, exc: Exception) -> bool:
+    """Memory ran out during training with ``auto_find_batch_size`` in one process: lower the per-device
+    batch size (x0.9) and say so; the caller runs the training loop again from the start, as transformers
+    restarts its inner loop. False where that does not apply (another error, several workers -- where one
+    worker alone may run out, so a restart would need every worker's agreement: the probe before training
+    covers them -- or no smaller size left)."""
+    from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
+
+    args = trainer.args
+    smaller = int(args.per_device_train_batch_size * 0.9)
+    if not (args.auto_find_batch_size and should_reduce_batch_size(exc) and trainer._ctx.world_size == 1
+            and smaller > 0):
+        return False
+    clear_device_cache(garbage_collection=True)
+    logger.warning("auto_find_batch_size: memory ran out while training with batch size %d (%s); training "
+                   "again from the start with %d", args.per_device_train_batch_size, exc, smaller)
+    args.per_device_train_batch_size = smaller
+    return True
+
+
 def _probe(trainer, strategy, wrapped, size: int) -> None:
     loader = trainer._dataloader(trainer.train_dataset, size, train=True)
     batch = trainer._prepare_inputs(next(iter(loader)))

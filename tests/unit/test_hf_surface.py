@@ -103,3 +103,28 @@ def test_the_evaluate_hook_drives_best_model_saves(make_args, make_classifier, m
     trainer.train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]  # 0.3, then 0.1
     assert trainer.state.best_metric == 0.1 and trainer.state.best_global_step == 4
+
+
+def test_memory_running_out_while_training_retries_with_a_smaller_batch(make_args, make_classifier,
+                                                                       make_examples, tmp_path):
+    """auto_find_batch_size in one process: memory running out in a training step restarts training with
+    0.9x the batch (16 -> 14), as transformers; the arguments keep the size asked, _train_batch_size and
+    the state hold the one trained with, and a resume takes the checkpoint's size."""
+
+    class OutOfMemoryAtSixteen(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.train_batch_size >= 16:
+                raise RuntimeError("CUDA out of memory.")
+
+    data, _, _ = make_examples(128)
+    args = make_args(output_dir=str(tmp_path), per_device_train_batch_size=16, auto_find_batch_size=True,
+                     max_steps=2, save_strategy="steps", save_steps=1)
+    first = Trainer(model=make_classifier(), args=args, train_dataset=data,
+                    callbacks=[OutOfMemoryAtSixteen()])
+    first.train()
+    assert first._train_batch_size == first.state.train_batch_size == 14 and first.state.global_step == 2
+    assert args.per_device_train_batch_size == 16
+    again = Trainer(model=make_classifier(), args=args, train_dataset=data)
+    assert again._train_batch_size == 16
+    again.train(resume_from_checkpoint=True)
+    assert again._train_batch_size == 14
