@@ -125,6 +125,12 @@ if nn is not None:
             self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
             self.head = nn.Linear(width, n_classes)
 
+        def reset_parameters(self):
+            """Every layer as built: FSDP initialises each rank's shard with it (built on meta everywhere)."""
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+
         def forward(self, x, labels=None):
             h = self.inp(x)
             for block in self.blocks:
