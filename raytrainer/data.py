@@ -283,28 +283,56 @@ def is_ray_dataset(obj) -> bool:
     return type(obj).__module__.startswith("ray.data") and hasattr(obj, "iter_torch_batches")
 
 
+#: Rows of Ray Data's local shuffle buffer per batch row (at least ``_SHUFFLE_MIN_ROWS``): each worker
+#: shuffles its stream through a buffer of this many rows, a new seed every epoch. A global shuffle
+#: (``random_shuffle``) would move the whole data set across the network every epoch.
+_SHUFFLE_BATCHES = 16
+_SHUFFLE_MIN_ROWS = 256
+
+
+def pad_ray_dataset(dataset, world_size: int):
+    """``dataset`` with its first rows repeated until its row count divides by ``world_size``, as
+    transformers' distributed sampler repeats examples, so that Ray Train's equal split drops none."""
+    rest = dataset.count() % world_size
+    return dataset if rest == 0 else dataset.union(dataset.limit(world_size - rest))
+
+
 class RayDataBatches:
     """Batches from a Ray Data dataset, or from this worker's shard of it, shaped for the model.
 
-    On Ray Train workers the source is ``ray.train.get_dataset_shard("train")``: Ray splits the dataset
-    with ``equal=True``, so each of W ranks reads ``num_rows // W`` rows and all run the same number of
-    batches. ``label`` / ``label_ids`` columns become ``labels``; columns outside ``keep`` are dropped.
+    On Ray Train workers the source is ``ray.train.get_dataset_shard("train")``: the driver pads the data
+    set to a multiple of W rows (``pad_ray_dataset``) and Ray splits it with ``equal=True``, so each of W
+    ranks reads ``ceil(num_rows / W)`` rows and all run the same number of batches. ``shuffle_seed``: each
+    epoch reads the rows through a local shuffle buffer seeded with ``shuffle_seed + epoch`` (``set_epoch``),
+    so every epoch has its own order, the same in every run; None reads them in order.
+    ``label`` / ``label_ids`` columns become ``labels``; columns outside ``keep`` are dropped.
     """
 
-    def __init__(self, source, batch_size: int, num_rows: int, keep: set[str] | None, drop_last: bool):
+    def __init__(self, source, batch_size: int, num_rows: int, keep: set[str] | None, drop_last: bool,
+                 shuffle_seed: int | None = None):
         self.dataset = source
         self.batch_size = batch_size
         self.num_rows = num_rows
         self.keep = keep
         self.drop_last = drop_last
+        self.shuffle_seed = shuffle_seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_rows, self.batch_size)
         return full + (0 if self.drop_last or rest == 0 else 1)
 
     def __iter__(self):
-        yield from self.dataset.iter_torch_batches(
-            batch_size=self.batch_size, drop_last=self.drop_last, collate_fn=_ray_collate(self.keep))
+        shuffle = {}
+        if self.shuffle_seed is not None:
+            rows = max(_SHUFFLE_BATCHES * self.batch_size, _SHUFFLE_MIN_ROWS)
+            shuffle = {"local_shuffle_buffer_size": rows,
+                       "local_shuffle_seed": self.shuffle_seed + self.epoch}
+        yield from self.dataset.iter_torch_batches(batch_size=self.batch_size, drop_last=self.drop_last,
+                                                   collate_fn=_ray_collate(self.keep), **shuffle)
 
 
 def _ray_collate(keep: set[str] | None):

@@ -513,8 +513,11 @@ class Trainer:
         keep = None
         if self.args.remove_unused_columns:
             keep = rdata.signature_columns(self.model, self.label_names)
-        return rdata.RayDataBatches(source, batch_size, rows // ctx.world_size, keep,
-                                    self.args.dataloader_drop_last)
+        a = self.args
+        seed = None if a.train_sampling_strategy == "sequential" else (
+            a.data_seed if a.data_seed is not None else a.seed)
+        per_rank = -(-rows // ctx.world_size) if ctx.on_ray else rows  # padded by the driver (launch.py)
+        return rdata.RayDataBatches(source, batch_size, per_rank, keep, a.dataloader_drop_last, seed)
 
     def num_examples(self, dataloader: DataLoader) -> int:
         """The examples a loader reads: its dataset's length, else batches times the batch size (a loader

@@ -183,6 +183,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             sampler.set_epoch(epoch)
         elif hasattr(getattr(train_dataloader, "dataset", None), "set_epoch"):
             train_dataloader.dataset.set_epoch(epoch)
+        elif hasattr(train_dataloader, "set_epoch"):  # a Ray Data stream (data.RayDataBatches)
+            train_dataloader.set_epoch(epoch)
         first_resumed_epoch = resume is not None and epoch == epochs_trained
         if first_resumed_epoch and skip_updates == 0:
             resume.restore_rng()  # before the epoch's iterator draws its seed, as at save time

@@ -323,6 +323,28 @@ class ReportInitialShards(TrainerCallback):
                   torch.equal(wte[:16], wte[16:]))
 
 
+class SeenRows(torch.nn.Module):
+    """A Regressor that records the first feature of every training row it sees (each row's id)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Regressor()
+        self.seen: list[int] = []
+
+    def forward(self, x, labels=None):
+        if self.training:
+            self.seen.extend(int(v) for v in x[:, 0].round().tolist())
+        return self.inner(x, labels)
+
+
+class ReportSeenRows(TrainerCallback):
+    """Each rank logs the ids its model trained on in each epoch."""
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        log.error("rank %d epoch %d seen=%s", args.process_index, round(state.epoch), model.seen)
+        model.seen.clear()
+
+
 class InfLossOnRank(Trainer):
     """A training loss of inf on one rank, in the update to ``at_step`` (a deterministic failure)."""
 

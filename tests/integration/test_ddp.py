@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import threading
 
@@ -179,6 +180,34 @@ def test_ray_dataset_is_sharded_per_worker(tmp_path):
         expected = torch.nn.functional.cross_entropy(trainer.model(x)[0], y, reduction="none")
     batch_means = expected.view(8, 8).mean(dim=1)  # HF: each batch's mean loss, per example
     assert evals[-1]["eval_loss"] == pytest.approx(float(batch_means.mean()), rel=1e-5)
+
+
+@pytest.mark.full  # the full tier: Ray Data (CI trains from map-style datasets on 2 workers)
+@pytest.mark.timeout(300)
+def test_ray_dataset_rows_are_all_trained_on_in_a_new_order_every_epoch(tmp_path, capfd):
+    """65 rows on 2 workers: the driver repeats row 0 so that Ray's equal split drops none (33 per rank, as
+    transformers' distributed sampler pads), and each epoch reads them in an order of its own."""
+    import re
+
+    import ray
+    from models import ReportSeenRows, SeenRows
+
+    rows = [{"x": np.array([i, *d["x"][1:].tolist()], dtype=np.float32), "label": d["labels"]}
+            for i, d in enumerate(make_data(65))]
+    trainer = Trainer(model=SeenRows(), train_dataset=ray.data.from_items(rows), callbacks=[ReportSeenRows()],
+                      args=_args(tmp_path, "raydata-order", num_workers=2, per_device_train_batch_size=11,
+                                 num_train_epochs=2, learning_rate=1e-3))
+    assert trainer.train().global_step == 6  # 33 rows per rank in batches of 11
+    seen = {(int(r), int(e)): json.loads(ids) for r, e, ids in re.findall(
+        r"rank (\d) epoch (\d) seen=(\[[\d, ]*\])", "".join(capfd.readouterr()))}
+    assert sorted(seen) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for epoch in (1, 2):
+        both = seen[(0, epoch)] + seen[(1, epoch)]
+        assert len(seen[(0, epoch)]) == len(seen[(1, epoch)]) == 33
+        assert sorted(both) == sorted([*range(65), 0])  # every row, one repeated to fill the split
+    for rank in (0, 1):
+        assert seen[(rank, 1)] != seen[(rank, 2)]  # a new order each epoch
+        assert seen[(rank, 1)] != sorted(seen[(rank, 1)])  # shuffled, not in row order
 
 
 def test_auto_find_batch_size_agrees_on_one_size_across_workers(tmp_path, capfd):
