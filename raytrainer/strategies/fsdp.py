@@ -20,11 +20,14 @@ The optimizer state goes into checkpoints sharded, through DCP (``fsdp_config["s
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from raytrainer.arg_types import as_flag
 from raytrainer.strategies.base import Strategy
+
+logger = logging.getLogger(__name__)
 
 
 def _full_options():
@@ -176,23 +179,20 @@ class FSDPStrategy(Strategy):
         initialisation; False (on every rank) where that failed on any rank. Random draws: each rank its own
         stream (on a CPU mesh DTensor's random ops draw from the local generator, so the same seed would give
         every shard the same values); every rank then goes on from the shared generator state it had."""
-        import logging
         import warnings
 
         model.to_empty(device=self.ctx.device)
-        state = torch.get_rng_state()
-        torch.manual_seed(torch.initial_seed() + self.ctx.rank)
+        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
         error = None
         try:
-            with torch.no_grad(), warnings.catch_warnings():
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
+                torch.manual_seed(torch.initial_seed() + self.ctx.rank)
                 warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
                 self._init_shards[1]()
         except Exception as exc:  # any failure means: the rank-0 way
             error = exc
-        finally:
-            torch.set_rng_state(state)
         if self.ctx.any_flags([error is not None])[0]:
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
                 "broadcasts it instead", type(model).__name__, error or "on another rank")
             return False

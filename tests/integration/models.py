@@ -27,6 +27,17 @@ class Regressor(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, labels), logits
 
 
+class InitFailsOnShards(Regressor):
+    """A root ``reset_parameters`` that fails on rank 1's shards: FSDP must fall back to rank 0's build."""
+
+    def reset_parameters(self):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            raise RuntimeError("this model cannot initialise a shard")
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                layer.reset_parameters()
+
+
 def make_data(n: int, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 6, generator=g)

@@ -104,6 +104,26 @@ def test_fsdp_model_init_initialises_each_rank_shard_of_a_transformers_model(tmp
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.full  # the full tier: CI initialises shards in the test above
+@pytest.mark.timeout(300)
+def test_fsdp_falls_back_to_rank_0_when_a_shard_cannot_be_initialised(tmp_path, capfd):
+    """A model whose initialisation fails on one rank's shard: every rank agrees, warns, and goes rank 0's
+    way (rank 0 builds, the shards are filled from it), so the run trains as the model handed in built."""
+    from models import InitFailsOnShards, make_data
+
+    data = make_data(32)
+    kw = {"max_steps": 4, "save_strategy": "no"}
+    built = Trainer(model_init=lambda: InitFailsOnShards(), args=_args(tmp_path / "init", **kw),
+                    train_dataset=data)
+    built.train()
+    console = "".join(capfd.readouterr())
+    assert "initialising each rank's shard of FSDPInitFailsOnShards failed" in console, console[-3000:]
+    given = Trainer(model=InitFailsOnShards(), args=_args(tmp_path / "given", **kw), train_dataset=data)
+    given.train()
+    for name, tensor in given.model.state_dict().items():
+        assert torch.equal(built.model.state_dict()[name], tensor), name
+
+
 @pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, four runs
 @pytest.mark.timeout(900)
 def test_fsdp_model_init_never_builds_the_whole_model_on_a_rank(tmp_path, capfd):
