@@ -269,16 +269,30 @@ class EvaluateAtTheEnd(TrainerCallback):
             control.should_evaluate = True
 
 
-def worker_trial(trial):
+def worker_trial(trial, trainer=None):
     """The trial as ``model_init(trial)`` gets it on the workers, picklable: Tune's config dict as it is;
-    a live Optuna trial (it holds its study's storage) as a ``FixedTrial`` of the parameters ``hp_space``
-    suggested, whose ``params``, ``number`` and ``suggest_*`` of those names answer as the live trial's do."""
+    a live Optuna trial (it holds its study's storage) as a ``FixedTrial`` of the parameters suggested
+    (by ``hp_space``, and by ``trainer``'s ``model_init``), whose ``params``, ``number`` and ``suggest_*``
+    of those names answer as the live trial's do."""
     optuna = sys.modules.get("optuna")
     if optuna is None or not isinstance(trial, optuna.trial.Trial):
         return trial
     from raytrainer.search.suggested_trial import SuggestedTrial
 
+    if trainer is not None and trainer.model_init is not None:
+        _suggest_as_model_init_does(trainer, trial)
     return SuggestedTrial(dict(trial.params), trial.number)
+
+
+def _suggest_as_model_init_does(trainer, trial) -> None:
+    """transformers' own tests and some scripts suggest inside ``model_init`` (their ``hp_space`` returns
+    ``{}``). Run it once here, on the meta device (no weights; random state put back), with the live trial,
+    so that Optuna records those suggestions and the workers' trial answers them. A ``model_init`` that
+    cannot run on the meta device (``from_pretrained``) has made its suggestions before it fails, if any."""
+    from raytrainer.meta_model import build_on_meta
+
+    with _MODEL_INIT_LOCK:
+        build_on_meta(lambda: trainer.call_model_init(trial))
 
 
 def build_model(trainer, trial, seed: int):
@@ -339,7 +353,7 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
         pool.lend(t)
     try:
         t.train(resume_from_checkpoint=resume_from_checkpoint,
-                trial=worker_trial(trial) if on_workers else None)
+                trial=worker_trial(trial, trainer) if on_workers else None)
         # the trained weights stay in storage: t.model is the caller's instance, never to be filled with them
         trained = t.__dict__.pop("_pending_weights", None) if on_workers else None
         if not reporter.evaluations and not reporter.pruned:

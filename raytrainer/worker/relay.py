@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from raytrainer.callbacks import TrainerCallback
+from raytrainer.trainer_utils import has_length
 
 _STATE_FIELDS = ("global_step", "max_steps", "epoch", "num_train_epochs", "best_metric",
                  "best_model_checkpoint", "trial_name")
@@ -58,7 +59,7 @@ class RelayCallback(TrainerCallback):
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
         self._eval_batches += 1
         if not self._throttled():
-            total = len(eval_dataloader) if eval_dataloader is not None else None
+            total = len(eval_dataloader) if has_length(eval_dataloader) else None  # a stream: unknown
             self._send("on_prediction_step", state, urgent=False, done=self._eval_batches, total=total)
 
     def on_save(self, args, state, control, **kwargs):

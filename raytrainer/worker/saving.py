@@ -52,9 +52,29 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
 
 
 def without_secrets(args):
-    """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None)."""
+    """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None), of
+    a class ``pickle`` can name: the arguments' own, else the nearest base class that is (an arguments
+    class made inside a function, or one whose name is not where it was defined, would otherwise fail
+    every save)."""
     clone = copy.copy(args)
     for f in fields(args):
         if f.name == "storage_filesystem" or f.name.endswith("_token"):
             object.__setattr__(clone, f.name, None)
+    for cls in type(args).__mro__:
+        if _importable(cls):
+            clone.__class__ = cls
+            return clone
     return clone
+
+
+def _importable(cls) -> bool:
+    """``pickle`` finds ``cls`` again by its module and qualified name."""
+    import importlib
+
+    try:
+        found = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return False
+    return found is cls

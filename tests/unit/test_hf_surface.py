@@ -61,6 +61,27 @@ def test_checkpoints_hold_transformers_training_args_bin_without_secrets(make_ar
     assert args.hub_token == "hf_secret_token_123"  # the run's own arguments are untouched
 
 
+def test_arguments_of_a_class_pickle_cannot_name_are_saved_as_their_base_class(tmp_path, make_examples,
+                                                                                make_classifier):
+    """An arguments subclass made inside a function (pickle cannot find it by name) does not fail every
+    checkpoint: training_args.bin holds the values as the nearest class pickle can name."""
+    import dataclasses
+
+    from raytrainer import TrainingArguments
+
+    @dataclasses.dataclass
+    class LocalArguments(TrainingArguments):
+        note: str = "mine"
+
+    data, _, _ = make_examples(8)
+    args = LocalArguments(output_dir=str(tmp_path), num_workers=0, max_steps=2, save_steps=2,
+                          learning_rate=0.25, report_to="none", disable_tqdm=True)
+    Trainer(model=make_classifier(), args=args, train_dataset=data).train()
+    loaded = torch.load(tmp_path / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert type(loaded) is TrainingArguments and loaded.learning_rate == 0.25 and loaded.note == "mine"
+    assert type(args) is LocalArguments
+
+
 class _Noop(TrainerCallback):
     pass
 

@@ -285,6 +285,32 @@ def test_the_workers_get_a_picklable_trial_that_answers_as_the_live_one(tmp_path
     assert worker_trial(config) is config and worker_trial(None) is None
 
 
+def test_suggestions_made_in_model_init_reach_the_workers_trial(make_args, make_examples, tmp_path):
+    """transformers' own tests suggest in model_init, with an hp_space of {}: the driver runs model_init
+    once on the meta device with the live trial (no weights), so the study records those suggestions and
+    the workers' trial answers them, without a model built in the search's process."""
+    import cloudpickle
+
+    from raytrainer.search.common import worker_trial
+
+    built = []
+
+    def model_init(trial):
+        classes = trial.suggest_int("classes", 2, 8) if trial is not None else 3
+        model = torch.nn.Linear(4, classes)
+        built.append(next(model.parameters()).device.type)
+        return model
+
+    data, _, _ = make_examples(8)
+    trainer = Trainer(model_init=model_init, args=make_args(), train_dataset=data)
+    built.clear()
+    live = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}").ask()
+    sent = cloudpickle.loads(cloudpickle.dumps(worker_trial(live, trainer)))
+    assert built == ["meta"]  # model_init ran once, on the meta device
+    assert "classes" in live.params and sent.params == live.params
+    assert sent.suggest_int("classes", 2, 8) == live.params["classes"]
+
+
 def test_a_trial_that_never_evaluated_evaluates_at_its_last_step(make_args, make_examples):
     """HF evaluates once after train() when a trial never did; raytrainer does it at the last step, where
     the model is (EvaluateAtTheEnd), so that evaluation is the trial's objective and the only one."""
