@@ -39,7 +39,8 @@ def _record_model_init(folder: str):
             if hasattr(trial, "suggest_float"):  # an Optuna trial answers a suggestion hp_space made
                 assert trial.suggest_float("learning_rate", 0.0, 1.0) == lr
             with open(os.path.join(folder, f"init-{os.getpid()}-{time.time_ns()}.json"), "w") as f:
-                json.dump({"type": type(trial).__name__, "learning_rate": lr, "pid": os.getpid()}, f)
+                json.dump({"type": type(trial).__name__, "learning_rate": lr, "pid": os.getpid(),
+                           "device": torch.empty(0).device.type}, f)  # the device it builds on
         return Regressor()
 
     return model_init
@@ -108,12 +109,15 @@ def test_optuna_two_workers_per_trial_prunes_planted_bad_trial(tmp_path):
     assert [os.path.basename(p) for p in good.checkpoints] == ["checkpoint-40"]
     assert best.run_summary.best_checkpoint == str(tmp_path / "search" / "run-0" / "checkpoint-40")
     assert os.path.exists(os.path.join(best.run_summary.best_checkpoint, "manifest.json"))
-    # model_init: on each of the trial's 2 workers (never in this driver), with the trial's parameters
-    made = _calls(str(calls))
-    assert sorted((c["type"], c["learning_rate"]) for c in made) == [("SuggestedTrial", 0.0)] * 2 + [
-        ("SuggestedTrial", 0.5)] * 2
-    assert os.getpid() not in {c["pid"] for c in made}
+    # model_init: built on each of the trial's 2 workers, with the trial's parameters; in this driver only
+    # once per trial on the meta device (no weights), with the live trial, for suggestions it may make
+    made = [c for c in _calls(str(calls)) if c["pid"] != os.getpid()]
+    assert sorted((c["type"], c["learning_rate"], c["device"]) for c in made) == [
+        ("SuggestedTrial", 0.0, "cpu")] * 2 + [("SuggestedTrial", 0.5, "cpu")] * 2
     assert all(len({c["pid"] for c in made if c["learning_rate"] == lr}) == 2 for lr in (0.0, 0.5))
+    here = [c for c in _calls(str(calls)) if c["pid"] == os.getpid()]
+    assert sorted((c["type"], c["learning_rate"], c["device"]) for c in here) == [
+        ("Trial", 0.0, "meta"), ("Trial", 0.5, "meta")]
 
 
 TOKEN = "hf_planted_tune_token_5e1f"
