@@ -290,10 +290,11 @@ _SHUFFLE_BATCHES = 16
 _SHUFFLE_MIN_ROWS = 256
 
 
-def pad_ray_dataset(dataset, world_size: int):
-    """``dataset`` with its first rows repeated until its row count divides by ``world_size``, as
-    transformers' distributed sampler repeats examples, so that Ray Train's equal split drops none."""
-    rest = dataset.count() % world_size
+def pad_ray_dataset(dataset, rows: int, world_size: int):
+    """``dataset`` (of ``rows`` rows) with its first rows repeated until its row count divides by
+    ``world_size``, as transformers' distributed sampler repeats examples, so that Ray Train's equal split
+    drops none."""
+    rest = rows % world_size
     return dataset if rest == 0 else dataset.union(dataset.limit(world_size - rest))
 
 

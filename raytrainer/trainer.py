@@ -275,8 +275,7 @@ class Trainer:
     def _train_batch_size(self) -> int:
         """transformers' attribute: the batch size of the run (after ``auto_find_batch_size``, the one found,
         or the one a resumed checkpoint trained with), else the arguments' ``train_batch_size``."""
-        found = getattr(self.__dict__.get("state"), "train_batch_size", None)
-        return found or self.args.train_batch_size
+        return self.state.train_batch_size or self.args.train_batch_size
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -431,10 +430,13 @@ class Trainer:
                 kwargs["multiprocessing_context"] = a.dataloader_multiprocessing_context
         return kwargs
 
+    def _data_seed(self) -> int:
+        """The seed of the training data's order: ``data_seed``, else ``seed`` (as transformers)."""
+        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
+
     def _get_train_sampler(self, dataset):
         a, ctx = self.args, self._view
-        seed = a.data_seed if a.data_seed is not None else a.seed
-        common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": seed,
+        common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": self._data_seed(),
                   "drop_last": a.dataloader_drop_last}
         if a.group_by_length or a.train_sampling_strategy == "group_by_length":
             return rdata.LengthGroupedDistributedSampler(
@@ -514,8 +516,7 @@ class Trainer:
         if self.args.remove_unused_columns:
             keep = rdata.signature_columns(self.model, self.label_names)
         a = self.args
-        seed = None if a.train_sampling_strategy == "sequential" else (
-            a.data_seed if a.data_seed is not None else a.seed)
+        seed = None if a.train_sampling_strategy == "sequential" else self._data_seed()
         per_rank = -(-rows // ctx.world_size) if ctx.on_ray else rows  # padded by the driver (launch.py)
         return rdata.RayDataBatches(source, batch_size, per_rank, keep, a.dataloader_drop_last, seed)
 

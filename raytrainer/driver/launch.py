@@ -214,8 +214,10 @@ def _ray_datasets(trainer, method: str) -> dict | None:
     """A Ray Data training set goes to Ray Train, which gives each worker its shard."""
     from raytrainer.data import is_ray_dataset, pad_ray_dataset
 
-    if method == "train" and is_ray_dataset(trainer.train_dataset):  # no row left out of the equal split
-        return {"train": pad_ray_dataset(trainer.train_dataset, max(trainer.args.num_workers, 1))}
+    dataset = trainer.train_dataset
+    if method == "train" and is_ray_dataset(dataset):  # no row left out of the equal split
+        rows = trainer._ray_data_rows  # counted by the driver's pre-flight
+        return {"train": pad_ray_dataset(dataset, rows, max(trainer.args.num_workers, 1))}
     return None
 
 

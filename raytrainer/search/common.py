@@ -279,9 +279,15 @@ def worker_trial(trial, trainer=None):
         return trial
     from raytrainer.search.suggested_trial import SuggestedTrial
 
-    if trainer is not None and trainer.model_init is not None:
+    if trainer is not None and trainer.model_init is not None and _takes_the_trial(trainer.model_init):
         _suggest_as_model_init_does(trainer, trial)
     return SuggestedTrial(dict(trial.params), trial.number)
+
+
+def _takes_the_trial(model_init) -> bool:
+    import inspect
+
+    return len(inspect.signature(model_init).parameters) == 1
 
 
 def _suggest_as_model_init_does(trainer, trial) -> None:

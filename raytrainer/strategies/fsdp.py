@@ -127,10 +127,14 @@ class FSDPStrategy(Strategy):
             from raytrainer.meta_model import build_on_meta, is_skeleton
 
             model = build_on_meta(factory)
-            initialise = _initialiser(model) if model is not None and is_skeleton(model) else None
-            mine = "shards" if initialise is not None else "rank0"
-            if model is not None and not is_skeleton(model):
-                mine = "real"  # model_init chose its own device: built for real, not built again
+            initialise = None
+            if model is None:  # it refuses the meta device (from_pretrained)
+                mine = "rank0"
+            elif not is_skeleton(model):  # model_init chose its own device: built for real, not again
+                mine = "real"
+            else:
+                initialise = _initialiser(model)
+                mine = "shards" if initialise is not None else "rank0"
             not_shards, not_real = self.ctx.any_flags([mine != "shards", mine != "real"])
             if not not_shards:
                 self._init_shards = factory, initialise  # factory: for the rank-0 way, should it fail
