@@ -19,6 +19,7 @@ protocol is tested with a launcher that runs the loop in threads of this process
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -97,6 +98,7 @@ class WorkerGroup:
                                         name=f"raytrainer-{self.name}")
         self._thread.start()
         _LIVE.add(self)
+        _close_before_ray_exits()
         logger.debug("%s: starting %d workers", self.name, self.args.num_workers)
 
     def _run(self, config: dict, datasets: dict | None) -> None:
@@ -260,6 +262,21 @@ def _close_unreachable_groups() -> None:
     them; a new group may need those resources, so collect first."""
     if _LIVE:
         gc.collect()
+
+
+def _close_live_groups() -> None:
+    for group in list(_LIVE):
+        group.close()
+
+
+def _close_before_ray_exits() -> None:
+    """At interpreter exit, close the live groups before Ray shuts down. Ray registers its shutdown with
+    ``atexit`` when it is imported, and exit handlers run last-registered first: registered (again) now,
+    after Ray's, this one runs first. Otherwise Ray would disconnect this process while a group's thread
+    still waits inside Ray Train's run (a Trainer kept alive to the end, as scripts do): a race in which the
+    driver can die with a segmentation fault at exit, after training succeeded."""
+    atexit.unregister(_close_live_groups)
+    atexit.register(_close_live_groups)
 
 
 def attach(trainer, group: WorkerGroup) -> None:

@@ -59,7 +59,8 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
+               PYTHONFAULTHANDLER="1")  # a crash prints every thread's stack
     proc = subprocess.run([sys.executable, DRIVER, cluster["address"], str(work)], env=env,
                           capture_output=True, text=True, timeout=480, cwd=str(work))
     output = proc.stdout + proc.stderr
