@@ -9,10 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any, Protocol
 
 import torch
 
 from raytrainer.worker.context import RankContext
+
+
+class OptimizerFactory(Protocol):
+    """How a strategy gets the optimizer and its LR schedule (the worker loop passes the Trainer's
+    ``create_*`` methods, a subclass's overrides included): the strategy never sees the Trainer."""
+
+    num_training_steps: int  #: the schedule's length, in optimizer steps
+
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def scheduler(self, optimizer) -> Any: ...
+
+    def both(self) -> tuple[torch.optim.Optimizer, Any]: ...
 
 
 class Strategy:
@@ -48,11 +62,11 @@ class Strategy:
         """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
         return model.to(self.ctx.device)
 
-    def setup_optimizer(self, trainer, model: torch.nn.Module, num_training_steps: int) -> torch.nn.Module:
-        """Build ``trainer.optimizer`` / ``trainer.lr_scheduler`` for the set-up ``model``; returns the
-        model the loop trains (an engine may wrap model, optimizer and scheduler together here)."""
-        trainer.create_optimizer_and_scheduler(num_training_steps=num_training_steps)
-        return model
+    def setup_optimizer(self, model: torch.nn.Module, optimizers: OptimizerFactory) -> tuple:
+        """The optimizer and its schedule for the set-up ``model``, made by ``optimizers``: returns
+        ``(model the loop trains, optimizer, scheduler)`` -- an engine may wrap all three together here."""
+        optimizer, scheduler = optimizers.both()
+        return model, optimizer, scheduler
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

@@ -92,18 +92,18 @@ class DeepSpeedStrategy(Strategy):
             return model  # partitioned by zero.Init, each piece already where the engine wants it
         return model.to(self.ctx.device)
 
-    def setup_optimizer(self, trainer, model: torch.nn.Module, num_training_steps: int) -> torch.nn.Module:
+    def setup_optimizer(self, model: torch.nn.Module, optimizers) -> tuple:
         import deepspeed
 
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         # filled again: auto_find_batch_size may have changed the batch size since __init__
         config = fill_from_args(load_config(self.args.deepspeed), self.args, self.ctx.world_size)
-        config = fill_for_run(config, self.args, num_training_steps, hidden)
+        config = fill_for_run(config, self.args, optimizers.num_training_steps, hidden)
         if self._to_universal:
             config.setdefault("checkpoint", {})["load_universal"] = True
         optimizer = scheduler = None
         if "optimizer" not in config:
-            optimizer = trainer.create_optimizer()
+            optimizer = optimizers.optimizer()
             config.setdefault("zero_allow_untested_optimizer", True)
             if _offloads_optimizer(config):  # a torch optimizer on offloaded state (no DeepSpeedCPUAdam)
                 config.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -111,20 +111,18 @@ class DeepSpeedStrategy(Strategy):
             # DeepSpeed's fused Adam kernels need CUDA; on CPU its Adam/AdamW run torch's implementation.
             config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
         if "scheduler" not in config and optimizer is not None:
-            scheduler = trainer.create_scheduler(num_training_steps, optimizer=optimizer)
+            scheduler = optimizers.scheduler(optimizer)
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=None if plateau else scheduler, config=config,
             dist_init_required=False)
         if ds_scheduler is None and scheduler is None:
             # The config's optimizer, raytrainer's schedule (lr_scheduler_type) stepped by the engine.
-            scheduler = trainer.create_scheduler(num_training_steps, optimizer=_base_optimizer(ds_optimizer))
+            scheduler = optimizers.scheduler(_base_optimizer(ds_optimizer))
             engine.lr_scheduler = scheduler
-        trainer.optimizer = ds_optimizer
-        trainer.lr_scheduler = ds_scheduler or scheduler
         self.engine = engine
         self._owns_scheduler = not plateau
-        return engine
+        return engine, ds_optimizer, ds_scheduler or scheduler
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return getattr(model, "module", model)

@@ -3,7 +3,8 @@
 A save is two phases, so the training loop only waits for an in-memory copy of the state:
 
 1. ``CheckpointWriter.save`` (all ranks, blocking): each rank snapshots its part in memory -- rank 0 the
-   weights, optimizer and scheduler state and trainer state; every rank its RNG state. A background
+   weights and every piece of ``raytrainer.worker.pieces`` (optimizer, scheduler, scaler, trainer state);
+   every rank its RNG state (a piece each rank writes). A background
    thread then serialises the snapshot (safetensors, torch.save, JSON) straight into the checkpoint
    folder when storage is a local path, else into a local staging folder; hashes the files; and for a
    URI (s3://, gs://, file://, ...) uploads them through pyarrow and deletes the staging copy. The
@@ -32,19 +33,14 @@ from raytrainer.checkpoint import (
     digest_files,
     load_weights_into,
     model_weights,
-    restore_rng_state,
-    rng_state_bytes,
     write_manifest,
 )
 from raytrainer.storage import Storage
 from raytrainer.worker import console
+from raytrainer.worker.pieces import Piece, RngState, optimizer_pieces, rng_file, training_pieces
 from raytrainer.worker.saving import TRAINER_STATE_NAME, save_model_files
 
 logger = logging.getLogger(__name__)
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_state_{rank}.safetensors"
 
 
 class _Snapshot:
@@ -52,12 +48,7 @@ class _Snapshot:
 
     def __init__(self):
         self.weights: dict | None = None
-        self.optimizer = None
-        self.scheduler = None
-        self.scaler: dict | None = None
-        self.trainer_state: str | None = None
-        self.rng: bytes | None = None
-        self.rng_name: str | None = None
+        self.pieces: list[tuple[Piece, object]] = []  # each piece with its state, copied
         self.sharded_dir: str | None = None  # the strategy's own files, already written
         self.sharded: list[str] = []  # ... of which this rank hashes (and uploads) these
 
@@ -101,25 +92,14 @@ class _Writer(threading.Thread):
 
     def _write(self) -> list[str]:
         snap, stage = self.snapshot, self.stage
-        files = []
         if snap.weights is not None:  # the folder is fresh: what is in it now is this checkpoint's
             save_model_files(self.model, stage, snap.weights, None, self.args)
-            if snap.optimizer is not None:
-                torch.save(snap.optimizer, os.path.join(stage, "optimizer.pt"))
-            if snap.scheduler is not None:
-                torch.save(snap.scheduler, os.path.join(stage, "scheduler.pt"))
-            if snap.scaler is not None:
-                torch.save(snap.scaler, os.path.join(stage, "scaler.pt"))
-            with open(os.path.join(stage, TRAINER_STATE_NAME), "w") as f:
-                f.write(snap.trainer_state)
+        written = [piece for piece, state in snap.pieces if piece.write(state, stage)]
+        files = [piece.file for piece in written if piece.every_rank] + snap.sharded
+        if snap.weights is not None:  # the model's files and this rank's pieces; not another rank's
             own = f"{snap.sharded_dir}/" if snap.sharded_dir else None
-            files += sorted(n for n in _walk(stage) if not n.startswith("rng_state_")
-                            and not (own and n.startswith(own)))
-        files += snap.sharded
-        if snap.rng is not None:
-            with open(os.path.join(stage, snap.rng_name), "wb") as f:
-                f.write(snap.rng)
-            files.append(snap.rng_name)
+            files += [n for n in _walk(stage) if not n.startswith("rng_state_")
+                      and not (own and n.startswith(own))]
         return sorted(set(files))
 
 
@@ -173,8 +153,13 @@ class CheckpointWriter:
         strategy = t._strategy
         weights = strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
         sharded = strategy.sharded_state_dir is not None and not args.save_only_model
-        optim_state = None if args.save_only_model or sharded else strategy.optimizer_state_dict(
-            t.model_wrapped, t.optimizer)
+        if state.best_global_step == state.global_step:
+            state.best_model_checkpoint = self.storage.uri_of(name)
+        state.stateful_callbacks = TrainerState._export_callbacks(  # the control too, as transformers
+            [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)])
+        pieces = training_pieces(strategy, t.model_wrapped, t.optimizer, t.lr_scheduler, state, ctx.rank,
+                                 model_only=args.save_only_model)
+        collected = {p.file: p.obj.state_dict() for p in pieces if p.collective}  # on every rank
         snap = _Snapshot()
         if sharded:  # written now, by every rank (a collective); hashed and uploaded in the background
             snap.sharded_dir = strategy.save_sharded(t.model_wrapped, t.optimizer, t.lr_scheduler, stage,
@@ -185,19 +170,13 @@ class CheckpointWriter:
         if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero and not remote
                                  and not self._shared):
             snap.weights = _copy_tensors(weights)
-            if not args.save_only_model:
-                snap.optimizer = _copy_tensors(optim_state) if optim_state is not None else None
-                snap.scheduler = copy.deepcopy(t.lr_scheduler.state_dict())
-                snap.scaler = _copy_tensors(t._strategy.precision.state_dict()) or None
-            if state.best_global_step == state.global_step:
-                state.best_model_checkpoint = self.storage.uri_of(name)
-            state.stateful_callbacks = TrainerState._export_callbacks(  # the control too, as transformers
-                [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)])
-            snap.trainer_state = state.to_json_string()
             if t.processing_class is not None and hasattr(t.processing_class, "save_pretrained"):
                 t.processing_class.save_pretrained(stage)  # rare and small: written right away
-        if not args.save_only_model:
-            snap.rng, snap.rng_name = rng_state_bytes(), rng_file(ctx.rank)
+            writes = pieces
+        else:
+            writes = [p for p in pieces if p.every_rank]
+        snap.pieces = [(p, _copy_tensors(collected[p.file] if p.collective else p.obj.state_dict()))
+                       for p in writes]
         job = _Writer(snap, stage, self.storage, name, remote, t.model, args)
         job.start()
         self._pending = (job, state.global_step, dict(metrics or {}))
@@ -266,14 +245,13 @@ class Resume:
         load_weights_into(model, model_weights(self.reader), self.reader.uri)
 
     def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler, ctx) -> None:
-        if self.reader.has("optimizer.pt"):
-            strategy.load_optimizer_state_dict(model, optimizer, self.reader.torch_state("optimizer.pt"))
-        elif self.sharded_files():
+        """Each optimizer-side piece the checkpoint holds; the optimizer from the strategy's own folder where
+        the checkpoint has no consolidated optimizer.pt (whatever this run would write)."""
+        optimizer_piece, *others = optimizer_pieces(strategy, model, optimizer, scheduler, consolidated=True)
+        if not optimizer_piece.load(self.reader) and self.sharded_files():
             strategy.load_sharded(model, optimizer, scheduler, self.reader, self.state.global_step)
-        if self.reader.has("scheduler.pt"):
-            scheduler.load_state_dict(self.reader.torch_state("scheduler.pt"))
-        if self.reader.has("scaler.pt"):
-            strategy.precision.load_state_dict(self.reader.torch_state("scaler.pt"))
+        for piece in others:
+            piece.load(self.reader)
 
     @property
     def world_size(self) -> int | None:
@@ -289,8 +267,7 @@ class Resume:
         name = rng_file(self.rank)
         if not self.reader.has(name):  # a different number of ranks than at save time
             name = rng_file(0)
-        if self.reader.has(name):
-            restore_rng_state(self.reader.read(name))
+        if Piece(name, RngState(), every_rank=True).load(self.reader):
             return
         pickled = sorted(n for n in self.reader.files if n.startswith("rng_state") and n.endswith(".pth"))
         if pickled and self.rank == 0:  # transformers.Trainer's: numpy and Python states, pickled

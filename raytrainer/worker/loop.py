@@ -111,7 +111,9 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     len_dataloader = len(train_dataloader) if has_length(train_dataloader) else None
     schedule = _Schedule(args, len_dataloader)
 
-    wrapped = trainer.model_wrapped = strategy.setup_optimizer(trainer, wrapped, schedule.max_steps)
+    wrapped, trainer.optimizer, trainer.lr_scheduler = strategy.setup_optimizer(
+        wrapped, _Optimizers(trainer, schedule.max_steps))
+    trainer.model_wrapped = wrapped
     trainer.model = strategy.unwrap(wrapped)
     # The training forward may go through torch.compile; state, syncing and clipping use ``wrapped``.
     model = _compiled(wrapped, args) if args.torch_compile else wrapped
@@ -339,6 +341,24 @@ def _update_best(trainer, metrics: dict) -> bool:
         state.best_global_step = state.global_step
         return True
     return False
+
+
+class _Optimizers:
+    """The Trainer's ``create_*`` methods (a subclass's overrides included), as a strategy asks for them
+    (``strategies.base.OptimizerFactory``)."""
+
+    def __init__(self, trainer, num_training_steps: int):
+        self.trainer, self.num_training_steps = trainer, num_training_steps
+
+    def optimizer(self):
+        return self.trainer.create_optimizer()
+
+    def scheduler(self, optimizer):
+        return self.trainer.create_scheduler(self.num_training_steps, optimizer=optimizer)
+
+    def both(self):
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=self.num_training_steps)
+        return self.trainer.optimizer, self.trainer.lr_scheduler
 
 
 def _restore_state(state: TrainerState, saved: TrainerState) -> None:

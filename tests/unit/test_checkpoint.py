@@ -514,3 +514,53 @@ def test_a_model_that_loads_its_own_way_resumes_through_its_load_state_dict(tmp_
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
     assert resumed.model.seen.shape == (40,)  # 8 batches from the checkpoint, 2 after the resume
     assert torch.equal(resumed.model.seen, full.model.seen)
+
+
+class _Counter:
+    """A Stateful of its own: what a new kind of checkpointed state looks like to the writer."""
+
+    def __init__(self):
+        self.value, self.loaded = 0, None
+
+    def state_dict(self):
+        self.value += 1
+        return {"saves": self.value, "tensor": torch.arange(3) * self.value}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_the_writer_and_the_resume_go_through_the_pieces(tmp_path, monkeypatch):
+    """Each piece a file in the manifest; a piece added to the list is saved and loaded like the others."""
+    from raytrainer.worker import checkpointing, pieces
+
+    counter = _Counter()
+    real_training, real_optimizer = pieces.training_pieces, pieces.optimizer_pieces
+
+    def with_counter(*a, **kw):
+        return [*real_training(*a, **kw), pieces.Piece("counter.pt", counter)]
+
+    def optimizer_side(*a, **kw):
+        return [*real_optimizer(*a, **kw), pieces.Piece("counter.pt", counter)]
+
+    monkeypatch.setattr(checkpointing, "training_pieces", with_counter)
+    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train()
+    folder = tmp_path / "checkpoint-8"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "counter.pt" in manifest["files"]  # written, hashed and committed like the others
+    assert torch.load(folder / "counter.pt")["saves"] == 2  # the second save's state (steps 4 and 8)
+    assert set(manifest["files"]) >= {"optimizer.pt", "scheduler.pt", "trainer_state.json",
+                                      "rng_state_0.safetensors", "model.safetensors"}
+
+    monkeypatch.setattr(checkpointing, "optimizer_pieces", optimizer_side)
+    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train(
+        resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert counter.loaded["saves"] == 1 and torch.equal(counter.loaded["tensor"], torch.arange(3))
+
+
+def test_save_only_model_writes_the_trainer_state_piece_alone(tmp_path):
+    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=4, save_only_model=True),
+            train_dataset=data()).train()
+    names = sorted(os.listdir(tmp_path / "checkpoint-4"))
+    assert names == ["manifest.json", "model.safetensors", "trainer_state.json", "training_args.bin",
+                     "training_args.json"]
