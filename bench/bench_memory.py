@@ -370,7 +370,7 @@ def _reset_hwm() -> bool:
 
 
 class _SpecBytes(logging.Handler):
-    """Collects the size raytrainer's launcher logs for the run spec (logger raytrainer.driver.launch, DEBUG:
+    """Collects the size raytrainer's driver logs for the run spec (logger raytrainer.driver.group, DEBUG:
     "run spec: N bytes in the object store; ...")."""
 
     def __init__(self):
@@ -403,7 +403,7 @@ def run_child(cfg_path: str) -> None:
     from raytrainer import Trainer, TrainingArguments
 
     spec_log = _SpecBytes()
-    launch_logger = logging.getLogger("raytrainer.driver.launch")
+    launch_logger = logging.getLogger("raytrainer.driver.group")
     launch_logger.setLevel(logging.DEBUG)
     launch_logger.addHandler(spec_log)
     width, depth, seed = cfg["width"], cfg["depth"], cfg["seed"]

@@ -8,9 +8,9 @@ Rank 0's answer through the event channel carries the folder's URI, a few bytes.
 
 The driver's ``trainer.model`` is filled from that folder lazily, on first access (``load_into``): a
 hyperparameter search's trials, or a job that only saves checkpoints, never pull a large model onto a
-CPU-only head node. The load goes into the driver's own module in place -- tensor by tensor from a memory
-map for safetensors, DCP's planner for shards -- so the driver holds one copy of the model plus one tensor
-in flight, where pickled state dicts through Ray's object store cost four or five.
+CPU-only head node. The load goes into the driver's own module in place -- each safetensors tensor read
+from the file straight into the module's tensor, DCP's planner for shards -- so the driver holds one copy of
+the model, where pickled state dicts through Ray's object store cost four or five.
 """
 
 from __future__ import annotations
@@ -69,19 +69,56 @@ def load_into(model: torch.nn.Module, uri: str, filesystem=None) -> None:
     logger.debug("driver model filled from %s (%d files)", uri, len(files))
 
 
+# safetensors' dtype names -> torch dtypes (the ones a model's weights come in)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
 def _load_safetensors(model: torch.nn.Module, storage: Storage) -> None:
-    """Tensor by tensor into the model's own: one tensor in flight, not a second copy of the model."""
+    """Tensor by tensor into the model's own, read from the file straight into each tensor's memory: no
+    second copy of the model, and no memory map (whose file pages would count in the driver's resident
+    memory while the model is read, doubling its peak). A tensor whose dtype or layout differs from the
+    model's is read through safetensors and copied (cast)."""
+    import json
+
     from safetensors import safe_open
 
     from raytrainer.checkpoint import check_fits
 
     own = model.state_dict()
-    with _local_file(storage, "model.safetensors") as path, safe_open(path, framework="pt") as f:
-        names = list(f.keys())
-        check_fits(own, {name: tuple(f.get_slice(name).get_shape()) for name in names}, storage.uri)
-        with torch.no_grad():  # a tied weight stored once fills its twin: they share storage
-            for name in names:
-                own[name].copy_(f.get_tensor(name))
+    with _local_file(storage, "model.safetensors") as path:
+        with open(path, "rb", buffering=0) as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            start = f.tell()
+            header.pop("__metadata__", None)
+            check_fits(own, {name: tuple(meta["shape"]) for name, meta in header.items()}, storage.uri)
+            other = []
+            for name, meta in header.items():
+                target = own[name]
+                begin, end = meta["data_offsets"]
+                if (_DTYPES.get(meta["dtype"]) != target.dtype or not target.is_contiguous()
+                        or target.device.type != "cpu" or target.nbytes != end - begin):
+                    other.append(name)
+                    continue
+                f.seek(start + begin)
+                _read_exactly(f, target, storage.uri, name)
+        if other:
+            with safe_open(path, framework="pt") as f, torch.no_grad():
+                for name in other:  # a tied weight stored once fills its twin: they share storage
+                    own[name].copy_(f.get_tensor(name))
+
+
+def _read_exactly(f, tensor: torch.Tensor, uri: str, name: str) -> None:
+    if tensor.numel() == 0:
+        return
+    view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise OSError(f"{uri}: model.safetensors ends inside tensor {name!r}: the file is truncated")
+        done += got
 
 
 def _load_dcp(model: torch.nn.Module, storage: Storage) -> None:

@@ -121,3 +121,40 @@ def test_the_channel_refuses_weights_but_takes_metrics():
         refuse_weights({"weights": _model(0).state_dict(), "big": torch.zeros(MAX_RESULT_TENSOR_BYTES)})
     with pytest.raises(RuntimeError, match="Sequential module"):
         refuse_weights({"output": [_model(0)]})
+
+
+class _Mixed(nn.Module):
+    """float32 and bfloat16 weights, a tied pair stored once, an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.body = nn.Linear(8, 8).to(torch.bfloat16)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+
+def test_safetensors_are_read_straight_into_the_model_tensors_and_cast_where_the_dtype_differs(tmp_path):
+    from safetensors.torch import save_file
+
+    from raytrainer.worker.saving import dedupe_shared
+
+    torch.manual_seed(3)
+    trained = _Mixed()
+    trained.steps += torch.tensor([5, 6, 7])
+    stored = dedupe_shared({k: v.detach().clone() for k, v in trained.state_dict().items()})
+    stored["body.bias"] = stored["body.bias"].float()  # stored in another dtype than the model's
+    save_file(stored, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+
+    torch.manual_seed(4)
+    driver = _Mixed()
+    final_weights.load_into(driver, str(tmp_path))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(driver.state_dict()[name], value.to(driver.state_dict()[name].dtype)), name
+    assert driver.head.weight is driver.embed.weight and driver.body.bias.dtype == torch.bfloat16
+
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-10])  # the last tensor cut short
+    with pytest.raises(OSError, match="truncated"):
+        final_weights.load_into(_Mixed(), str(tmp_path))
