@@ -71,6 +71,7 @@ SIDES = {
     "fsdp": 'FSDP2 "full_shard auto_wrap" (Block), 2 workers',
     "zero3": "DeepSpeed ZeRO-3, 2 workers",
     "zero3_small": "DeepSpeed ZeRO-3 with CPU-sized buckets (see ZERO3_SMALL), 2 workers",
+    "zero3_tiles": "DeepSpeed ZeRO-3 with CPU-sized buckets and optimizer tiles (see ZERO3_TILES), 2 workers",
 }
 NOT_MEASURED: dict[str, str] = {}
 ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
@@ -81,6 +82,9 @@ ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
 ZERO3_SMALL = dict(ZERO3, zero_optimization={
     "stage": 3, "reduce_bucket_size": 20_000_000, "stage3_prefetch_bucket_size": 20_000_000,
     "stage3_max_live_parameters": 50_000_000, "stage3_max_reuse_distance": 50_000_000})
+# ... and the optimizer step in tiles of 2e7 elements (sub_group_size, default 1e9): the step's temporaries
+# (the flattened gradient, AdamW's intermediates) are a tile's size instead of the whole partition's
+ZERO3_TILES = dict(ZERO3, zero_optimization=dict(ZERO3_SMALL["zero_optimization"], sub_group_size=20_000_000))
 
 
 def side_args(side: str) -> dict:
@@ -90,6 +94,8 @@ def side_args(side: str) -> dict:
         return {"deepspeed": ZERO3}
     if side == "zero3_small":
         return {"deepspeed": ZERO3_SMALL}
+    if side == "zero3_tiles":
+        return {"deepspeed": ZERO3_TILES}
     return {}
 
 
