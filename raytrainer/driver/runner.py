@@ -107,10 +107,14 @@ def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
 
 
 def _absorb(trainer, method: str, payload: dict):
-    """Take rank 0's answer into the driver's Trainer after train(): the final state, and where the trained
-    weights are (``trainer.model`` loads them on first access)."""
+    """Take rank 0's answer into the driver's Trainer: after train() the final state and where the trained
+    weights are (``trainer.model`` loads them on first access); after every call the state its worker-side
+    callbacks recorded."""
+    from raytrainer.worker.rank import absorb_callback_states
+
     if method == "train":
         trainer._weights_pending(functools.partial(final_weights.load_into, uri=payload["weights_at"],
                                                    filesystem=trainer.args.storage_filesystem))
         trainer.state = TrainerState.from_dict(payload["state"])
+    absorb_callback_states(trainer.callback_handler.callbacks, payload.get("callbacks"))
     return payload["output"]

@@ -54,10 +54,8 @@ class ChannelClient:
 MAX_RESULT_TENSOR_BYTES = 1 << 20
 
 
-def refuse_weights(payload) -> None:
-    """The channel carries events and small results; weights go through storage (raytrainer.final_weights).
-    A result holding a module or more than MAX_RESULT_TENSOR_BYTES of torch tensors is a bug: refused here,
-    on the worker, before a copy of a model reaches Ray's object store and the driver."""
+def tensor_bytes(payload) -> int:
+    """The bytes of torch tensors in ``payload`` (through dicts, lists and tuples); a module is refused."""
     import torch
 
     total, stack = 0, [payload]
@@ -72,6 +70,14 @@ def refuse_weights(payload) -> None:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+    return total
+
+
+def refuse_weights(payload) -> None:
+    """The channel carries events and small results; weights go through storage (raytrainer.final_weights).
+    A result holding a module or more than MAX_RESULT_TENSOR_BYTES of torch tensors is a bug: refused here,
+    on the worker, before a copy of a model reaches Ray's object store and the driver."""
+    total = tensor_bytes(payload)
     if total > MAX_RESULT_TENSOR_BYTES:
         raise RuntimeError(f"a worker result holds {total} bytes of tensors (more than "
                            f"{MAX_RESULT_TENSOR_BYTES}): weights go through storage, never the event channel")

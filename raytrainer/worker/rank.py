@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import io
 import logging
+
+import torch
 
 from raytrainer import final_weights
 from raytrainer.worker.context import RankContext
@@ -31,7 +34,61 @@ def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> d
             weights_at = final_weights.write(trainer, ctx)  # a collective; the weights go to storage
     if not ctx.is_world_zero:
         return {"global_step": trainer.state.global_step}
-    return {"output": output, "state": trainer.state.to_dict(), "weights_at": weights_at}
+    return {"output": output, "state": trainer.state.to_dict(), "weights_at": weights_at,
+            "callbacks": callback_states(trainer.callback_handler.callbacks) if channel is not None else None}
+
+
+_STAYS = (torch.nn.Module, torch.optim.Optimizer, io.IOBase)
+
+#: A callback attribute bigger than this (pickled) stays on the workers: the channel carries small results.
+MAX_CALLBACK_ATTRIBUTE_BYTES = 1 << 20
+
+
+def callback_states(callbacks) -> list[tuple[str, dict]]:
+    """Rank 0's worker-side callbacks after a call, as (class name, attributes): the driver's instances
+    take them on (``absorb_callback_states``), so a script reads on the driver what its callbacks recorded
+    on the workers -- as with transformers, where they ran in its own process. Attributes that cannot be
+    pickled, modules, optimizers, open files, and attributes bigger than MAX_CALLBACK_ATTRIBUTE_BYTES stay
+    behind."""
+    import cloudpickle
+
+    from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, tensor_bytes
+
+    states, tensors = [], 0
+    for callback in callbacks:
+        if getattr(callback, "on_driver", False):
+            continue
+        attributes = {}
+        for name, value in vars(callback).items():
+            # weights never travel; a file belongs to its process (cloudpickle would send its contents)
+            if name.startswith("__") or isinstance(value, _STAYS):
+                continue
+            try:
+                size, held = len(cloudpickle.dumps(value)), tensor_bytes(value)
+            except Exception:  # a lock, a file, a process group, a module inside: the driver's own stays
+                continue
+            if size <= MAX_CALLBACK_ATTRIBUTE_BYTES and tensors + held <= MAX_RESULT_TENSOR_BYTES // 2:
+                attributes[name] = value
+                tensors += held
+            else:
+                logger.info("%s.%s (%d bytes pickled) stays on the workers: the driver's copy keeps its "
+                            "value from before the call", type(callback).__name__, name, size)
+        states.append((type(callback).__qualname__, attributes))
+    return states
+
+
+def absorb_callback_states(callbacks, states: list[tuple[str, dict]] | None) -> None:
+    """Update the driver's worker-side callbacks in place from rank 0's (``callback_states``); several
+    instances of one class are matched in order, as transformers matches saved callback states."""
+    if not states:
+        return
+    mine: dict[str, list] = {}
+    for callback in callbacks:
+        if not getattr(callback, "on_driver", False):
+            mine.setdefault(type(callback).__qualname__, []).append(callback)
+    for name, attributes in states:
+        if mine.get(name):
+            vars(mine[name].pop(0)).update(attributes)
 
 
 def _split_callbacks(trainer, ctx: RankContext, channel) -> None:

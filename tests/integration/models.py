@@ -493,3 +493,27 @@ class SlowOnRank:
         if torch.distributed.is_initialized() and torch.distributed.get_rank() == self.rank:
             time.sleep(self.seconds)
         return default_data_collator(examples)
+
+
+class Journal(TrainerCallback):
+    """Records on the workers what a script reads on the driver afterwards (as transformers' callbacks, which
+    run in the script's own process): the events, the world size it saw, and a file handle that cannot be
+    pickled (it stays on the worker; the driver's instance never gets one)."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.world_size = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append("train_begin")
+        self.world_size = args.world_size
+        self.handle = open(os.devnull)  # noqa: SIM115
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(f"step_end {state.global_step}")
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.events.append("evaluate")
+
+    def on_predict(self, args, state, control, **kwargs):
+        self.events.append("predict")

@@ -11,7 +11,7 @@ import numpy as np
 import optuna
 import pytest
 import torch
-from models import DieOnceInEvaluation, DropoutRegressor, RecordPid, Regressor, make_data
+from models import DieOnceInEvaluation, DropoutRegressor, Journal, RecordPid, Regressor, make_data
 from safetensors.torch import load_file
 
 from raytrainer import Trainer, TrainingArguments
@@ -54,15 +54,21 @@ def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_pa
     workers, run_actors, placement_groups = _state(ray_session)
     before_actors, before_groups = run_actors(), placement_groups()
     data, held_out = make_data(64), make_data(20, seed=4)
+    journal = Journal()
     trainer = Trainer(model=Regressor(seed=3), args=_args(tmp_path, "warm"), train_dataset=data,
-                      eval_dataset=held_out)
+                      eval_dataset=held_out, callbacks=[journal])
     trainer.train()
     after_train = workers()
     assert len(after_train) == 2
+    # the callbacks ran on the workers; the driver's instance holds what rank 0's recorded, except what
+    # cannot be pickled
+    assert journal.events == ["train_begin"] + [f"step_end {s}" for s in range(1, 7)]
+    assert journal.world_size == 2 and not hasattr(journal, "handle")
     metrics = trainer.evaluate()
     assert workers() == after_train
     predictions = trainer.predict(held_out)
     assert workers() == after_train
+    assert journal.events[7:] == ["evaluate", "predict"]  # one instance across calls, as in one process
 
     trained = trainer.model  # the final weights, from storage
     with torch.no_grad():
