@@ -13,6 +13,8 @@ and the driver raises the recorded exception, with the rank, whatever ``max_fail
 
 from __future__ import annotations
 
+import traceback
+
 import cloudpickle
 
 # Messages of the errors a collective raises when a peer process or its node went away.
@@ -39,14 +41,23 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, ConnectionError, OSError)) and any(m in text for m in _PEER_LOST)
 
 
+#: The innermost frames of a worker's traceback that travel with its exception to the driver.
+TRACEBACK_FRAMES = 30
+
+
 def pickled(exc: BaseException, rank: int) -> bytes:
-    """The exception as the driver will raise it: itself if it pickles, else a RuntimeError with its text."""
+    """The exception as the driver will raise it: itself if it pickles, else a RuntimeError with its text.
+    A pickled exception loses its traceback, so the worker's frames travel as a note: the driver's error
+    shows where on the worker it was raised (the user's forward, loss or callback), below the message."""
+    frames = "".join(traceback.format_tb(exc.__traceback__)[-TRACEBACK_FRAMES:])
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised on Ray Train worker rank {rank}; a deterministic failure: not retried)")
+        if frames:
+            exc.add_note(f"Traceback on worker rank {rank} (most recent call last):\n{frames.rstrip()}")
     try:
         return cloudpickle.dumps(exc)
     except Exception:
-        return cloudpickle.dumps(RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}"))
+        return cloudpickle.dumps(RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{frames}"))
 
 
 def unpickled(data: bytes) -> BaseException:

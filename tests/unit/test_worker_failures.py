@@ -1,0 +1,50 @@
+"""A deterministic failure on a worker reaches the driver as the user's own exception, with the rank and the
+worker's frames as notes (a pickled exception loses its traceback)."""
+
+from __future__ import annotations
+
+import threading
+
+from raytrainer.driver import failures
+
+
+class Model:
+    def forward(self, x):
+        return self.compute_loss(x)
+
+    def compute_loss(self, x):
+        raise ValueError(f"labels missing from the batch {x!r}")
+
+
+def _raised_on_a_worker(rank: int) -> BaseException:
+    try:
+        Model().forward("b7")
+    except ValueError as exc:
+        return failures.unpickled(failures.pickled(exc, rank))
+    raise AssertionError("not raised")
+
+
+def test_the_driver_gets_the_users_exception_with_the_workers_frames():
+    exc = _raised_on_a_worker(rank=1)
+    assert isinstance(exc, ValueError) and str(exc) == "labels missing from the batch 'b7'"
+    rank_note, frames = exc.__notes__
+    assert rank_note == "(raised on Ray Train worker rank 1; a deterministic failure: not retried)"
+    assert frames.startswith("Traceback on worker rank 1 (most recent call last):")
+    functions = [line.rsplit(" in ", 1)[1] for line in frames.splitlines() if line.startswith("  File ")]
+    assert functions == ["_raised_on_a_worker", "forward", "compute_loss"]  # outermost first, as Python
+    assert 'raise ValueError(f"labels missing from the batch {x!r}")' in frames  # the failing line itself
+
+
+def test_an_exception_that_does_not_pickle_arrives_as_its_text_and_frames():
+    class Unpicklable(RuntimeError):
+        def __init__(self):
+            super().__init__("a lock inside")
+            self.lock = threading.Lock()
+
+    try:
+        raise Unpicklable()
+    except Unpicklable as exc:
+        arrived = failures.unpickled(failures.pickled(exc, 0))
+    assert type(arrived) is RuntimeError
+    assert str(arrived).startswith("rank 0: Unpicklable: a lock inside\n")
+    assert "test_an_exception_that_does_not_pickle_arrives_as_its_text_and_frames" in str(arrived)
