@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ArgumentParser": "raytrainer.hf_argparser",
     "HfArgumentParser": "raytrainer.hf_argparser",
+    "RayArgumentsMixin": "raytrainer.args",
     "TrainingArguments": "raytrainer.args",
     "DefaultFlowCallback": "raytrainer.callbacks",
     "EarlyStoppingCallback": "raytrainer.callbacks",

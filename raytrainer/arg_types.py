@@ -1,4 +1,4 @@
-"""Value types and checks of `TrainingArguments`: the strategy enums (HF's values) and small helpers.
+"""Checks of `TrainingArguments`' values, and the subset of transformers' enums raytrainer builds.
 
 Every check raises a `ValueError` that reads "<field>=<value>: <what is wrong>; <how to fix it>".
 """
@@ -9,75 +9,21 @@ import os
 from enum import Enum
 from typing import Any
 
+from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
+from transformers.training_args import OptimizerNames, ParallelMode
 
-class _ValueEnum(str, Enum):
-    """A string enum that compares equal to, and prints as, its value."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def values(cls) -> list[str]:
-        return [member.value for member in cls]
+__all__ = ["HubStrategy", "IntervalStrategy", "OptimizerNames", "ParallelMode", "SaveStrategy",
+           "SchedulerType"]
 
 
-class ParallelMode(_ValueEnum):
-    """transformers' ``ParallelMode`` values (raytrainer runs one process per device: never DataParallel)."""
-
-    NOT_PARALLEL = "not_parallel"
-    NOT_DISTRIBUTED = "not_distributed"
-    DISTRIBUTED = "distributed"
-
-
-class IntervalStrategy(_ValueEnum):
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-
-
-class SaveStrategy(_ValueEnum):
-    NO = "no"
-    STEPS = "steps"
-    EPOCH = "epoch"
-    BEST = "best"
-
-
-class HubStrategy(_ValueEnum):
-    END = "end"
-    EVERY_SAVE = "every_save"
-    CHECKPOINT = "checkpoint"
-    ALL_CHECKPOINTS = "all_checkpoints"
-
-
-class SchedulerType(_ValueEnum):
-    LINEAR = "linear"
-    COSINE = "cosine"
-    COSINE_WITH_RESTARTS = "cosine_with_restarts"
-    POLYNOMIAL = "polynomial"
-    CONSTANT = "constant"
-    CONSTANT_WITH_WARMUP = "constant_with_warmup"
-    INVERSE_SQRT = "inverse_sqrt"
-    REDUCE_ON_PLATEAU = "reduce_lr_on_plateau"
-    COSINE_WITH_MIN_LR = "cosine_with_min_lr"
-    WARMUP_STABLE_DECAY = "warmup_stable_decay"
-
-
-class OptimizerNames(_ValueEnum):
-    ADAMW_TORCH = "adamw_torch"
-    ADAMW_TORCH_FUSED = "adamw_torch_fused"
-    SGD = "sgd"
-    ADAGRAD = "adagrad"
-    RMSPROP = "rmsprop"
-    ADAFACTOR = "adafactor"
-    GALORE_ADAMW = "galore_adamw"
-    GALORE_ADAMW_8BIT = "galore_adamw_8bit"
-    GALORE_ADAFACTOR = "galore_adafactor"
-    GALORE_ADAMW_LAYERWISE = "galore_adamw_layerwise"
-    GALORE_ADAMW_8BIT_LAYERWISE = "galore_adamw_8bit_layerwise"
-    GALORE_ADAFACTOR_LAYERWISE = "galore_adafactor_layerwise"
+# The strategy enums are transformers' own; raytrainer builds a subset of its optimizers and schedulers.
+SUPPORTED_OPTIMIZERS = tuple(OptimizerNames(name) for name in (
+    "adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor", "galore_adamw",
+    "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise"))
+SUPPORTED_SCHEDULERS = tuple(SchedulerType(name) for name in (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "warmup_stable_decay"))
 
 
 # "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
@@ -167,13 +113,20 @@ def _check_positive_int(name: str, value: Any, example: int) -> None:
         raise _error(name, value, "must be a positive integer", f"pass e.g. --{name} {example}")
 
 
-def _to_enum(name: str, value: Any, enum_cls: type[_ValueEnum]) -> _ValueEnum:
+def _to_enum(name: str, value: Any, enum_cls: type[Enum], supported: tuple | None = None) -> Enum:
+    """``value`` as a member of ``enum_cls`` (transformers' enums), refused by name when it is not one, or
+    not one of the ``supported`` members raytrainer builds."""
+    allowed = supported or tuple(enum_cls)
     try:
-        return enum_cls(value)
+        member = enum_cls(getattr(value, "value", value))
     except ValueError:
-        allowed = ", ".join(repr(v) for v in enum_cls.values())
-        example = f"pass e.g. --{name} {enum_cls.values()[0]}"
-        raise _error(name, value, f"unknown value, must be one of {allowed}", example) from None
+        member = None
+    if member not in allowed:
+        shown = ", ".join(repr(m.value) for m in allowed)
+        problem = ("is transformers' but raytrainer does not build it; use one of " if member is not None
+                   else "unknown value, must be one of ")
+        raise _error(name, value, problem + shown, f"pass e.g. --{name} {allowed[0].value}")
+    return member
 
 
 def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
@@ -230,19 +183,6 @@ def _normalize_steps(name: str, value: Any, strategy: str) -> int | float:
             raise _error(name, value, "must be an integer when it is 1 or more", fix)
         return int(value)
     return value
-
-
-def _normalize_report_to(value: Any) -> list[str]:
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(v, str) for v in items):
-        raise _error(
-            "report_to", value, "must be a string or a list of strings", "pass e.g. --report_to none"
-        )
-    if items == ["none"]:
-        return []
-    return items
 
 
 # -- checks that read several fields (called from TrainingArguments.__post_init__) --------------------

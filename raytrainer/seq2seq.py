@@ -20,50 +20,27 @@ import contextlib
 import copy
 import dataclasses
 import os
-from typing import Any
 
 import torch
+import transformers
 
-from raytrainer.args import TrainingArguments
+from raytrainer.args import RayArgumentsMixin
 from raytrainer.trainer import Trainer
 
 
 @dataclasses.dataclass(repr=False)
-class Seq2SeqTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus transformers' sequence-to-sequence fields (same names and defaults)."""
-
-    sortish_sampler: bool = dataclasses.field(
-        default=False, metadata={"help": "Whether to use SortishSampler or not (accepted, unused)."})
-    predict_with_generate: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "Whether to use generate to calculate generative metrics (ROUGE, BLEU)."})
-    generation_max_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "The `max_length` to use on each evaluation loop when "
-                                        "`predict_with_generate=True`. Defaults to the model's config."})
-    generation_num_beams: int | None = dataclasses.field(
-        default=None, metadata={"help": "The `num_beams` to use on each evaluation loop when "
-                                        "`predict_with_generate=True`. Defaults to the model's config."})
-    generation_config: Any = dataclasses.field(
-        default=None, metadata={"help": "Model id, file path or url pointing to a GenerationConfig json "
-                                        "file, to use during prediction."})
+class Seq2SeqTrainingArguments(RayArgumentsMixin, transformers.Seq2SeqTrainingArguments):
+    """transformers' ``Seq2SeqTrainingArguments`` with raytrainer's Ray fields (``RayArgumentsMixin``)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         for name in ("generation_max_length", "generation_num_beams"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: must be a positive integer or None; pass e.g. "
                                  f"--{name} 64")
-
-    def to_dict(self) -> dict[str, Any]:
-        """As ``TrainingArguments.to_dict``; a ``GenerationConfig`` in ``generation_config`` as a dict."""
-        out = super().to_dict()
-        value = out.get("generation_config")
-        if value is not None and hasattr(value, "to_dict"):
-            out["generation_config"] = value.to_dict()
-        elif isinstance(value, os.PathLike):
-            out["generation_config"] = os.fspath(value)
-        return out
+        if isinstance(self.generation_config, os.PathLike):
+            self.generation_config = os.fspath(self.generation_config)
+        super().__post_init__()
 
 
 class Seq2SeqTrainer(Trainer):

@@ -438,7 +438,7 @@ class Trainer:
         a, ctx = self.args, self._view
         common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": self._data_seed(),
                   "drop_last": a.dataloader_drop_last}
-        if a.group_by_length or a.train_sampling_strategy == "group_by_length":
+        if a.train_sampling_strategy == "group_by_length":
             return rdata.LengthGroupedDistributedSampler(
                 dataset, batch_size=a.train_batch_size, length_column_name=a.length_column_name, **common)
         return DistributedSampler(dataset, shuffle=a.train_sampling_strategy != "sequential", **common)
@@ -742,8 +742,10 @@ class Trainer:
             logs["epoch"] = self.state.epoch
         if start_time is not None:
             logs.update(speed_metrics("train", start_time))
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+        output = {**logs, "step": self.state.global_step}
+        self.state.log_history.append(output)
+        # callbacks get their own copy, as in transformers (its PrinterCallback pops total_flos from it)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=dict(logs))
 
     def add_callback(self, callback) -> None:
         self.callback_handler.add_callback(callback)

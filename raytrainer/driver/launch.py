@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
+from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
 from raytrainer.driver import failures
 from raytrainer.driver.pace import StragglerWatch
 from raytrainer.logging_utils import emit_worker_record
@@ -32,7 +32,7 @@ class DriverDisplay:
     """The driver's callbacks (progress bar, printer, any with ``on_driver = True``), fed by rank 0."""
 
     def __init__(self, trainer):
-        callbacks = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+        callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
         self.handler = CallbackHandler(callbacks, trainer.model, trainer.processing_class, None, None)
         self.args = trainer.args
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)

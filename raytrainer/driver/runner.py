@@ -10,7 +10,7 @@ import logging
 import posixpath
 
 from raytrainer import final_weights, hub
-from raytrainer.callbacks import TrainerState
+from raytrainer.callbacks import state_from_dict
 from raytrainer.checkpoint import (
     CheckpointReader,
     DamagedCheckpointError,
@@ -115,6 +115,6 @@ def _absorb(trainer, method: str, payload: dict):
     if method == "train":
         trainer._weights_pending(functools.partial(final_weights.load_into, uri=payload["weights_at"],
                                                    filesystem=trainer.args.storage_filesystem))
-        trainer.state = TrainerState.from_dict(payload["state"])
+        trainer.state = state_from_dict(payload["state"])
     absorb_callback_states(trainer.callback_handler.callbacks, payload.get("callbacks"))
     return payload["output"]

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
+from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, state_from_dict
 from raytrainer.checkpoint import (
     CheckpointReader,
     digest_files,
@@ -155,8 +155,9 @@ class CheckpointWriter:
         sharded = strategy.sharded_state_dir is not None and not args.save_only_model
         if state.best_global_step == state.global_step:
             state.best_model_checkpoint = self.storage.uri_of(name)
-        state.stateful_callbacks = TrainerState._export_callbacks(  # the control too, as transformers
-            [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)])
+        state.stateful_callbacks = TrainerState(stateful_callbacks=[  # the control too, as transformers
+            cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)
+        ]).stateful_callbacks
         pieces = training_pieces(strategy, t.model_wrapped, t.optimizer, t.lr_scheduler, state, ctx.rank,
                                  model_only=args.save_only_model)
         collected = {p.file: p.obj.state_dict() for p in pieces if p.collective}  # on every rank
@@ -239,7 +240,7 @@ class Resume:
     def __init__(self, uri: str, rank: int, filesystem=None):
         self.reader = CheckpointReader(uri, filesystem)
         self.rank = rank
-        self.state = TrainerState.from_dict(self.reader.json(TRAINER_STATE_NAME))
+        self.state = state_from_dict(self.reader.json(TRAINER_STATE_NAME))
 
     def load_model(self, model: torch.nn.Module) -> None:
         load_weights_into(model, model_weights(self.reader), self.reader.uri)

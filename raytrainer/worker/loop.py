@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
+from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, same_on_every_rank
 from raytrainer.data import batch_size_of, skip_first_batches
 from raytrainer.optim import reapply_hyperparameters
 from raytrainer.strategies import select_strategy
@@ -134,8 +134,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     handler = trainer.callback_handler
     epochs_trained, skip_updates = 0, 0
     control = trainer.control = TrainerControl()
-    state.stateful_callbacks = TrainerState._export_callbacks(  # as transformers; a resume replaces it
-        [cb for cb in [*handler.callbacks, control] if isinstance(cb, ExportableState)])
+    state.stateful_callbacks = TrainerState(stateful_callbacks=[  # as transformers; a resume replaces it
+        cb for cb in [*handler.callbacks, control] if isinstance(cb, ExportableState)]).stateful_callbacks
     if resume is not None:
         console.compare_with_checkpoint(args, resume.state)
         _restore_state(state, resume.state)
@@ -172,7 +172,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     shifted = count_items and loss_shifts_labels(trainer.model)
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
     must_sync = ctx.distributed and not all(
-        getattr(cb, "same_on_every_rank", False) for cb in handler.callbacks)
+        same_on_every_rank(cb) for cb in handler.callbacks)
     epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
     guard = NonFiniteGuard(args.nonfinite_loss, ctx)
     if ctx.distributed:  # each rank's own work per step, for the driver's straggler warning

@@ -89,7 +89,9 @@ class TrainerStateFile:
         self.state = state
 
     def state_dict(self) -> str:
-        return self.state.to_json_string()
+        from raytrainer.callbacks import state_to_json
+
+        return state_to_json(self.state)
 
     def load_state_dict(self, state) -> None:
         raise TypeError("trainer_state.json is read by Resume, before the pieces that depend on its step")
