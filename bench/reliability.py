@@ -104,7 +104,7 @@ CASES = [
     ("max_steps=0", lambda o: _args(o, max_steps=0)),
     ("eval_strategy='sometimes'", lambda o: _args(o, eval_strategy="sometimes")),
     ("save_total_limit=0", lambda o: _args(o, save_total_limit=0)),
-    ("warmup_ratio=2", lambda o: _args(o, warmup_ratio=2)),
+    ("warmup_steps=-1", lambda o: _args(o, warmup_steps=-1)),
     ("lr_scheduler_type='zigzag'", lambda o: _args(o, lr_scheduler_type="zigzag")),
     ("optim='adamw_fast'", lambda o: _args(o, optim="adamw_fast")),
     ("log_level='loud'", lambda o: _args(o, log_level="loud")),

@@ -9,9 +9,7 @@ plain methods here: a subclass's override is what runs on the workers.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
-import json
 import logging
 import os
 import sys
@@ -22,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from transformers import trainer_pt_utils as hf_pt_utils
 
 from raytrainer import data as rdata
 from raytrainer import meta_model
@@ -45,7 +44,6 @@ from raytrainer.trainer_utils import (
     speed_metrics,
 )
 from raytrainer.worker import console
-from raytrainer.worker.saving import TRAINER_STATE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -763,50 +761,19 @@ class Trainer:
         return self._ctx is None or self._ctx.is_local_zero
 
     # -- metrics files ----------------------------------------------------------------------------------
-    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
-        """Readable copies of metric values: runtimes as h:mm:ss.ss, memory in MB, floats rounded."""
-        out = metrics.copy()
-        for k, v in out.items():
-            if "_mem_" in k:
-                out[k] = f"{v >> 20}MB"
-            elif "_runtime" in k:  # as transformers' _secs2timedelta: hundredths truncated, not rounded
-                out[k] = f"{datetime.timedelta(seconds=int(v))}.{int(abs(v - int(v)) * 100):02d}"
-            elif k == "total_flos":
-                out[k] = f"{int(v) >> 30}GF"
-            elif isinstance(v, float):
-                out[k] = round(v, 4)
-        return out
-
-    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
-        if not self.is_world_process_zero():
-            return
-        print(f"***** {split} metrics *****")
-        formatted = self.metrics_format(metrics)
-        k_width = max((len(str(k)) for k in formatted), default=0)
-        v_width = max((len(str(v)) for v in formatted.values()), default=0)  # transformers': the widest
-        for key in sorted(formatted):
-            print(f"  {key: <{k_width}} = {formatted[key]:>{v_width}}")
+    # transformers' own helpers (as its Trainer binds them); the metrics files go to output_dir, made here
+    metrics_format = staticmethod(hf_pt_utils.metrics_format)
+    log_metrics = hf_pt_utils.log_metrics
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        if not self.is_world_process_zero():
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
-            json.dump(metrics, f, indent=4, sort_keys=True)
-        if combined:
-            path = os.path.join(self.args.output_dir, "all_results.json")
-            all_metrics = {}
-            if os.path.exists(path):
-                with open(path) as f:
-                    all_metrics = json.load(f)
-            all_metrics.update(metrics)
-            with open(path, "w") as f:
-                json.dump(all_metrics, f, indent=4, sort_keys=True)
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        hf_pt_utils.save_metrics(self, split, metrics, combined)
 
     def save_state(self) -> None:
         if self.is_world_process_zero():
             os.makedirs(self.args.output_dir, exist_ok=True)
-            self.state.save_to_json(os.path.join(self.args.output_dir, TRAINER_STATE_NAME))
+        hf_pt_utils.save_state(self)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Consolidated weights (``model.safetensors``, or ``save_pretrained`` when the model has it)."""

@@ -67,8 +67,8 @@ def hyperparameters(args) -> dict:
     out["optimizer"] = (f"{optim} with betas=({args.adam_beta1},{args.adam_beta2}), "
                         f"epsilon={args.adam_epsilon} and weight_decay={args.weight_decay}")
     out["lr_scheduler_type"] = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    if args.warmup_ratio or args.warmup_steps:
-        out["lr_scheduler_warmup"] = args.warmup_steps or args.warmup_ratio
+    if args.warmup_steps:  # a count, or a ratio of the steps when below 1 (transformers 5)
+        out["lr_scheduler_warmup"] = args.warmup_steps
     if args.max_steps > 0:
         out["training_steps"] = args.max_steps
     else:

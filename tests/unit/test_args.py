@@ -49,7 +49,7 @@ def test_strategy_strings_become_enums_that_still_compare_as_strings():
 
 
 def test_fields_transformers_removed_are_refused_as_by_transformers():
-    """transformers 5 removed evaluation_strategy, warmup_ratio, ...: the fields are transformers."""
+    """transformers 5 removed evaluation_strategy, warmup_ratio, ...: the fields are transformers'."""
     for removed in ("evaluation_strategy", "warmup_ratio", "include_inputs_for_metrics",
                     "overwrite_output_dir"):
         with pytest.raises(TypeError, match=removed):

@@ -125,16 +125,6 @@ REFUSED = {
     "accelerator_config": ({"split_batches": True}, "sets split_batches=True"),
     "debug": ("tpu_metrics_debug", "TPU metrics"),
 }
-# Fields transformers declares and raytrainer answers with a property of the process's view (the value each
-# rank would see), not an argument.
-PROPERTIES = {"local_rank"}
-# Fields whose default differs in spelling only: the same behaviour.
-SAME_BEHAVIOUR_DEFAULTS = {
-    "lr_scheduler_kwargs": (None, {}),
-    "gradient_checkpointing": (None, False),
-    "include_num_input_tokens_seen": ("no", False),
-    "fsdp": (None, ""),
-}
 
 
 def _default(f):
@@ -145,23 +135,47 @@ def _default(f):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
-def test_every_transformers_field_is_honoured_or_refused():
-    """A field added to transformers.TrainingArguments fails here until it is classified."""
+def test_every_transformers_field_is_transformers_own():
+    """The arguments are transformers' class, not a copy: each of its fields (as the installed transformers
+    declares it) is there with its default and help, and the only other fields are the Ray mixin's."""
     import dataclasses
 
     import transformers
 
+    from raytrainer import RayArgumentsMixin
+
+    assert issubclass(TrainingArguments, transformers.TrainingArguments)
     ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    for f in dataclasses.fields(transformers.TrainingArguments):
-        if f.name in PROPERTIES:
-            assert isinstance(getattr(TrainingArguments, f.name), property), f.name
-            continue
-        assert f.name in ours, f"transformers.TrainingArguments.{f.name} is neither honoured nor refused"
-        theirs, mine = _default(f), _default(ours[f.name])
-        if f.name in SAME_BEHAVIOUR_DEFAULTS:
-            assert (theirs, mine) == SAME_BEHAVIOUR_DEFAULTS[f.name], f.name
-        else:
-            assert repr(mine) == repr(theirs), f"{f.name}: default {mine!r}, transformers' {theirs!r}"
+    theirs = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+    for name, f in theirs.items():
+        assert repr(_default(ours[name])) == repr(_default(f)), name
+        assert ours[name].metadata.get("help") == f.metadata.get("help"), name
+    ray = {f.name for f in dataclasses.fields(RayArgumentsMixin)}
+    assert set(ours) - set(theirs) == ray
+    assert {"num_workers", "use_gpu", "storage_path", "max_failures"} <= ray
+
+
+def test_the_ray_fields_join_any_transformers_arguments_class(tmp_path):
+    """A TRL config or a user's subclass gains the Ray fields by putting the mixin first among its bases."""
+    import dataclasses
+
+    import transformers
+
+    from raytrainer import RayArgumentsMixin
+
+    @dataclasses.dataclass
+    class MyConfig(transformers.TrainingArguments):
+        max_length: int = 128
+
+    @dataclasses.dataclass
+    class RayMyConfig(RayArgumentsMixin, MyConfig):
+        pass
+
+    args = RayMyConfig(output_dir=str(tmp_path), num_workers=2, max_length=64)
+    assert (args.max_length, args.num_workers, args.world_size) == (64, 2, 2)
+    assert args.storage_path == str(tmp_path)
+    with pytest.raises(ValueError, match="num_workers=-1: must be an integer >= 0"):
+        RayMyConfig(output_dir=str(tmp_path), num_workers=-1)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -218,3 +232,14 @@ def test_a_transformers_training_arguments_instance_is_taken_as_it_is(tmp_path, 
     trainer.train()
     assert trainer.state.global_step == 3
     assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 3]  # and at the end
+
+
+def test_the_migration_page_is_what_the_code_generates():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "migration_tables.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
