@@ -153,9 +153,7 @@ class Trainer:
         smoothing = self._label_smoothing()
         self.label_smoother = None  # transformers' attribute, for subclasses' own compute_loss
         if smoothing:
-            from raytrainer.worker.loss import LabelSmoother
-
-            self.label_smoother = LabelSmoother(epsilon=smoothing)
+            self.label_smoother = hf_pt_utils.LabelSmoother(epsilon=smoothing)
         if args.label_smoothing_factor and not smoothing:
             warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling "
                           "label smoothing for this training run.", UserWarning, stacklevel=2)
@@ -607,9 +605,7 @@ class Trainer:
         if labels is not None and self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
-            from raytrainer.worker.loss import label_smoothed_loss
-
-            loss = label_smoothed_loss(outputs, labels, smoothing)
+            loss = (self.label_smoother or hf_pt_utils.LabelSmoother(epsilon=smoothing))(outputs, labels)
         else:
             loss = _loss_from_outputs(outputs, model)
         return (loss, outputs) if return_outputs else loss
