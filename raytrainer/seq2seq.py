@@ -17,7 +17,6 @@ calls the encoder and decoder directly and never the root's forward.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 
@@ -56,27 +55,11 @@ class Seq2SeqTrainer(Trainer):
 
     @staticmethod
     def load_generation_config(gen_config_arg):
-        """A ``GenerationConfig`` from the ``generation_config`` argument: the object itself (copied), a
-        folder or a file of one, or a model id -- as transformers loads it, validated strictly."""
-        from pathlib import Path
+        """transformers' own: a ``GenerationConfig`` (copied), a folder or file of one, or a model id, validated
+        strictly (imported when called: transformers' trainer module is slow to import on every worker)."""
+        from transformers.trainer_seq2seq import Seq2SeqTrainer as HFSeq2SeqTrainer
 
-        from transformers import GenerationConfig
-
-        if isinstance(gen_config_arg, GenerationConfig):
-            gen_config = copy.deepcopy(gen_config_arg)
-        else:
-            name, file_name = gen_config_arg, None
-            path = Path(gen_config_arg)
-            if path.is_file():
-                name, file_name = path.parent, path.name
-            elif path.is_dir():
-                name = path
-            gen_config = GenerationConfig.from_pretrained(name, file_name)
-        try:
-            gen_config.validate(strict=True)
-        except ValueError as exc:
-            raise ValueError(str(exc) + "\n\nFix these issues to train your model.") from None
-        return gen_config
+        return HFSeq2SeqTrainer.load_generation_config(gen_config_arg)
 
     def _begin_generation(self, gen_kwargs: dict) -> None:
         """On a rank, before evaluate() / predict() runs its batches: the call's generation arguments, and the
