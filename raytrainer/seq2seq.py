@@ -55,8 +55,8 @@ class Seq2SeqTrainer(Trainer):
 
     @staticmethod
     def load_generation_config(gen_config_arg):
-        """transformers' own: a ``GenerationConfig`` (copied), a folder or file of one, or a model id, validated
-        strictly (imported when called: transformers' trainer module is slow to import on every worker)."""
+        """transformers' own: a ``GenerationConfig`` (copied), a folder or file of one, or a model id,
+        validated strictly (imported when called: transformers' trainer module is slow to import)."""
         from transformers.trainer_seq2seq import Seq2SeqTrainer as HFSeq2SeqTrainer
 
         return HFSeq2SeqTrainer.load_generation_config(gen_config_arg)
