@@ -851,9 +851,12 @@ class Trainer:
 
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
         """An evaluation during training (transformers' hook of the same name): ``evaluate()``, then a
-        ``ReduceLROnPlateau`` scheduler steps on ``metric_for_best_model`` (``eval_loss`` without one)."""
+        ``ReduceLROnPlateau`` or ``GreedyLR`` scheduler steps on ``metric_for_best_model`` (``eval_loss``
+        without one)."""
+        from raytrainer.optim import METRIC_SCHEDULERS
+
         metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+        if isinstance(self.lr_scheduler, METRIC_SCHEDULERS) and not skip_scheduler:
             key = self.args.metric_for_best_model or "loss"
             key = key if key.startswith("eval_") else f"eval_{key}"
             self.lr_scheduler.step(metrics[key])

@@ -27,7 +27,7 @@ import torch
 
 from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
 from raytrainer.data import batch_size_of, skip_first_batches
-from raytrainer.optim import reapply_hyperparameters
+from raytrainer.optim import METRIC_SCHEDULERS, reapply_hyperparameters
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
 from raytrainer.worker import console
@@ -122,7 +122,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler, ctx)
         if getattr(trainer, "_resume_with_new_hyperparameters", False):  # a PBT exploit
             reapply_hyperparameters(optimizer, scheduler, args)
-    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    plateau = isinstance(scheduler, METRIC_SCHEDULERS)  # stepped on a metric after each evaluation
 
     state = trainer.state = TrainerState(
         is_local_process_zero=trainer.is_local_process_zero(),
