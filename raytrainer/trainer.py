@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import inspect
 import json
 import logging
@@ -39,6 +40,7 @@ from raytrainer.trainer_utils import (
     MemoryTracker,
     PredictionOutput,
     TrainOutput,
+    enable_full_determinism,
     has_length,
     seed_worker,
     set_seed,
@@ -397,7 +399,8 @@ class Trainer:
 
             self._strategy = select_strategy(self.args, self._ctx)
             if self.model is None and self.model_init is not None:  # the driver kept a skeleton
-                set_seed(self.args.seed, deterministic=self.args.full_determinism)
+                seed = self.args.seed
+                enable_full_determinism(seed) if self.args.full_determinism else set_seed(seed)
                 self.model = self.callback_handler.model = self.call_model_init()
             self.model_wrapped = self._strategy.setup_model(self.model)
             self.model = self._strategy.unwrap(self.model_wrapped)
@@ -424,7 +427,8 @@ class Trainer:
         if a.dataloader_num_workers > 0:
             kwargs["persistent_workers"] = a.dataloader_persistent_workers
             kwargs["prefetch_factor"] = a.dataloader_prefetch_factor
-            kwargs["worker_init_fn"] = seed_worker
+            kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=a.dataloader_num_workers,
+                                                         rank=a.process_index)
             kwargs["in_order"] = a.dataloader_in_order
             if a.dataloader_multiprocessing_context is not None:
                 kwargs["multiprocessing_context"] = a.dataloader_multiprocessing_context

@@ -29,7 +29,14 @@ from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
 from raytrainer.data import batch_size_of, skip_first_batches
 from raytrainer.optim import METRIC_SCHEDULERS, reapply_hyperparameters
 from raytrainer.strategies import select_strategy
-from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
+from raytrainer.trainer_utils import (
+    MemoryTracker,
+    TrainOutput,
+    enable_full_determinism,
+    has_length,
+    set_seed,
+    speed_metrics,
+)
 from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
@@ -77,7 +84,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     args, ctx = trainer.args, trainer._ctx
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
-    set_seed(args.seed, deterministic=args.full_determinism)  # every rank, as enable_full_determinism
+    # every rank, as transformers' Trainer seeds its process
+    enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
     strategy = trainer._strategy = select_strategy(args, ctx)
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
