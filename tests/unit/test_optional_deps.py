@@ -10,14 +10,19 @@ import pytest
 
 from raytrainer import Trainer, TrainingArguments
 
-# Run in a fresh interpreter where importing ray, deepspeed or optuna fails, as on a machine without them.
+# Run in a fresh interpreter where importing ray, deepspeed or optuna fails, as on a machine without them,
+# and where probing for them (importlib.util.find_spec, as transformers and peft do on import) finds nothing.
 _BLOCK = textwrap.dedent("""
-    import importlib.abc, sys
+    import importlib.abc, importlib.util, sys
+    BLOCKED = ("ray", "deepspeed", "optuna")
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("ray", "deepspeed", "optuna"):
+            if name.split(".")[0] in BLOCKED:
                 raise ModuleNotFoundError(f"No module named {name!r}")
     sys.meta_path.insert(0, Block())
+    _find_spec = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a, **k: (
+        None if name.split(".")[0] in BLOCKED else _find_spec(name, *a, **k))
 """)
 
 
