@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
-from transformers.optimization import GreedyLR, get_scheduler
+from transformers import optimization as _hf_optimization
+from transformers.optimization import get_scheduler
 from transformers.trainer_utils import SchedulerType
 
 __all__ = [
@@ -52,7 +53,10 @@ SCHEDULER_NAMES: tuple[str, ...] = tuple(member.value for member in SchedulerTyp
 
 # Schedulers stepped with a metric after each evaluation instead of after each optimizer step (the loop and
 # the evaluation hook test against these, as transformers' Trainer does).
-METRIC_SCHEDULERS: tuple[type, ...] = (ReduceLROnPlateau, GreedyLR)
+# An older transformers has no GreedyLR.
+METRIC_SCHEDULERS: tuple[type, ...] = (
+    ReduceLROnPlateau, *([_hf_optimization.GreedyLR] if hasattr(_hf_optimization, "GreedyLR") else []),
+)
 
 
 def warmup_steps_for(args: Any, num_training_steps: int) -> int:
