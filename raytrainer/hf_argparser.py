@@ -1,4 +1,4 @@
-"""`ArgumentParser`: transformers' `HfArgumentParser`, with three additions.
+"""`ArgumentParser`: transformers' `HfArgumentParser`, with three additions and three fixes.
 
     parser = ArgumentParser((ModelArguments, TrainingArguments))
     model_args, training_args = parser.parse_args_into_dataclasses()
@@ -16,8 +16,11 @@ adds only what that code does not do:
 - `python app.py config.json` (or `.yaml` / `.yml`), that file as the only argument, reads the arguments
   from the file, as transformers' example scripts do by hand before calling the parser.
 
-Field metadata keys that are not argparse's (another library's, raytrainer's ``"cli": False`` on a field that
-holds a Python object) are not handed to argparse, which would refuse them.
+The fixes, each to something transformers' parser gets wrong on a dataclass that is not its own: field
+metadata keys that are not argparse's (another library's, raytrainer's ``"cli": False``) are not handed to
+argparse, which would refuse them; a `list[X]` field declared with `default=` keeps its default; and
+`X | str | None` in an order other than transformers' `None | str | X`, or `dict | str`, is read as a string
+(as transformers reads its own such fields) instead of raising.
 """
 
 from __future__ import annotations
