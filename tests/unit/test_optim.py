@@ -427,7 +427,7 @@ def test_schedule_multiplier_is_finite_everywhere():
 # --- metric-driven schedulers in the loop -------------------------------------------------------------
 
 
-def test_a_greedy_scheduler_steps_on_the_eval_metric_not_every_step(make_args, make_classifier, make_examples):
+def test_a_greedy_scheduler_steps_on_the_eval_metric(make_args, make_classifier, make_examples):
     """transformers' GreedyLR, like ReduceLROnPlateau, takes a metric: the loop steps it after each evaluation
     with eval_loss (a plain ``step()`` after an optimizer step would be a TypeError)."""
     from transformers.optimization import GreedyLR
