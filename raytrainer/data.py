@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from transformers.data.data_collator import default_data_collator as _default_data_collator
 
 LABEL_KEYS = ("label", "label_ids", "labels")
 
 
 # -- collation ---------------------------------------------------------------------------------------
+# transformers' own: label / label_ids become labels, strings and None are left out. A dataset whose
+# examples are not dicts is refused by the driver's pre-flight with a message saying so.
+default_data_collator = _default_data_collator
+
+
 def _as_mapping(example) -> Mapping:
     if isinstance(example, Mapping):
         return example
@@ -30,43 +35,6 @@ def _as_mapping(example) -> Mapping:
         f"each example must be a dict of model inputs (got {type(example).__name__}); "
         "return e.g. {'input_ids': ..., 'labels': ...} from your dataset's __getitem__"
     )
-
-
-def default_data_collator(features: list, return_tensors: str = "pt") -> dict[str, Any]:
-    """Stack a list of dict examples into a batch of tensors, as HF's ``default_data_collator``.
-
-    ``label`` / ``label_ids`` become ``labels``; strings and None values are left out.
-    """
-    if return_tensors != "pt":
-        raise ValueError(f"return_tensors={return_tensors!r}: raytrainer collates to PyTorch tensors only")
-    features = [_as_mapping(f) for f in features]
-    first = features[0]
-    batch: dict[str, Any] = {}
-    for key in ("label", "label_ids"):
-        if key in first and first[key] is not None:
-            value = first[key]
-            if isinstance(value, torch.Tensor) and value.ndim == 0:  # HF: .item(), then long or float
-                dtype = torch.long if not value.is_floating_point() else torch.float
-                batch["labels"] = torch.tensor([f[key].item() for f in features], dtype=dtype)
-            elif isinstance(value, torch.Tensor):
-                batch["labels"] = torch.stack([f[key] for f in features])
-            else:
-                is_int = isinstance(value, (int, np.integer)) or (
-                    isinstance(value, (list, tuple, np.ndarray)) and np.asarray(value).dtype.kind in "iu"
-                )
-                dtype = torch.long if is_int else torch.float
-                batch["labels"] = torch.tensor(np.array([f[key] for f in features]), dtype=dtype)
-            break
-    for key, value in first.items():
-        if key in ("label", "label_ids") or value is None or isinstance(value, str):
-            continue
-        if isinstance(value, torch.Tensor):
-            batch[key] = torch.stack([f[key] for f in features])
-        elif isinstance(value, np.ndarray):
-            batch[key] = torch.from_numpy(np.stack([f[key] for f in features]))
-        else:
-            batch[key] = torch.tensor([f[key] for f in features])
-    return batch
 
 
 def batch_size_of(inputs, default: int = 1) -> int:

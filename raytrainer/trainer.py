@@ -9,6 +9,7 @@ plain methods here: a subclass's override is what runs on the workers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -38,6 +39,7 @@ from raytrainer.trainer_utils import (
     MemoryTracker,
     PredictionOutput,
     TrainOutput,
+    enable_full_determinism,
     has_length,
     seed_worker,
     set_seed,
@@ -393,7 +395,8 @@ class Trainer:
 
             self._strategy = select_strategy(self.args, self._ctx)
             if self.model is None and self.model_init is not None:  # the driver kept a skeleton
-                set_seed(self.args.seed, deterministic=self.args.full_determinism)
+                seed = self.args.seed
+                enable_full_determinism(seed) if self.args.full_determinism else set_seed(seed)
                 self.model = self.callback_handler.model = self.call_model_init()
             self.model_wrapped = self._strategy.setup_model(self.model)
             self.model = self._strategy.unwrap(self.model_wrapped)
@@ -420,7 +423,8 @@ class Trainer:
         if a.dataloader_num_workers > 0:
             kwargs["persistent_workers"] = a.dataloader_persistent_workers
             kwargs["prefetch_factor"] = a.dataloader_prefetch_factor
-            kwargs["worker_init_fn"] = seed_worker
+            kwargs["worker_init_fn"] = functools.partial(seed_worker, num_workers=a.dataloader_num_workers,
+                                                         rank=a.process_index)
             kwargs["in_order"] = a.dataloader_in_order
             if a.dataloader_multiprocessing_context is not None:
                 kwargs["multiprocessing_context"] = a.dataloader_multiprocessing_context
@@ -816,9 +820,12 @@ class Trainer:
 
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
         """An evaluation during training (transformers' hook of the same name): ``evaluate()``, then a
-        ``ReduceLROnPlateau`` scheduler steps on ``metric_for_best_model`` (``eval_loss`` without one)."""
+        ``ReduceLROnPlateau`` or ``GreedyLR`` scheduler steps on ``metric_for_best_model`` (``eval_loss``
+        without one)."""
+        from raytrainer.optim import METRIC_SCHEDULERS
+
         metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+        if isinstance(self.lr_scheduler, METRIC_SCHEDULERS) and not skip_scheduler:
             key = self.args.metric_for_best_model or "loss"
             key = key if key.startswith("eval_") else f"eval_{key}"
             self.lr_scheduler.step(metrics[key])

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
+from transformers.trainer_utils import default_hp_space_optuna as _transformers_default_hp_space_optuna
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from raytrainer.deps import require
@@ -69,14 +70,9 @@ class TrialSummary:
 
 
 # -- HF defaults ---------------------------------------------------------------------------------------
-def default_hp_space_optuna(trial) -> dict[str, Any]:
-    return {
-        "learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
-        "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
-        "seed": trial.suggest_int("seed", 1, 40),
-        "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size",
-                                                                 [4, 8, 16, 32, 64]),
-    }
+# transformers' own optuna space. Its Ray Tune space draws the seed from tune.uniform (a float seed); the one
+# below draws an int, and the objective below also leaves out the *_compilation_time metrics.
+default_hp_space_optuna = _transformers_default_hp_space_optuna
 
 
 def default_hp_space_ray(trial) -> dict[str, Any]:

@@ -1,29 +1,22 @@
 """The DeepSpeed config of ``TrainingArguments(deepspeed=...)``: read, checked, "auto" values filled.
 
-The rules are HF's (``HfTrainerDeepSpeedConfig``): every ``"auto"`` value takes the matching
-TrainingArguments value; a value that is set but differs from the argument is an error listing every
-such mismatch, because two sources of truth for the batch size or the learning rate silently train
-something else than what was asked. Reading needs no ``deepspeed`` import, so the driver checks the
-config before any worker starts.
+The filling is transformers' own ``HfTrainerDeepSpeedConfig``: ``trainer_config_process`` (batch sizes,
+clipping, optimizer and scheduler learning rates, fp16/bf16, ``save_on_each_node``) and
+``trainer_config_finalize`` (the run's length, warmup, the ZeRO buckets from the model's hidden size). A value
+that is set but differs from the argument is a mismatch. What raytrainer does differently, and why:
 
-=============================================  ===========================================================
-DeepSpeed key                                  from TrainingArguments
-=============================================  ===========================================================
-train_micro_batch_size_per_gpu                 per_device_train_batch_size
-gradient_accumulation_steps                    gradient_accumulation_steps
-train_batch_size                               world size x per_device_train_batch_size x accumulation
-gradient_clipping                              max_grad_norm
-optimizer.params.lr / betas / eps /            learning_rate / [adam_beta1, adam_beta2] / adam_epsilon /
-weight_decay                                   weight_decay
-scheduler.params.warmup_min_lr / warmup_max_lr 0 / learning_rate
-scheduler.params.warmup_num_steps /            warmup steps / the run's optimizer updates (on the worker)
-total_num_steps
-fp16.enabled / bf16.enabled                    fp16 or fp16_full_eval / bf16 or bf16_full_eval (a missing
-                                               section is added when fp16 / bf16 is set, as accelerate does)
-zero_optimization.reduce_bucket_size,          model.config.hidden_size ** 2, 0.9 x that, 10 x hidden_size
-stage3_prefetch_bucket_size,                   (on the worker; without a hidden_size the key is left to
-stage3_param_persistence_threshold             DeepSpeed's default)
-=============================================  ===========================================================
+- **The driver checks first.** transformers raises its mismatches in ``trainer_config_finalize``, once the
+  model exists; raytrainer runs ``trainer_config_process`` on the driver, where the arguments are, and raises
+  every mismatch it found there before any worker starts (``check_config``).
+- **The world size** is the number of Ray workers, which the driver knows but its own process group does
+  not (it has none): ``train_batch_size`` is micro x accumulation x ``num_workers``.
+- **A missing hidden size** (a model without a ``config.hidden_size``, a plain ``nn.Module``) leaves the
+  ZeRO bucket sizes to DeepSpeed's defaults instead of failing, as do the stage3_ buckets below ZeRO-3; any
+  other "auto" left unfilled is an error naming the key (DeepSpeed would fail later on the string).
+- **``--bf16`` / ``--fp16`` with no such section** in the config turns it on, as accelerate's DeepSpeed plugin
+  does for transformers' Trainer.
+- The config object is not made the process's global one (transformers' constructor registers it for
+  ``from_pretrained``'s ZeRO-3 path); the DeepSpeed strategy registers its own on the workers.
 """
 
 from __future__ import annotations
@@ -31,9 +24,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import types
 from typing import Any
 
-_MISSING = object()
+_BUCKET_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                "zero_optimization.stage3_param_persistence_threshold")
 
 
 def load_config(value) -> dict:
@@ -64,77 +59,44 @@ def zero_stage(config: dict) -> int:
     return int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
 
 
-def _get(config: dict, dotted: str):
-    node = config
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return _MISSING
-        node = node[key]
-    return node
+class _WithWorldSize:
+    """``args`` as transformers reads it, with the world size of the Ray run."""
+
+    def __init__(self, args, world_size: int):
+        self._args, self.world_size = args, world_size
+
+    def __getattr__(self, name: str):
+        return getattr(self._args, name)
 
 
-def _set(config: dict, dotted: str, value) -> None:
-    *parents, last = dotted.split(".")
-    node = config
-    for key in parents:
-        node = node[key]
-    node[last] = value
+def _transformers_config(config: dict):
+    """transformers' ``HfTrainerDeepSpeedConfig`` over a copy of ``config``, leaving the process's global
+    config (``is_deepspeed_zero3_enabled()``) as it was."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    try:
+        return hf_deepspeed.HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
-class _Filler:
-    """Fills "auto" values and collects mismatches between set values and the arguments."""
-
-    def __init__(self, config: dict):
-        self.config = config
-        self.mismatches: list[str] = []
-
-    def match(self, key: str, value, arg_name: str, must_match: bool = True) -> None:
-        current = _get(self.config, key)
-        if current is _MISSING:
-            return
-        if current == "auto":
-            _set(self.config, key, value)
-        elif must_match and current != value:
-            self.mismatches.append(f"- ds {key}={current} vs hf {arg_name}={value}")
-
-    def drop_auto(self, key: str) -> None:
-        if _get(self.config, key) == "auto":
-            *parents, last = key.split(".")
-            node = self.config
-            for part in parents:
-                node = node[part]
-            del node[last]
-
-    def check(self) -> None:
-        if self.mismatches:
-            raise ValueError(
-                "deepspeed: these DeepSpeed config values disagree with the TrainingArguments:\n"
-                + "\n".join(self.mismatches)
-                + "\nSet them to \"auto\" in the DeepSpeed config (the arguments then decide), or make the "
-                  "arguments match.")
+def _raise_mismatches(mismatches: list[str]) -> None:
+    if mismatches:
+        raise ValueError(
+            "deepspeed: these DeepSpeed config values disagree with the TrainingArguments:\n"
+            + "\n".join(mismatches)
+            + "\nSet them to \"auto\" in the DeepSpeed config (the arguments then decide), or make the "
+              "arguments match.")
 
 
 def fill_from_args(config: dict, args, world_size: int) -> dict:
     """Fill the "auto" values known before the model exists (on the driver and on every worker)."""
-    config = copy.deepcopy(config)
-    fill = _Filler(config)
-    micro, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    fill.match("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
-    fill.match("gradient_accumulation_steps", ga, "gradient_accumulation_steps")
-    fill.match("train_batch_size", world_size * micro * ga,
-               f"workers*per_device_train_batch_size*gradient_accumulation_steps ({world_size}*{micro}*{ga})")
-    fill.match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
-    fill.match("optimizer.params.lr", args.learning_rate, "learning_rate")
-    fill.match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
-    fill.match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
-    fill.match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
-    fill.match("scheduler.params.warmup_min_lr", 0, "warmup_min_lr", must_match=False)
-    fill.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
-    fill.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
-    fill.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
-    fill.check()
-    # --bf16 / --fp16 with a config that has no such section turns it on, as accelerate does
-    for name in ("bf16", "fp16"):
+    filled = _transformers_config(config)
+    filled.trainer_config_process(_WithWorldSize(args, world_size))
+    _raise_mismatches(filled.mismatches)
+    config = filled.config
+    for name in ("bf16", "fp16"):  # --bf16 / --fp16 with no such section turns it on, as accelerate does
         if getattr(args, name) and name not in config:
             config[name] = {"enabled": True}
     return config
@@ -143,22 +105,31 @@ def fill_from_args(config: dict, args, world_size: int) -> dict:
 def fill_for_run(config: dict, args, num_training_steps: int, hidden_size: int | None) -> dict:
     """Fill the values that need the run's length and the model (on the workers)."""
     config = copy.deepcopy(config)
-    fill = _Filler(config)
-    fill.match("scheduler.params.total_num_steps", num_training_steps, "max_steps")
-    fill.match("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps), "warmup_steps")
-    buckets = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
-               "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-               "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
-    for key, rule in buckets.items():
-        if hidden_size:
-            fill.match(key, rule(hidden_size), "model.config.hidden_size", must_match=False)
-        else:
-            fill.drop_auto(key)  # DeepSpeed's default
-    fill.check()
-    leftover = _autos(config)
+    # Without a hidden size every bucket "auto" is left to DeepSpeed's default; below ZeRO-3 the stage3_ ones
+    # are (transformers fills them at stage 3 only, and DeepSpeed does not read them below it).
+    unfilled = _BUCKET_KEYS if not hidden_size else _BUCKET_KEYS[1:] if zero_stage(config) < 3 else ()
+    for key in unfilled:
+        *parents, last = key.split(".")
+        node = _node(config, parents)
+        if isinstance(node, dict) and node.get(last) == "auto":
+            del node[last]
+    filled = _transformers_config(config)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden_size))
+    try:
+        filled.trainer_config_finalize(args, model, num_training_steps)
+    except ValueError:
+        _raise_mismatches(filled.mismatches)
+        raise
+    leftover = _autos(filled.config)
     if leftover:
         raise ValueError(f"deepspeed: raytrainer cannot fill the \"auto\" value of {', '.join(leftover)}; "
                          "set it in the DeepSpeed config")
+    return filled.config
+
+
+def _node(config: dict, path: list[str]) -> Any:
+    for key in path:
+        config = config.get(key) if isinstance(config, dict) else None
     return config
 
 
@@ -174,5 +145,4 @@ def check_config(args) -> dict:
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"deepspeed: zero_optimization.stage={stage!r} must be 0, 1, 2 or 3; fix the config")
-    world = max(args.num_workers, 1)
-    return fill_from_args(config, args, world)
+    return fill_from_args(config, args, max(args.num_workers, 1))

@@ -27,9 +27,16 @@ import torch
 
 from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, same_on_every_rank
 from raytrainer.data import batch_size_of, skip_first_batches
-from raytrainer.optim import reapply_hyperparameters
+from raytrainer.optim import METRIC_SCHEDULERS, reapply_hyperparameters
 from raytrainer.strategies import select_strategy
-from raytrainer.trainer_utils import MemoryTracker, TrainOutput, has_length, set_seed, speed_metrics
+from raytrainer.trainer_utils import (
+    MemoryTracker,
+    TrainOutput,
+    enable_full_determinism,
+    has_length,
+    set_seed,
+    speed_metrics,
+)
 from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
@@ -77,7 +84,8 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     args, ctx = trainer.args, trainer._ctx
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
-    set_seed(args.seed, deterministic=args.full_determinism)  # every rank, as enable_full_determinism
+    # every rank, as transformers' Trainer seeds its process
+    enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
     strategy = trainer._strategy = select_strategy(args, ctx)
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
@@ -122,7 +130,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
         resume.load_optimizer_and_scheduler(strategy, wrapped, optimizer, scheduler, ctx)
         if getattr(trainer, "_resume_with_new_hyperparameters", False):  # a PBT exploit
             reapply_hyperparameters(optimizer, scheduler, args)
-    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    plateau = isinstance(scheduler, METRIC_SCHEDULERS)  # stepped on a metric after each evaluation
 
     state = trainer.state = TrainerState(
         is_local_process_zero=trainer.is_local_process_zero(),

@@ -81,8 +81,23 @@ def test_collator_accepts_dataclass_examples_and_rejects_other_types():
 
     batch = default_data_collator([Example([1.0], 1), Example([2.0], 0)])
     assert batch["labels"].tolist() == [1, 0]
-    with pytest.raises(TypeError, match="dict of model inputs"):
+    with pytest.raises(TypeError):  # transformers' collator: vars() of a tuple
         default_data_collator([(1.0, 2.0)])
+
+
+def test_examples_that_are_not_dicts_are_refused_on_the_driver(make_args, make_classifier):
+    """transformers' collator fails obscurely on a tuple; the driver's pre-flight says why first."""
+    from raytrainer import Trainer
+
+    trainer = Trainer(model=make_classifier(), args=make_args(max_steps=1), train_dataset=[(1.0, 2.0)] * 4)
+    with pytest.raises(ValueError, match=r"train_dataset\[0\] is a tuple; each example must be a dict"):
+        trainer.train()
+
+
+def test_default_data_collator_is_transformers_own():
+    import transformers
+
+    assert default_data_collator is transformers.default_data_collator
 
 
 def test_remove_columns_collator_keeps_only_forward_inputs_and_labels():

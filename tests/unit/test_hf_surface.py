@@ -149,3 +149,25 @@ def test_memory_running_out_while_training_retries_with_a_smaller_batch(make_arg
     assert again._train_batch_size == 16
     again.train(resume_from_checkpoint=True)
     assert again._train_batch_size == 14
+
+
+def test_results_are_transformers_own_types(make_args, make_classifier, make_examples):
+    """compute_metrics gets a transformers.EvalPrediction and train/predict return transformers' named tuples:
+    code that checks types against transformers (a metrics helper, a library's callback) takes them."""
+    import transformers
+    from transformers.trainer_utils import PredictionOutput, TrainOutput
+
+    train, _, _ = make_examples(8)
+    received = []
+
+    def compute_metrics(prediction):
+        received.append(prediction)
+        return {"n": len(prediction.predictions)}
+
+    trainer = Trainer(model=make_classifier(), args=make_args(max_steps=2, per_device_train_batch_size=4),
+                      train_dataset=train, eval_dataset=train, compute_metrics=compute_metrics)
+    assert isinstance(trainer.train(), TrainOutput)
+    assert trainer.evaluate()["eval_n"] == 8
+    assert isinstance(received[0], transformers.EvalPrediction)
+    output = trainer.predict(train)
+    assert isinstance(output, PredictionOutput) and output.metrics["test_n"] == 8

@@ -288,3 +288,27 @@ def test_find_unused_parameters_follows_transformers_rule():
     assert find_unused_parameters(off, torch.nn.Linear(2, 2)) is False
     asked = SimpleNamespace(ddp_find_unused_parameters=None, activation_checkpointing=True)
     assert find_unused_parameters(asked, Bert()) is False  # transformers 5's activation_checkpointing
+
+
+def test_deepspeed_filling_is_transformers_and_leaves_its_global_config_alone(tmp_path):
+    """The "auto" filling is transformers' HfTrainerDeepSpeedConfig (save_on_each_node reaches DeepSpeed's
+    checkpoint section as there); checking a config on the driver does not replace the config a DeepSpeed
+    strategy registered for from_pretrained's ZeRO-3 path in the same process."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                    "stage3_prefetch_bucket_size": "auto"},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    args = _ds_args(tmp_path, config, bf16=False, save_on_each_node=True)
+    assert is_deepspeed_zero3_enabled()  # still the registered one
+    del registered
+    filled = fill_from_args(config, args, 2)
+    assert filled["checkpoint"] == {"use_node_local_storage": True}
+    run = fill_for_run(filled, args, 100, hidden_size=8)
+    # below ZeRO-3 the stage3_ bucket is DeepSpeed's default; warmup is at least 1 step, as transformers fills
+    assert run["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 64}
+    assert run["scheduler"]["params"]["warmup_num_steps"] == 1
+    with pytest.raises(ValueError, match=r"ds scheduler.params.total_num_steps=7 vs hf num_training_steps"):
+        fill_for_run({"scheduler": {"params": {"total_num_steps": 7}}}, args, 100, hidden_size=8)

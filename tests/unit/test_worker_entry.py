@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from raytrainer.trainer_utils import set_seed
+from raytrainer.trainer_utils import enable_full_determinism, set_seed
 from raytrainer.worker.entry import ProcessState
 
 
@@ -28,7 +28,7 @@ def test_a_command_leaves_nothing_the_next_one_sees(monkeypatch):
 
     # what one command may do: seed, turn on full determinism, change flags, dtype and environment
     set_seed(123)
-    set_seed(7, deterministic=True)  # full_determinism
+    enable_full_determinism(7)  # full_determinism, as transformers sets it
     torch.backends.cuda.matmul.allow_tf32 = not torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
     torch.set_default_dtype(torch.float64)
