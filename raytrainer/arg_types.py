@@ -196,7 +196,7 @@ def check_moot(args) -> None:
     """transformers' fields that have no effect on Ray or are refused: each non-default value that would
     change what transformers does is an error naming the field and the way to get it with raytrainer."""
     debug = args.debug
-    debug = debug.split() if isinstance(debug, str) else [getattr(d, "value", d) for d in debug]
+    debug = debug.split() if isinstance(debug, str) else [getattr(d, "value", d) for d in debug or ()]
     for option in debug:
         _check_one_of("debug", option, DEBUG_OPTIONS)
     if "tpu_metrics_debug" in debug:

@@ -83,9 +83,10 @@ class ArgumentParser(_TransformersParser):
     def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field):
         field = copy.copy(field)  # transformers' parser rewrites field.type; keep the class's Field intact
         metadata = {k: v for k, v in field.metadata.items() if k in _ARGPARSE_KEYS}
-        if field.default is not dataclasses.MISSING:
+        if field.default is not dataclasses.MISSING and not isinstance(field.default, str):
             # transformers drops the default of a `list[X]`-typed field declared with `default=` (not a
-            # factory), e.g. `debug: str | list[...] = ""`: without this, no flag gives None, not the default.
+            # factory): without this, no flag gives None, not the default. (A string default, as
+            # transformers' own `debug: str | list[DebugOption] = ""`, would be run through X by argparse.)
             metadata.setdefault("default", field.default)
         field.metadata = types.MappingProxyType(metadata)
         if _is_dict(_without_none(field.type)):

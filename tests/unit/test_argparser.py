@@ -1,5 +1,6 @@
 """ArgumentParser: command line, dict, JSON and YAML into dataclasses."""
 
+import dataclasses
 import json
 import logging
 import sys
@@ -232,7 +233,8 @@ def test_json_file_round_trip(tmp_path):
     path = tmp_path / "args.json"
     path.write_text(original.to_json_string())
     (parsed,) = ArgumentParser(TrainingArguments).parse_json_file(path)
-    assert parsed == original
+    assert parsed.hub_token == "<HUB_TOKEN>"  # transformers' to_dict masks every token
+    assert dataclasses.replace(parsed, hub_token=None) == original
     assert parsed.metric_for_best_model == "loss" and parsed.log_on_each_node is False
 
 
@@ -241,7 +243,7 @@ def test_yaml_file_round_trip(tmp_path):
     path = tmp_path / "args.yaml"
     path.write_text(yaml.safe_dump(original.to_dict()))
     (parsed,) = ArgumentParser(TrainingArguments).parse_yaml_file(path)
-    assert parsed == original
+    assert dataclasses.replace(parsed, hub_token=None) == original
 
 
 def test_yaml_strings_are_converted_like_the_command_line(tmp_path):

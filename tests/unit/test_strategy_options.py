@@ -58,7 +58,7 @@ def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
     }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    args = _ds_args(tmp_path, str(path), warmup_ratio=0.1)
+    args = _ds_args(tmp_path, str(path), warmup_steps=0.1)
     filled = fill_for_run(fill_from_args(json.loads(path.read_text()), args, 2), args, 100, hidden_size=64)
     assert filled["train_micro_batch_size_per_gpu"] == 4
     assert filled["gradient_accumulation_steps"] == 3
