@@ -133,8 +133,8 @@ class RayArgumentsMixin:
         default=None,
         metadata={"help": "A pyarrow.fs.FileSystem for storage_path (as Ray Train's RunConfig takes): an "
                           "S3FileSystem with its endpoint and credentials for an s3:// storage_path, say. "
-                          "Python only; it travels to the workers pickled, never into a file.",
-                  "cli": False},
+                          "Python only (not a command-line flag); it travels to the workers pickled, never "
+                          "into a file."},
     )
     max_failures: int = field(
         default=0, metadata={"help": "Times to restart the workers after a failure; -1 retries forever."}

@@ -17,7 +17,7 @@ adds only what that code does not do:
   from the file, as transformers' example scripts do by hand before calling the parser.
 
 The fixes, each to something transformers' parser gets wrong on a dataclass that is not its own: field
-metadata keys that are not argparse's (another library's, raytrainer's ``"cli": False``) are not handed to
+metadata keys that are not argparse's (another library's) are not handed to
 argparse, which would refuse them; a `list[X]` field declared with `default=` keeps its default; and
 `X | str | None` in an order other than transformers' `None | str | X`, or `dict | str`, is read as a string
 (as transformers reads its own such fields) instead of raising.

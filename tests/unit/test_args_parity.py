@@ -243,3 +243,14 @@ def test_the_migration_page_is_what_the_code_generates():
     done = subprocess.run([sys.executable, str(root / "scripts" / "migration_tables.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_transformers_own_parser_reads_the_ray_fields(tmp_path):
+    """TRL's TrlParser and users' scripts use transformers' HfArgumentParser: it must take raytrainer's
+    fields (argparse refuses metadata keys it does not know, so the mixin's fields carry only "help")."""
+    import transformers
+
+    (args,) = transformers.HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--num_workers", "2", "--resources_per_worker", '{"CPU": 1}',
+         "--max_failures", "3"])
+    assert (args.num_workers, args.resources_per_worker, args.max_failures) == (2, {"CPU": 1}, 3)
