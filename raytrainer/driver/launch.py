@@ -29,10 +29,13 @@ class _Sized:
 
 
 class DriverDisplay:
-    """The driver's callbacks (progress bar, printer, any with ``on_driver = True``), fed by rank 0."""
+    """The driver's callbacks (progress bar, printer, transformers' trackers, any with ``on_driver = True``),
+    fed by rank 0."""
 
     def __init__(self, trainer):
-        callbacks = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+        from raytrainer.integrations import runs_on_driver
+
+        callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
         self.handler = CallbackHandler(callbacks, trainer.model, trainer.processing_class, None, None)
         self.args = trainer.args
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)

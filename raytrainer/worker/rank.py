@@ -9,6 +9,7 @@ import logging
 import torch
 
 from raytrainer import final_weights
+from raytrainer.integrations import runs_on_driver
 from raytrainer.worker.context import RankContext
 from raytrainer.worker.logs import rank_logging
 
@@ -56,7 +57,7 @@ def callback_states(callbacks) -> list[tuple[str, dict]]:
 
     states, tensors = [], 0
     for callback in callbacks:
-        if getattr(callback, "on_driver", False):
+        if runs_on_driver(callback):
             continue
         attributes = {}
         for name, value in vars(callback).items():
@@ -84,7 +85,7 @@ def absorb_callback_states(callbacks, states: list[tuple[str, dict]] | None) -> 
         return
     mine: dict[str, list] = {}
     for callback in callbacks:
-        if not getattr(callback, "on_driver", False):
+        if not runs_on_driver(callback):
             mine.setdefault(type(callback).__qualname__, []).append(callback)
     for name, attributes in states:
         if mine.get(name):
@@ -95,7 +96,7 @@ def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
     """Display callbacks run on the driver; rank 0 relays the events they need."""
     from raytrainer.worker.relay import RelayCallback
 
-    driver_side = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "on_driver", False)]
+    driver_side = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
     for cb in driver_side:
         trainer.callback_handler.remove_callback(cb)
     if ctx.is_world_zero:
