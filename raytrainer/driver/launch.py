@@ -71,6 +71,9 @@ class _Pump(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
             self.drain()
+        # The last events too, on this thread: the driver's callbacks see a call's events from one thread
+        # (a tracker's state may be thread-local: MLflow's active run is).
+        self.drain()
 
     def drain(self) -> None:
         import ray
@@ -106,7 +109,6 @@ class _Pump(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-        self.drain()
 
 
 def _forget_previous_ray_run(args) -> None:
