@@ -20,7 +20,7 @@ from tracker_records import offline_runs, wandb_config, wandb_history, wandb_rec
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations import integration_utils as hf
 
-from raytrainer import Trainer
+from raytrainer import Trainer, TrainerCallback
 from raytrainer.integrations import (
     PACKAGES,
     LeftOnDriver,
@@ -255,3 +255,48 @@ def test_trackio_local_project_holds_each_logged_value_once(tmp_path, make_examp
     _same(got, want)
     assert [s for s, _ in got] == [2, 4, 6, 8]
     assert result["config"]["learning_rate"] == 0.1 and result["config"]["in_features"] == 4
+
+
+class _TrialSeen(TrainerCallback):
+    """Records what each trial's run tells its callbacks about the trial (copies of it run in each trial)."""
+
+    seen: list = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.seen.append((state.is_hyper_param_search, state.trial_name, dict(state.trial_params or {})))
+
+
+def test_each_search_trial_reports_to_its_own_tracker_run(tmp_path, monkeypatch, make_args, make_examples):
+    """transformers starts a tracker run per trial; here each trial gets its own tracker instances, and its
+    state says which trial it is (is_hyper_param_search, trial_name, trial_params), as transformers' does."""
+    import optuna
+    from mlflow import MlflowClient
+
+    from raytrainer.search.common import TrialSummary
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "raytrainer-search")
+    train, _, _ = make_examples(32)
+    args = make_args(report_to="mlflow", per_device_train_batch_size=8, num_train_epochs=1, logging_steps=2,
+                     eval_strategy="epoch", output_dir=str(tmp_path / "search"))
+    _TrialSeen.seen.clear()
+    trainer = Trainer(model_init=_model, args=args, train_dataset=train, eval_dataset=train[:16],
+                      callbacks=[_TrialSeen()])
+    trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 0.01, 0.2)},
+        n_trials=2, backend="optuna", sampler=optuna.samplers.RandomSampler(seed=0))
+
+    lrs = [TrialSummary.load(str(tmp_path / "search" / f"run-{i}")).hyperparameters["learning_rate"]
+           for i in range(2)]
+    assert lrs[0] != lrs[1]
+    assert _TrialSeen.seen == [(True, str(i), {"learning_rate": lr}) for i, lr in enumerate(lrs)]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("raytrainer-search").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    assert [float(r.data.params["learning_rate"]) for r in runs] == lrs
+    for run in runs:
+        assert run.data.params["model_type"] == "raytrainer-tiny-tracker"
+        history = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+        assert history == [2, 4]  # each trial's own losses, once
