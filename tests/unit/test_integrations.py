@@ -1,7 +1,8 @@
 """report_to: transformers' own integration callbacks against the real trackers, each read back from what it
 wrote -- TensorBoard event files (TensorBoard's reader), an MLflow sqlite store (MlflowClient), a W&B offline
-run's record file, codecarbon's emissions.csv, a Trackio project database (Trackio's storage). In-process
-runs (num_workers=0); a 2-worker run logging once from the driver is in tests/integration/test_trackers.py."""
+run's record file, codecarbon's emissions.csv, DVCLive's files, a Trackio project database (Trackio's
+storage). In-process runs (num_workers=0); a 2-worker run logging once from the driver is in
+tests/integration/test_trackers.py."""
 
 from __future__ import annotations
 
@@ -218,6 +219,25 @@ def test_codecarbon_writes_one_emissions_row_for_the_run(tmp_path, monkeypatch, 
     runtime = trainer.state.log_history[-1]["train_runtime"]
     assert 0 < float(rows[0]["duration"]) < runtime + 5
     assert float(rows[0]["energy_consumed"]) > 0
+
+
+def test_dvclive_files_hold_each_logged_value_once(tmp_path, monkeypatch, make_args, make_examples):
+    """DVCLive writes ``dvclive/`` in the working directory; its step is its own count of on_log calls."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    trainer = _train(make_args, make_examples, "dvclive", output_dir=str(tmp_path / "out"))
+
+    def tsv(name):
+        with open(tmp_path / "dvclive" / "plots" / "metrics" / name) as f:
+            rows = list(csv.reader(f, delimiter="\t"))[1:]  # after the header
+        return [(int(step), float(value)) for step, value in rows]
+
+    history = trainer.state.log_history
+    _same(tsv("loss.tsv"), [(i, e["loss"]) for i, e in enumerate(history) if "loss" in e])
+    _same(tsv("eval/loss.tsv"), [(i, e["eval_loss"]) for i, e in enumerate(history) if "eval_loss" in e])
+    with open(tmp_path / "dvclive" / "params.yaml") as f:
+        params = f.read()
+    assert "learning_rate: 0.1\n" in params and "run_name: unit-run\n" in params and TOKEN not in params
 
 
 def test_trackio_local_project_holds_each_logged_value_once(tmp_path, make_examples):
