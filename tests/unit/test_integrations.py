@@ -25,10 +25,12 @@ from raytrainer import Trainer, TrainerCallback
 from raytrainer.integrations import (
     PACKAGES,
     LeftOnDriver,
+    for_trial,
     get_reporting_integration_callbacks,
     is_tracker,
     runs_on_driver,
 )
+from raytrainer.search.common import check_picklable
 
 TOKEN = "hf_integration_secret_token_123"
 
@@ -133,6 +135,13 @@ def test_trackers_run_on_the_driver_and_never_travel_to_the_workers(make_args, m
     revived = stand_ins[0].revive(trainer.args)
     assert type(revived) is hf.TensorBoardCallback and revived.logging_dir == str(tmp_path / "tb")
     assert trainer.callback_handler.callbacks[1] is trackers[0]  # the driver keeps its own
+
+    # a search's picklability preflight leaves the trackers out; each trial gets its own
+    check_picklable(trainer)
+    for tracker in trackers:
+        mine = for_trial(tracker, trainer.args)
+        assert type(mine) is type(tracker) and mine is not tracker
+    assert for_trial(trainer.callback_handler.callbacks[0], trainer.args) is None  # not a tracker
     trackers[0].tb_writer.close()
 
 
