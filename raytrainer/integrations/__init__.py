@@ -108,15 +108,14 @@ def get_reporting_integration_callbacks(report_to) -> list[type]:
 
 def reporting_callbacks(args) -> list[TrainerCallback]:
     """Instances of ``args.report_to``'s callbacks, built as transformers' Trainer builds them."""
-    classes = get_reporting_integration_callbacks(args.report_to)
-    if classes and "://" not in str(args.output_dir):
-        # transformers' Trainer.__init__ has made output_dir before on_init_end, where codecarbon's
-        # tracker is built to write there
-        os.makedirs(args.output_dir, exist_ok=True)
-    return [_new(cls, args) for cls in classes]
+    return [_new(cls, args) for cls in get_reporting_integration_callbacks(args.report_to)]
 
 
 def _new(cls: type, args) -> TrainerCallback:
+    if "://" not in str(args.output_dir):
+        # transformers' Trainer.__init__ has made output_dir before on_init_end, where codecarbon's
+        # tracker is built to write there
+        os.makedirs(args.output_dir, exist_ok=True)
     callback = cls()
     # transformers 5 writes TensorBoard runs under TENSORBOARD_LOGGING_DIR or output_dir/runs/<time>_<host>;
     # raytrainer's arguments still take logging_dir (transformers 4's), which names that folder.

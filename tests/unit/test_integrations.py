@@ -307,8 +307,9 @@ def test_each_search_trial_reports_to_its_own_tracker_run(tmp_path, monkeypatch,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "raytrainer-search")
     train, _, _ = make_examples(32)
-    args = make_args(report_to="mlflow", per_device_train_batch_size=8, num_train_epochs=1, logging_steps=2,
-                     eval_strategy="epoch", output_dir=str(tmp_path / "search"))
+    monkeypatch.setenv("CODECARBON_LOG_LEVEL", "error")
+    args = make_args(report_to=["mlflow", "codecarbon"], per_device_train_batch_size=8, num_train_epochs=1,
+                     logging_steps=2, eval_strategy="epoch", output_dir=str(tmp_path / "search"))
     _TrialSeen.seen.clear()
     trainer = Trainer(model_init=_model, args=args, train_dataset=train, eval_dataset=train[:16],
                       callbacks=[_TrialSeen()])
@@ -329,3 +330,6 @@ def test_each_search_trial_reports_to_its_own_tracker_run(tmp_path, monkeypatch,
         assert run.data.params["model_type"] == "raytrainer-tiny-tracker"
         history = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
         assert history == [2, 4]  # each trial's own losses, once
+    for i in range(2):  # codecarbon: each trial's tracker, built for the trial's output_dir
+        with open(tmp_path / "search" / f"run-{i}" / "emissions.csv") as f:
+            assert len(list(csv.DictReader(f))) == 1
