@@ -126,7 +126,7 @@ CASES = [
     ("use_liger_kernel=True", lambda o: _args(o, use_liger_kernel=True)),
     ("debug='tpu_metrics_debug'", lambda o: _args(o, debug="tpu_metrics_debug")),
     ("accelerator_config split_batches=True", lambda o: _args(o, accelerator_config={"split_batches": True})),
-    ("report_to='trackio'", lambda o: _train(o, report_to="trackio")),
+    ("report_to='tensorbord' (a typo)", lambda o: _train(o, report_to="tensorbord")),
     ("use_gpu=True on a machine without GPUs", lambda o: _train(o, use_gpu=True)),
     ("storage_path under a file", lambda o: _train(o, storage_path=_blocked_path(o))),
     ("storage_path='ftp://host/x'", lambda o: _train(o, storage_path="ftp://host/x")),

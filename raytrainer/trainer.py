@@ -129,9 +129,9 @@ class Trainer:
 
         user_callbacks = callbacks if callbacks is not None else (callback or [])
         display = PrinterCallback if args.disable_tqdm else ProgressCallback
-        from raytrainer.integrations import get_reporting_integration_callbacks
+        from raytrainer.integrations import reporting_callbacks
 
-        reporting = get_reporting_integration_callbacks(args.report_to)  # they run on the driver
+        reporting = reporting_callbacks(args)  # transformers' trackers; they run on the driver
         self.callback_handler = CallbackHandler(
             [DefaultFlowCallback, *reporting, *user_callbacks, display], self.model, self.processing_class,
             self.optimizer, self.lr_scheduler,
@@ -211,7 +211,10 @@ class Trainer:
 
     # -- picklable for the workers ----------------------------------------------------------------
     def __getstate__(self):
+        from raytrainer.integrations import shipped_handler
+
         state = self.__dict__.copy()
+        state["callback_handler"] = shipped_handler(self.callback_handler)  # trackers stay on the driver
         for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
             state[name] = None
         for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders",

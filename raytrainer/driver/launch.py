@@ -29,7 +29,8 @@ class _Sized:
 
 
 class DriverDisplay:
-    """The driver's callbacks (progress bar, printer, any with ``on_driver = True``), fed by rank 0."""
+    """The driver's callbacks (progress bar, printer, transformers' trackers, any with ``on_driver = True``),
+    fed by rank 0."""
 
     def __init__(self, trainer):
         callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
@@ -68,6 +69,9 @@ class _Pump(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(self.period):
             self.drain()
+        # The last events too, on this thread: the driver's callbacks see a call's events from one thread
+        # (a tracker's state may be thread-local: MLflow's active run is).
+        self.drain()
 
     def drain(self) -> None:
         import ray
@@ -103,7 +107,6 @@ class _Pump(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-        self.drain()
 
 
 def _forget_previous_ray_run(args) -> None:

@@ -1,63 +1,170 @@
-"""``report_to`` integrations: experiment trackers fed with the Trainer's logs.
+"""``report_to``: transformers' own integration callbacks, run once, in the driver's process.
 
-Each integration is a ``TrainerCallback`` with ``on_driver = True``: on a Ray run it runs once, in the
-driver's process, on world rank 0's relayed events (never once per worker); with ``num_workers=0`` it
-runs in-process. The tracker's package is imported only when the integration is used.
+raytrainer writes no tracker code: ``report_to`` takes the names transformers knows
+(``transformers.integrations.INTEGRATION_TO_CALLBACK``: ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``,
+``codecarbon``, ``comet_ml``, ``dvclive``, ...) and the callbacks are transformers' classes, configured by
+transformers' environment variables. What raytrainer decides is where they run:
 
-==============  ==========================  =====================================================
-report_to       package                     where it writes
-==============  ==========================  =====================================================
-tensorboard     tensorboard                 ``logging_dir`` (default ``output_dir/runs/<time>_<host>``)
-mlflow          mlflow or mlflow-skinny     ``MLFLOW_TRACKING_URI`` (default ``output_dir/mlruns``)
-wandb           wandb                       W&B (``WANDB_MODE=offline`` keeps it local)
-==============  ==========================  =====================================================
+- with ``num_workers=0`` they run in place, as in transformers;
+- on Ray workers they run in the driver (``runs_on_driver``), on world rank 0's relayed events
+  (``on_train_begin``, ``on_log``, ``on_evaluate``, ``on_save``, ``on_train_end``, ...), so each value is
+  logged once, not once per worker, and a tracker's files, runs and credentials stay in the user's process.
+  They see ``state.is_world_process_zero = True``, the arguments, and the driver's model for its
+  ``config`` (with ``model_init``, the weightless skeleton the driver builds: same config, no weights);
+- they never travel to the workers: the Trainer ships a ``LeftOnDriver`` stand-in for each
+  (``shipped_handler``), so a tracker's open writer, run or client need not pickle, and a worker needs no
+  tracker package;
+- in a hyperparameter search each trial gets new instances (``for_trial``): one tracker run per trial, with
+  ``state.is_hyper_param_search``, ``trial_name`` and ``trial_params`` set as transformers sets them.
+
+A name transformers does not know, or one whose package is missing, is refused when the Trainer is built,
+before anything starts.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import importlib.util
+import os
+import sys
 
-INTEGRATIONS = {
-    # name: (module with the callback, class name, package to import, pip name)
-    "tensorboard": ("raytrainer.integrations.tensorboard", "TensorBoardCallback", "tensorboard",
-                    "tensorboard"),
-    "mlflow": ("raytrainer.integrations.mlflow", "MLflowCallback", "mlflow", "mlflow-skinny"),
-    "wandb": ("raytrainer.integrations.wandb", "WandbCallback", "wandb", "wandb"),
+from raytrainer.callbacks import TrainerCallback, runs_on_driver  # runs_on_driver: re-exported
+
+__all__ = ["PACKAGES", "LeftOnDriver", "for_trial", "get_available_reporting_integrations",
+           "get_reporting_integration_callbacks", "is_tracker", "reporting_callbacks", "runs_on_driver",
+           "shipped_handler"]
+
+_HF = "transformers.integrations.integration_utils"
+
+#: What each of transformers' ``report_to`` names imports ("a|b": either) and what to ``pip install``.
+#: A name transformers adds later and this table lacks is still accepted: its callback's own check applies.
+PACKAGES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "azure_ml": (("azureml.core",), "azureml-core"),
+    "clearml": (("clearml",), "clearml"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "dagshub": (("dagshub", "mlflow"), "dagshub mlflow"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "flyte": (("flytekit",), "flytekit"),
+    "kubeflow": ((), None),  # talks HTTP to the Kubeflow Trainer controller: no package
+    "mlflow": (("mlflow",), "mlflow"),  # mlflow-skinny provides the same module
+    "neptune": (("neptune",), "neptune"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "tensorboard": (("tensorboard|tensorboardX",), "tensorboard"),
+    "trackio": (("trackio",), "trackio"),
+    "wandb": (("wandb",), "wandb"),
 }
 
-__all__ = ["INTEGRATIONS", "get_available_reporting_integrations", "get_reporting_integration_callbacks"]
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # "a.b" whose parent "a" is missing
+        return False
 
 
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
+def _missing(name: str) -> list[str]:
+    modules, _ = PACKAGES.get(name, ((), None))
+    return [m.split("|")[0] for m in modules if not any(_installed(alt) for alt in m.split("|"))]
+
+
+def _names(report_to) -> list[str]:
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    return [] if names in (["none"], []) else names
 
 
 def get_available_reporting_integrations() -> list[str]:
-    return [name for name, (_, _, package, _) in INTEGRATIONS.items() if _installed(package)]
+    """transformers' answer: the integrations installed (and configured) here -- what ``"all"`` means."""
+    return importlib.import_module(_HF).get_available_reporting_integrations()
 
 
-def get_reporting_integration_callbacks(report_to: list[str] | str | None) -> list[type]:
-    """The callback classes for ``report_to`` ("all": every installed one). Unknown names and missing
-    packages are errors that say what to do -- raised when the Trainer is built, before any worker starts."""
-    import importlib
+def get_reporting_integration_callbacks(report_to) -> list[type]:
+    """transformers' callback classes for ``report_to`` (a name, a list of names, ``"all"`` or ``"none"``).
 
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    if names == ["none"]:
+    An unknown name (listing the known ones) and a missing package (naming it and the pip command) are
+    ValueErrors, raised where the Trainer is built. Nothing is imported for ``"none"``."""
+    names = _names(report_to)
+    if not names:
         return []
+    hf = importlib.import_module(_HF)
     if "all" in names:
-        names = get_available_reporting_integrations()
-    classes = []
+        names = hf.get_available_reporting_integrations()
+    known = hf.INTEGRATION_TO_CALLBACK
     for name in names:
-        if name not in INTEGRATIONS:
+        if name not in known:
             raise ValueError(
-                f"report_to={name!r} is not a known integration. Use one of "
-                f"{', '.join(sorted(INTEGRATIONS))}, 'all' (every installed one) or 'none'."
-            )
-        module, cls, package, pip_name = INTEGRATIONS[name]
-        if not _installed(package):
+                f"report_to={name!r} is not an integration transformers knows. Use one of "
+                f"{', '.join(sorted(known))}; 'all' (every installed one) or 'none'.")
+        missing = _missing(name)
+        if missing:
+            pip = PACKAGES[name][1]
             raise ValueError(
-                f"report_to={name!r} needs the {package!r} package, which is not installed: "
-                f"pip install {pip_name} (or drop {name!r} from report_to)."
-            )
-        classes.append(getattr(importlib.import_module(module), cls))
-    return classes
+                f"report_to={name!r} needs the {missing[0]!r} package, which is not installed here: "
+                f"pip install {pip} (on the machine that runs the script; the workers do not need it), "
+                f"or drop {name!r} from report_to.")
+    return [known[name] for name in names]
+
+
+def reporting_callbacks(args) -> list[TrainerCallback]:
+    """Instances of ``args.report_to``'s callbacks, built as transformers' Trainer builds them."""
+    return [_new(cls, args) for cls in get_reporting_integration_callbacks(args.report_to)]
+
+
+def _new(cls: type, args) -> TrainerCallback:
+    if "://" not in str(args.output_dir):
+        # transformers' Trainer.__init__ has made output_dir before on_init_end, where codecarbon's
+        # tracker is built to write there
+        os.makedirs(args.output_dir, exist_ok=True)
+    callback = cls()
+    # transformers 5 writes TensorBoard runs under TENSORBOARD_LOGGING_DIR or output_dir/runs/<time>_<host>;
+    # raytrainer's arguments still take logging_dir (transformers 4's), which names that folder.
+    logging_dir = getattr(args, "logging_dir", None)
+    if cls.__name__ == "TensorBoardCallback" and logging_dir and getattr(callback, "logging_dir", 1) is None:
+        callback.logging_dir = os.path.expanduser(logging_dir)
+    return callback
+
+
+def is_tracker(callback) -> bool:
+    """Whether ``callback`` is one of transformers' ``report_to`` callbacks (or a subclass of one)."""
+    hf = sys.modules.get(_HF)  # not imported: no instance of its classes can exist
+    return hf is not None and isinstance(callback, tuple(hf.INTEGRATION_TO_CALLBACK.values()))
+
+
+class LeftOnDriver(TrainerCallback):
+    """What travels in a tracker's place when the Trainer is pickled: its class, by name. The workers drop
+    it with the other driver-side callbacks; a search trial's process builds the class anew (``revive``)."""
+
+    on_driver = True
+    same_on_every_rank = True
+
+    def __init__(self, callback):
+        cls = type(callback)
+        # by name, so that a worker imports no tracker code; a script's own subclass travels by value
+        self.cls = cls if cls.__module__ == "__main__" else None
+        self.module, self.qualname = cls.__module__, cls.__qualname__
+
+    def revive(self, args) -> TrainerCallback:
+        cls = self.cls or importlib.import_module(self.module)
+        for part in ([] if self.cls else self.qualname.split(".")):
+            cls = getattr(cls, part)
+        return _new(cls, args)
+
+
+def shipped_handler(handler):
+    """``handler`` as the Trainer ships it: its trackers replaced by ``LeftOnDriver`` stand-ins."""
+    if not any(is_tracker(cb) for cb in handler.callbacks):
+        return handler
+    shipped = copy.copy(handler)
+    shipped.callbacks = [LeftOnDriver(cb) if is_tracker(cb) else cb for cb in handler.callbacks]
+    return shipped
+
+
+def for_trial(callback, args):
+    """A search trial's own tracker: a new instance of ``callback``'s class (one tracker run per trial, as
+    transformers' callbacks start one per trial); None when ``callback`` is not a tracker."""
+    if isinstance(callback, LeftOnDriver):
+        return callback.revive(args)
+    if is_tracker(callback):
+        return _new(type(callback), args)
+    return None

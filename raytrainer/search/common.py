@@ -32,6 +32,7 @@ from transformers.trainer_utils import default_hp_space_optuna as _transformers_
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from raytrainer.deps import require
+from raytrainer.integrations import for_trial, is_tracker
 from raytrainer.storage import join_uri
 from raytrainer.trainer_utils import BestRun  # noqa: F401  (the backends import it from here)
 
@@ -135,7 +136,8 @@ def check_picklable(trainer, **extra) -> None:
                "data_collator": trainer.data_collator, "compute_loss_func": trainer.compute_loss_func,
                "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics, **extra}
     for cb in trainer.callback_handler.callbacks:
-        objects[f"callback {type(cb).__name__}"] = cb
+        if not is_tracker(cb):  # a tracker stays in this process: each trial builds its own (for_trial)
+            objects[f"callback {type(cb).__name__}"] = cb
     for name, value in objects.items():
         if value is None:
             continue
@@ -326,10 +328,16 @@ def trial_trainer(trainer, args, model, reporter: TrialReporter):
     t.label_names = args.label_names or rdata.default_label_names(model)
     t.can_return_loss = t.label_names == [] or "return_loss" in inspect.signature(model.forward).parameters
     callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, TrialReporter)]
-    t.callback_handler = CallbackHandler([*copy.deepcopy(callbacks), EvaluateAtTheEnd(), reporter], model,
-                                         t.processing_class)
+    # the trackers: a new instance each (a tracker run per trial), told of the trial's Trainer as
+    # transformers' Trainer.__init__ tells them (on_init_end); the other callbacks: a copy each
+    trackers = {id(c): for_trial(c, args) for c in callbacks}
+    t.callback_handler = CallbackHandler(
+        [trackers[id(c)] or copy.deepcopy(c) for c in callbacks] + [EvaluateAtTheEnd(), reporter], model,
+        t.processing_class)
     t.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
     t.control = TrainerControl()
+    for tracker in filter(None, trackers.values()):
+        tracker.on_init_end(args, t.state, t.control, model=model, processing_class=t.processing_class)
     for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
         setattr(t, name, None)
     for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_group"):
@@ -348,6 +356,7 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     on_workers = bool(args.num_workers)  # the workers build the model (model_init with worker_trial)
     reporter = reporter or TrialReporter(compute_objective, report)
     t = trial_trainer(trainer, args, None if on_workers else build_model(trainer, trial, args.seed), reporter)
+    t._search_trial = (str(trial_id), _plain(params))  # the run's state.trial_name / trial_params
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay
     t._resume_with_new_hyperparameters = resume_from_checkpoint is not None

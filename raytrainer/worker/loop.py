@@ -156,6 +156,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             skip_updates = round((state.epoch - epochs_trained) * schedule.updates_per_epoch)
         if args.ignore_data_skip:
             skip_updates = 0
+    _mark_trial(state, trainer, trial)
     start_step = state.global_step
     resumed_at = (epochs_trained, skip_updates * args.gradient_accumulation_steps) if resume else None
     console.announce_training(trainer, train_dataloader, schedule.num_epochs, schedule.updates_per_epoch,
@@ -375,6 +376,19 @@ def _restore_state(state: TrainerState, saved: TrainerState) -> None:
                  "best_model_checkpoint", "total_flos", "num_input_tokens_seen", "stateful_callbacks",
                  "trial_name", "trial_params"):
         setattr(state, name, getattr(saved, name))
+
+
+def _mark_trial(state: TrainerState, trainer, trial) -> None:
+    """A search trial's run says so, as transformers' does, for the trackers (a run per trial, its name and
+    hyperparameters): set after a resume, which brings the saved run's."""
+    search = getattr(trainer, "_search_trial", None)  # (trial id, hyperparameters), set by the search
+    if search is None and trial is None:
+        return
+    state.is_hyper_param_search = True
+    if search is not None:
+        state.trial_name, state.trial_params = search
+    else:  # a Tune config dict, or the workers' stand-in for an Optuna trial
+        state.trial_params = dict(trial) if isinstance(trial, dict) else dict(getattr(trial, "params", {}))
 
 
 def _checkpoint_activations(model: torch.nn.Module, args) -> None:

@@ -11,8 +11,10 @@ import time
 from raytrainer.callbacks import TrainerCallback
 from raytrainer.trainer_utils import has_length
 
-_STATE_FIELDS = ("global_step", "max_steps", "epoch", "num_train_epochs", "best_metric",
-                 "best_model_checkpoint", "trial_name")
+# what the driver's callbacks read of the state (transformers' trackers: the step, the trial, the steps plan)
+_STATE_FIELDS = ("global_step", "max_steps", "epoch", "num_train_epochs", "best_metric", "best_global_step",
+                 "best_model_checkpoint", "total_flos", "train_batch_size", "logging_steps", "eval_steps",
+                 "save_steps", "is_hyper_param_search", "trial_name", "trial_params")
 
 
 class RelayCallback(TrainerCallback):

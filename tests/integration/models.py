@@ -517,3 +517,43 @@ class Journal(TrainerCallback):
 
     def on_predict(self, args, state, control, **kwargs):
         self.events.append("predict")
+
+
+def tiny_hf_regressor():
+    """A transformers model (its ``config`` is what trackers log) as small as Regressor, for model_init."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class TinyTrackedConfig(PretrainedConfig):
+        model_type = "raytrainer-tiny-tracked"
+
+        def __init__(self, in_features: int = 6, num_labels: int = 3, **kwargs):
+            self.in_features = in_features
+            super().__init__(num_labels=num_labels, **kwargs)
+
+    class TinyTracked(PreTrainedModel):
+        config_class = TinyTrackedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.linear = torch.nn.Linear(config.in_features, config.num_labels)
+
+        def forward(self, x, labels=None):
+            logits = self.linear(x)
+            if labels is None:
+                return (logits,)
+            return torch.nn.functional.cross_entropy(logits, labels), logits
+
+    torch.manual_seed(0)
+    return TinyTracked(TinyTrackedConfig())
+
+
+class RecordRaytrainerFile(TrainerCallback):
+    """Where each rank imported raytrainer from (a checkout's tests must run its own code on the workers)."""
+
+    def __init__(self):
+        self.files = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import raytrainer
+
+        self.files[args.process_index] = (raytrainer.__file__, os.getpid())
