@@ -116,13 +116,7 @@ def _new(cls: type, args) -> TrainerCallback:
         # transformers' Trainer.__init__ has made output_dir before on_init_end, where codecarbon's
         # tracker is built to write there
         os.makedirs(args.output_dir, exist_ok=True)
-    callback = cls()
-    # transformers 5 writes TensorBoard runs under TENSORBOARD_LOGGING_DIR or output_dir/runs/<time>_<host>;
-    # raytrainer's arguments still take logging_dir (transformers 4's), which names that folder.
-    logging_dir = getattr(args, "logging_dir", None)
-    if cls.__name__ == "TensorBoardCallback" and logging_dir and getattr(callback, "logging_dir", 1) is None:
-        callback.logging_dir = os.path.expanduser(logging_dir)
-    return callback
+    return cls()  # TensorBoard's folder: TENSORBOARD_LOGGING_DIR, else output_dir/runs/<time>_<host>
 
 
 def is_tracker(callback) -> bool:

@@ -74,8 +74,9 @@ def run(address: str, work: str, tag: str, **overrides) -> Trainer:
 
 def main() -> None:
     address, work = sys.argv[1], sys.argv[2]
+    os.environ["TENSORBOARD_LOGGING_DIR"] = os.path.join(work, "tb")  # transformers 5's setting
     first = run(address, work, "each-node", log_on_each_node=True, save_on_each_node=True,
-                report_to="tensorboard", logging_dir=os.path.join(work, "tb"), push_to_hub=True,
+                report_to="tensorboard", push_to_hub=True,
                 hub_model_id=f"file://{work}/hub", hub_strategy="every_save", hub_token=TOKEN)
     run(address, work, "main-only", log_on_each_node=False)
     from safetensors.torch import load_file

@@ -22,9 +22,10 @@ def test_trackers_log_each_value_once_from_the_driver(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "raytrainer-ray")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # read in the driver's process
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), num_workers=2, report_to=["tensorboard", "mlflow"],
-        logging_dir=str(tmp_path / "tb"), run_name="ray-run", disable_tqdm=True, optim="sgd",
+        run_name="ray-run", disable_tqdm=True, optim="sgd",
         learning_rate=0.1, per_device_train_batch_size=4, max_steps=6, logging_steps=2, eval_strategy="steps",
         eval_steps=3, save_strategy="no")
     where = RecordRaytrainerFile()

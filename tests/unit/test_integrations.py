@@ -113,12 +113,14 @@ def test_report_to_takes_transformers_names_and_refuses_bad_ones_when_the_traine
                 train_dataset=train)
 
 
-def test_trackers_run_on_the_driver_and_never_travel_to_the_workers(make_args, make_examples, tmp_path):
+def test_trackers_run_on_the_driver_and_never_travel_to_the_workers(make_args, make_examples, tmp_path,
+                                                                     monkeypatch):
     """Pickled for the workers, the Trainer carries a stand-in per tracker (a codecarbon tracker, an open
     writer need not pickle); a search trial's process builds the tracker anew from it."""
     train, _, _ = make_examples(8)
-    trainer = Trainer(model=_model(), args=make_args(report_to=["tensorboard", "codecarbon"],
-                                                     logging_dir=str(tmp_path / "tb")), train_dataset=train)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))  # transformers 5's setting
+    trainer = Trainer(model=_model(), args=make_args(report_to=["tensorboard", "codecarbon"]),
+                      train_dataset=train)
     assert all(runs_on_driver(cb) for cb in trainer.callback_handler.callbacks[1:3])
     trackers = [cb for cb in trainer.callback_handler.callbacks if is_tracker(cb)]
     assert [type(cb) for cb in trackers] == [hf.TensorBoardCallback, hf.CodeCarbonCallback]
@@ -146,10 +148,11 @@ def test_trackers_run_on_the_driver_and_never_travel_to_the_workers(make_args, m
 
 
 # -- each tracker, read back ---------------------------------------------------------------------------------
-def test_tensorboard_event_files_hold_each_logged_value_once(tmp_path, make_args, make_examples):
+def test_tensorboard_event_files_hold_each_logged_value_once(tmp_path, make_args, make_examples, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trainer = _train(make_args, make_examples, "tensorboard", logging_dir=str(tmp_path / "tb"))
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    trainer = _train(make_args, make_examples, "tensorboard")
     assert len([f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out.tfevents")]) == 1
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
