@@ -46,8 +46,8 @@ def data(n=32):
     return [{"x": x[i], "labels": x[i].sum()} for i in range(n)]
 
 
-def run(out, callbacks=(), resume=None, **fields):
-    args = TrainingArguments(output_dir=out, max_steps=8, per_device_train_batch_size=4,
+def run(out, callbacks=(), resume=None, max_steps=8, **fields):
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True, seed=3,
                              learning_rate=0.05,
                              **fields)
