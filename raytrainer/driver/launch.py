@@ -185,8 +185,9 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     """Run ``method`` on the Trainer's live worker group (started now if it has none, or none that fits the
     arguments); return rank 0's payload. A Ray Data training set is given to Ray Train at the start of a
     run, so that ``train()`` runs on a group of its own, closed after it."""
+    from raytrainer.driver import ray_runtime, resources
     from raytrainer.driver.group import WorkerGroup, attach
-    from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray, warn_if_gpus_missing
+    from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray
 
     args = trainer.args
     check_gpus_before_start(args)
@@ -197,7 +198,7 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
         group.close()  # its workers hold the resources the next group needs
         group = None
     if group is None:
-        warn_if_gpus_missing(args)
+        resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
         if datasets:
             _check_cpus_for_ray_data(args)
         group = WorkerGroup(args)
