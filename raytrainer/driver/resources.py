@@ -13,8 +13,8 @@ raytrainer started, one the script started itself with ``ray.init()``, a cluster
 
 "An autoscaler may add nodes": the autoscaler's cluster config in the GCS (autoscaler v2, KubeRay) lists a
 node group that can grow and has every resource of the bundle; or the v1 autoscaler's status names node
-types of a cluster config (a ``ray start`` head without one runs the read-only provider, whose node types
-are the nodes' own ids). A local instance that raytrainer started has no autoscaler.
+types of a cluster config (a ``ray start`` head or ``ray.init()`` without one runs the read-only provider,
+whose node types are ``node_<node id>``). A local instance that raytrainer started has no autoscaler.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def autoscaler_may_add(bundle: dict[str, float]) -> bool:
                    for g in config.node_group_configs)
     status = _v1_status()
     mapping = (status.get("autoscaler_report") or {}).get("node_type_mapping") or {}
-    return any(node != node_type for node, node_type in mapping.items())
+    # the read-only provider names each node's type after the node: "node_<id>" (format_readonly_node_type)
+    return any(node_type != f"node_{node}" for node, node_type in mapping.items())
 
 
 def _cluster_config():
