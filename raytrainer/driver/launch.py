@@ -199,8 +199,9 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     if group is not None and (datasets or not group.usable_for(args)):
         group.close()  # its workers hold the resources the next group needs
         group = None
-    if group is None:
+    if group is None or not group.started:  # a search trial's lent group may not have started yet
         resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
+    if group is None:
         if datasets:
             _check_cpus_for_ray_data(args)
         group = WorkerGroup(args)
