@@ -1,7 +1,7 @@
 """The trained weights go from the workers to the driver through storage, never through Ray.
 
 At the end of ``train()`` on Ray workers every rank takes part in writing the final weights into
-``<storage root>/.raytrainer-final-model/``, in its strategy's layout (``Strategy.save_final_weights``):
+``<storage root>/.raytrainer/final-model/``, in its strategy's layout (``Strategy.save_final_weights``):
 one consolidated ``model.safetensors`` written by rank 0 for replicated strategies, one
 torch.distributed.checkpoint (DCP) file per rank for sharded ones, each rank writing only its own shard.
 Rank 0's answer through the event channel carries the folder's URI, a few bytes.
@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 import tempfile
 import warnings
 
 import torch
 
-from raytrainer.storage import Storage
+from raytrainer.storage import STATE_FOLDER, Storage
 
 logger = logging.getLogger(__name__)
 
-FOLDER = ".raytrainer-final-model"  # hidden, and never pushed to the Hub (hub.IGNORE_PATTERNS)
+FOLDER = posixpath.join(STATE_FOLDER, "final-model")  # hidden; never pushed to the Hub (hub.IGNORE_PATTERNS)
 DCP_METADATA = ".metadata"
 
 

@@ -27,6 +27,12 @@ from urllib.parse import urlsplit, urlunsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+#: raytrainer's and Ray Train's own state under a run's storage root (docs/checkpoints.md, "What else is in
+#: output_dir"): Ray Train's run folder (``ray/``), the final weights the driver loads (``final-model/``).
+#: One hidden folder, so that the root holds what transformers' holds -- ``checkpoint-<step>`` folders and
+#: the saved model -- and nothing that ``get_last_checkpoint`` or a ``checkpoint-*`` glob could mistake.
+STATE_FOLDER = ".raytrainer"
+
 # pyarrow's type_name of the filesystem each URI scheme resolves to
 _KIND = {"": "local", "file": "local", "s3": "s3", "gs": "gcs", "gcs": "gcs", "hdfs": "hdfs",
          "viewfs": "hdfs", "abfs": "abfs", "abfss": "abfs"}
@@ -112,6 +118,10 @@ class Storage:
     def uri_of(self, *parts: str) -> str:
         """A URI (or absolute local path) for ``parts`` under the root, as users and Ray see it."""
         return join_uri(self.uri, *parts)
+
+    def state(self, *parts: str) -> Storage:
+        """``STATE_FOLDER/parts`` under the root, as a Storage of its own (on the same filesystem)."""
+        return self.at(self.uri_of(STATE_FOLDER, *parts))
 
     def at(self, uri: str) -> Storage:
         """Another location, on this storage's filesystem when it serves that URI."""

@@ -23,7 +23,6 @@ import atexit
 import gc
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -51,8 +50,10 @@ class WorkerGroup:
 
     _ids = itertools.count(1)
 
-    def __init__(self, args, launcher=None):
-        self.args = args  # the run's settings and Ray Train's run folder (its storage root)
+    def __init__(self, args, launcher=None, ray_folder: str | None = None):
+        self.args = args  # the run's settings (its storage's filesystem serves Ray Train's run folder)
+        # Ray Train's run folder, a path on that filesystem: <storage root>/.raytrainer/ray by default
+        self.ray_folder = (ray_folder or ray_run_folder(args)).rstrip("/")
         self.key = group_key(args)
         self.launcher = launcher or ray_train_launcher
         self.channel = None
@@ -82,9 +83,9 @@ class WorkerGroup:
         from raytrainer.driver.channel import Channel
 
         _close_unreachable_groups()
-        root = _run_root(self.args)
+        root = self.ray_folder
         for other in list(_LIVE):
-            if other is not self and not other.busy and not other.lent and _run_root(other.args) == root:
+            if other is not self and not other.busy and not other.lent and other.ray_folder == root:
                 # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two
                 # live runs in one folder corrupt each other's (a checkpoint one rotated away is listed).
                 logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
@@ -207,17 +208,19 @@ class WorkerGroup:
 
 
 def ray_train_launcher(args, config: dict, datasets: dict | None) -> None:
-    """Run the group as a Ray Train run (blocks until it ends)."""
+    """Run the group as a Ray Train run in the folder ``config["ray_run_root"]`` (blocks until it ends)."""
     from raytrainer.driver.launch import _forget_previous_ray_run, _torch_trainer
 
-    _forget_previous_ray_run(args)
+    _forget_previous_ray_run(args, config["ray_run_root"])
     _torch_trainer(args, config, datasets).fit()
 
 
-def _run_root(args) -> str:
+def ray_run_folder(args) -> str:
+    """Ray Train's run folder for a Trainer's group: ``<storage root>/.raytrainer/ray`` -- beside the
+    checkpoints, not among them (Ray's run record and storage marker are not the user's files)."""
     from raytrainer.storage import Storage
 
-    return Storage.for_run(args).root.rstrip("/")
+    return Storage.for_run(args).state("ray").root
 
 
 def _abort(channel) -> None:
@@ -297,8 +300,8 @@ def detach(trainer) -> WorkerGroup | None:
 class GroupPool:
     """Live worker groups lent to search trials, one per trial running at a time: a trial borrows a group,
     runs its ``train`` (and ``evaluate``) on it, and gives it back for the next trial. The groups' Ray Train
-    run folder is a folder of its own in the search's output folder (two live runs must not share one), so
-    the trials' checkpoints are not reported to Ray; raytrainer's own records do not depend on Ray's."""
+    run folder is a folder of its own in the search's storage (``.raytrainer/group-<n>``: two live runs must
+    not share one); raytrainer's own records do not depend on Ray's."""
 
     def __init__(self, search_args):
         self.search_args = search_args
@@ -309,9 +312,7 @@ class GroupPool:
 
     def lend(self, trainer) -> None:
         """Give a trial's Trainer a group that fits its arguments (one not yet started if none is idle)."""
-        import dataclasses
-
-        from raytrainer.storage import join_uri
+        from raytrainer.storage import Storage
 
         args = trainer.args
         with self._lock:
@@ -324,11 +325,8 @@ class GroupPool:
             g.close()
         if group is None:
             # a Ray Train run folder of its own inside the search's (live runs must not share one)
-            name = f".raytrainer-group-{next(self._numbers)}"
-            storage = self.search_args.storage_path
-            group = WorkerGroup(dataclasses.replace(
-                args, output_dir=os.path.join(os.path.abspath(self.search_args.output_dir), name),
-                storage_path=join_uri(storage, name) if storage else None))
+            search = Storage.for_run(self.search_args)
+            group = WorkerGroup(args, ray_folder=search.state(f"group-{next(self._numbers)}").root)
         with self._lock:
             self._lent.append(group)
         group.lent = True

@@ -10,6 +10,7 @@ are replayed into the driver's display callbacks.
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
@@ -109,8 +110,8 @@ class _Pump(threading.Thread):
         self.join()
 
 
-def _forget_previous_ray_run(args) -> None:
-    """Remove Ray Train's run snapshot left in ``output_dir`` by an earlier fit.
+def _forget_previous_ray_run(args, folder: str) -> None:
+    """Remove Ray Train's run snapshot left in its run folder ``folder`` by an earlier fit.
 
     Ray Train restores a run of the same name from that snapshot and refuses to start when a checkpoint
     it lists is gone -- and raytrainer's driver rotates checkpoints away (save_total_limit). raytrainer
@@ -122,23 +123,24 @@ def _forget_previous_ray_run(args) -> None:
     from raytrainer.storage import Storage
 
     storage = Storage.for_run(args)
-    path = storage.path(CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    path = posixpath.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
     if storage.exists(path):
         storage.fs.delete_file(path)
 
 
-def _run_config(args, channel=None):
-    """Ray Train's run folder is the storage root itself (so its checkpoints are HF's checkpoint-<step>
-    folders), given as Ray expects it: a path on the filesystem plus the filesystem object -- for a bucket
-    the same S3FileSystem (endpoint, region; credentials stay in each node's environment) raytrainer uses."""
-    import posixpath
-
+def _run_config(args, channel=None, folder: str | None = None):
+    """Ray Train's run folder ``folder`` (``<storage root>/.raytrainer/ray`` by default: Ray's run record
+    and storage marker stay out of the user's ``output_dir`` listing), given as Ray expects it: a path on
+    the filesystem plus the filesystem object -- for a bucket the same S3FileSystem (endpoint, region;
+    credentials stay in each node's environment) raytrainer uses. The checkpoints are outside it, so they
+    are not reported to Ray: raytrainer's manifests, registry and event channel track them."""
     from ray.train import FailureConfig, RunConfig
 
+    from raytrainer.driver.group import ray_run_folder
     from raytrainer.storage import Storage
 
     storage = Storage.for_run(args)
-    root = storage.root.rstrip("/")
+    root = (folder or ray_run_folder(args)).rstrip("/")
     return RunConfig(
         name=posixpath.basename(root),
         storage_path=posixpath.dirname(root) or "/",
@@ -179,17 +181,18 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
         placement_strategy=args.placement_strategy,
     )
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
+    run_config = _run_config(args, config["channel"], config.get("ray_run_root"))
     return TorchTrainer(worker_main, train_loop_config=config, scaling_config=scaling,
-                        torch_config=torch_config, run_config=_run_config(args, config["channel"]),
-                        datasets=datasets)
+                        torch_config=torch_config, run_config=run_config, datasets=datasets)
 
 
 def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     """Run ``method`` on the Trainer's live worker group (started now if it has none, or none that fits the
     arguments); return rank 0's payload. A Ray Data training set is given to Ray Train at the start of a
     run, so that ``train()`` runs on a group of its own, closed after it."""
+    from raytrainer.driver import ray_runtime, resources
     from raytrainer.driver.group import WorkerGroup, attach
-    from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray, warn_if_gpus_missing
+    from raytrainer.driver.ray_runtime import check_gpus_before_start, ensure_ray
 
     args = trainer.args
     check_gpus_before_start(args)
@@ -199,8 +202,9 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> dict:
     if group is not None and (datasets or not group.usable_for(args)):
         group.close()  # its workers hold the resources the next group needs
         group = None
+    if group is None or not group.started:  # a search trial's lent group may not have started yet
+        resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
     if group is None:
-        warn_if_gpus_missing(args)
         if datasets:
             _check_cpus_for_ray_data(args)
         group = WorkerGroup(args)

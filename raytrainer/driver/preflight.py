@@ -54,6 +54,10 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
         _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
     if args.num_workers == 0:
         return None
+    if method != "train" and _starts_a_group(trainer):
+        from raytrainer.storage import Storage
+
+        Storage.for_run(args).check_writable()  # the new group's Ray Train run folder lives there
     for key in ("eval_dataset", "test_dataset"):
         if key in kwargs:
             kwargs[key] = _materialized(kwargs[key])
@@ -157,8 +161,21 @@ def _check_checkpointing(trainer, kwargs: dict) -> None:
     resume = kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
     if resume:
         check_resume_target(trainer, resume)
-    if getattr(args.save_strategy, "value", args.save_strategy) != "no":
+    if _writes_storage(args):
         storage.check_writable()
+
+
+def _writes_storage(args) -> bool:
+    """Whether ``train()`` writes under the storage root: checkpoints when it saves, and on Ray workers
+    always (Ray Train's run folder, the final weights the driver loads) -- ``save_strategy="no"`` too."""
+    return getattr(args.save_strategy, "value", args.save_strategy) != "no" or args.num_workers > 0
+
+
+def _starts_a_group(trainer) -> bool:
+    """Whether an ``evaluate()`` / ``predict()`` on workers starts a worker group (and so Ray Train's run
+    folder in storage), not reuses the Trainer's live one."""
+    group = trainer.__dict__.get("_group")
+    return group is None or not (group.alive and group.usable_for(trainer.args))
 
 
 def _first_examples(dataset, n: int) -> list:

@@ -30,43 +30,28 @@ def gpus_needed(args) -> float:
     return args.num_workers * (args.resources_per_worker or {}).get("GPU", 1) if args.use_gpu else 0
 
 
+def started_here() -> bool:
+    """Whether the Ray instance this process uses is the local one raytrainer started (no autoscaler)."""
+    return _STARTED_HERE
+
+
 def check_gpus_before_start(args) -> None:
-    """``use_gpu=True`` where no GPU can come -- on a local Ray instance (the one raytrainer starts when no
-    address is given, or one it started earlier in this process) without enough GPUs: an error now, naming
-    the fix, instead of a run that waits forever for resources. A cluster may add GPU nodes (an autoscaler):
-    there ``warn_if_gpus_missing`` only warns."""
+    """``use_gpu=True`` where raytrainer is about to start a local Ray instance (no address given) on a
+    machine without enough GPUs: an error now, naming the fix, before Ray starts. Once Ray is up -- whoever
+    started it -- ``driver.resources.check`` decides from the cluster's nodes."""
     import ray
 
     needed = gpus_needed(args)
-    if not needed:
+    if not needed or ray.is_initialized() or args.ray_address or os.environ.get("RAY_ADDRESS"):
         return
-    if ray.is_initialized():
-        if not _STARTED_HERE:
-            return
-        have, where = ray.cluster_resources().get("GPU", 0), "the local Ray instance raytrainer started has"
-    elif args.ray_address or os.environ.get("RAY_ADDRESS"):
-        return
-    else:
-        import torch
+    import torch
 
-        have = torch.cuda.device_count()
-        where = "this machine (where raytrainer starts a local Ray instance without ray_address) has"
+    have = torch.cuda.device_count()
     if have < needed:
         raise ValueError(
-            f"use_gpu=True asks for {needed:g} GPUs ({args.num_workers} workers), but {where} {have:g}. Run "
-            "on a machine with GPUs, give a cluster's address (ray_address= or RAY_ADDRESS), or set "
-            "use_gpu=False.")
-
-
-def warn_if_gpus_missing(args) -> None:
-    """On a running Ray instance with fewer GPUs than asked, Ray Train waits: for an autoscaler to add GPU
-    nodes on a cluster -- or forever. Say so once, with the numbers."""
-    import ray
-
-    needed, have = gpus_needed(args), ray.cluster_resources().get("GPU", 0)
-    if needed and have < needed:
-        logger.warning("use_gpu=True: the workers need %g GPUs and the Ray cluster has %g now; the run waits "
-                       "until an autoscaler adds GPU nodes (without one it never starts).", needed, have)
+            f"use_gpu=True asks for {needed:g} GPUs ({args.num_workers} workers), but this machine (where "
+            f"raytrainer starts a local Ray instance without ray_address) has {have:g}. Run on a machine "
+            "with GPUs, give a cluster's address (ray_address= or RAY_ADDRESS), or set use_gpu=False.")
 
 
 def ensure_ray(args) -> None:

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import os
+import posixpath
 import queue
 import signal
 import threading
@@ -141,10 +142,12 @@ def _trainable_class():
             self._resume = os.path.join(checkpoint_dir, names[0]) if names else None
             # Ray Train v2 refuses a run folder whose own run record names a checkpoint that rotation has
             # deleted; raytrainer resumes from its manifests (``_resume``), never from that record.
+            from raytrainer.driver.group import ray_run_folder
             from raytrainer.search.common import trial_args
 
-            run = Storage.for_run(trial_args(self._trainer.args, {}, self._run_id))
-            stale = run.path(_RAY_TRAIN_RUN_RECORD)
+            args = trial_args(self._trainer.args, {}, self._run_id)
+            run = Storage.for_run(args)
+            stale = posixpath.join(ray_run_folder(args), _RAY_TRAIN_RUN_RECORD)
             if run.exists(stale):
                 run.fs.delete_file(stale)
 

@@ -6,7 +6,8 @@ main counts as main). transformers' library logger (which keeps its own handler 
 is routed the same way once transformers' logging is loaded, and gets the level only where it is set
 explicitly: ``passive`` leaves transformers' verbosity as it is, as transformers.Trainer does. On Ray
 workers, records that pass -- and what the rank's Python code prints -- are forwarded to the driver's
-console, and the records are written to ``<output_dir>/logs/rank-<r>.log``; in the driver's own process
+console (Ray's own records only at ``debug``), and the records are written to
+``<output_dir>/logs/rank-<r>.log``; in the driver's own process
 (``num_workers=0``) they go to the application's handlers and ``output_dir`` holds what transformers'
 would. Everything is restored when the call ends, so the in-process run leaves the application's logging
 as it found it.
@@ -106,7 +107,10 @@ def rank_logging(args, rank: int, channel=None):
         file_handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
         file_handler.setFormatter(logging.Formatter("%(asctime)s " + WORKER_FORMAT))
         file_handler.addFilter(_RankFilter(rank))
-        added = [file_handler, _ForwardHandler(channel, rank)]
+        forward = _ForwardHandler(channel, rank)
+        if level > logging.DEBUG:
+            forward.addFilter(_without_ray_internals)
+        added = [file_handler, forward]
     streams = contextlib.ExitStack()
     if channel is not None:  # print() and warnings of the rank's Python code reach the driver's console
         streams.enter_context(contextlib.redirect_stdout(_ForwardStream(channel, rank, sys.stdout)))
@@ -159,6 +163,17 @@ def _transformers_default_level() -> int:
 
 
 _HF_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _without_ray_internals(record: logging.LogRecord) -> bool:
+    """Ray's own records stay off the driver's console (they go to the rank's log file): Ray Train logs
+    every reported checkpoint at INFO, on a logger named after its file (``getLogger(__file__)``), whose
+    records reach the root's handlers whatever the rank's level. Shown with ``log_level="debug"``."""
+    if record.name == "ray" or record.name.startswith("ray."):
+        return False
+    ray = sys.modules.get("ray")
+    ray_dir = os.path.dirname(getattr(ray, "__file__", None) or "") if ray is not None else ""
+    return not (ray_dir and record.pathname.startswith(ray_dir + os.sep))
 
 
 class _RankFilter(logging.Filter):

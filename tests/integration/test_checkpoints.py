@@ -45,3 +45,33 @@ def test_two_worker_resume_mid_epoch_is_bitwise_equal_and_rotation_runs_on_the_d
     assert out.global_step == 18
     for name, tensor in full.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_output_dir_holds_checkpoints_and_raytrainer_s_state_in_one_hidden_folder(tmp_path):
+    """As with transformers: output_dir lists checkpoint-<step> folders (and the ranks' logs); Ray Train's
+    run record and storage marker and the final weights are under .raytrainer/, which neither
+    get_last_checkpoint nor a checkpoint-* glob takes for a checkpoint. Rotation, best-model tracking and
+    the driver's lazy load of the best weights work from there."""
+    from safetensors.torch import load_file
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = tmp_path / "out"
+    args = _args(out, max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2, save_total_limit=1,
+                 load_best_model_at_end=True)
+    trainer = Trainer(model=DropoutRegressor(), args=args, train_dataset=make_data(32),
+                      eval_dataset=make_data(8, seed=2))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    names = sorted(os.listdir(out))
+    checkpoints = sorted({"checkpoint-6", os.path.basename(best)})
+    assert names == [".raytrainer", *checkpoints, "logs"], names
+    assert sorted(os.listdir(out / ".raytrainer")) == ["final-model", "ray"]
+    ray_files = set(os.listdir(out / ".raytrainer" / "ray"))  # Ray Train's run folder
+    assert ".validate_storage_marker" in ray_files
+    assert ray_files <= {".validate_storage_marker", "checkpoint_manager_snapshot.json"}
+    assert os.listdir(out / ".raytrainer" / "final-model") == ["model.safetensors"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-6")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == checkpoints
+    assert all((out / name / "manifest.json").exists() for name in checkpoints)
+    saved = load_file(os.path.join(best, "model.safetensors"))  # load_best_model_at_end, lazily
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved.items())

@@ -52,7 +52,7 @@ def test_two_workers_batch_8_match_one_process_batch_16(tmp_path):
     assert ddp.state.global_step == 12
     # The weights came through storage, not Ray: rank 0 wrote them once, the driver loads them on first use.
     assert "_pending_weights" in ddp.__dict__
-    assert sorted(os.listdir(tmp_path / "ddp" / ".raytrainer-final-model")) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ddp" / ".raytrainer" / "final-model")) == ["model.safetensors"]
     moved = max((ddp.model.state_dict()[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-2, "the driver's model must hold the trained weights"
     for name, ref_param in ref.model.state_dict().items():

@@ -31,7 +31,7 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
         assert f"rank {rank}: FSDPModule=True DTensor=True local=48 of 96" in console
     assert out.global_step == 18
     # the final weights came to the driver through storage, each rank writing its own shard (DCP)
-    assert sorted(p.name for p in (tmp_path / "full" / ".raytrainer-final-model").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "full" / ".raytrainer" / "final-model").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]

@@ -382,6 +382,24 @@ def test_unwritable_storage_fails_before_training(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
+@pytest.mark.parametrize("method", ["train", "evaluate"])
+def test_unwritable_storage_on_workers_fails_before_ray_without_saving(tmp_path, method):
+    """save_strategy="no" on workers still writes under storage (Ray Train's run folder, the final weights):
+    the driver checks it before Ray starts, as when saving, for train() and for a call that starts a group."""
+    import time
+
+    import ray
+
+    trainer = Trainer(model=DropoutNet(), args=args(tmp_path, num_workers=2, save_strategy="no",
+                                                    storage_path="/proc/raytrainer-runs"),
+                      train_dataset=data(), eval_dataset=data(8))
+    ray_before, started = ray.is_initialized(), time.monotonic()
+    with pytest.raises(ValueError, match=r"storage_path '/proc/raytrainer-runs' cannot be written"):
+        getattr(trainer, method)()
+    assert time.monotonic() - started < 5
+    assert ray.is_initialized() == ray_before
+
+
 def test_save_total_limit_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="save_total_limit"):
         args(tmp_path, save_total_limit=0)

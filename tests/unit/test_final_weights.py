@@ -73,8 +73,8 @@ def test_fsdp_writes_shards_and_the_driver_loads_them_from_a_bucket(tmp_path, s3
     strategy = FSDPStrategy(RankContext(), args)
     fully_shard(trained)
     uri, driver = _round_trip(args, strategy, trained)
-    assert uri == f"{s3_bucket.uri}/run/.raytrainer-final-model"
-    folder = "run/.raytrainer-final-model/"
+    assert uri == f"{s3_bucket.uri}/run/.raytrainer/final-model"
+    folder = "run/.raytrainer/final-model/"
     assert sorted(k for k in s3_bucket.list_objects(folder) if not k.endswith("/")) == [
         f"{folder}.metadata", f"{folder}__0_0.distcp"]
     for name, value in expected.items():
@@ -85,7 +85,7 @@ def test_a_second_write_replaces_the_first(tmp_path):
     args = _args(tmp_path / "out")
     strategy = Strategy(RankContext(), args)
     final_weights.write(_Rank(args, strategy, _model(seed=0)), strategy.ctx)
-    stale = tmp_path / "out" / ".raytrainer-final-model" / "__5_0.distcp"
+    stale = tmp_path / "out" / ".raytrainer" / "final-model" / "__5_0.distcp"
     stale.write_bytes(b"from a run on more workers")
     _, driver = _round_trip(args, strategy, _model(seed=2))
     assert not stale.exists()
@@ -109,9 +109,9 @@ def test_trainer_model_is_filled_on_first_use_and_a_new_model_cancels_it(tmp_pat
 
 
 def test_missing_final_weights_name_the_folder(tmp_path):
-    (tmp_path / ".raytrainer-final-model").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"\.raytrainer-final-model holds no final weights"):
-        final_weights.load_into(_model(0), str(tmp_path / ".raytrainer-final-model"))
+    (tmp_path / ".raytrainer" / "final-model").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"\.raytrainer/final-model holds no final weights"):
+        final_weights.load_into(_model(0), str(tmp_path / ".raytrainer" / "final-model"))
 
 
 def test_the_channel_refuses_weights_but_takes_metrics():
