@@ -2,7 +2,8 @@
 
 1. train in this process and save checkpoints, then resume from the last one (`resume_from_checkpoint=True`);
 2. train on 2 Ray workers with `max_failures=1` while one worker's process dies at step 5: the run restarts
-   the group, resumes from the last committed checkpoint and ends at the uninterrupted run's weights.
+   the group, resumes from the last committed checkpoint and ends at the uninterrupted run's weights;
+3. train with DeepSpeed ZeRO-3 and a `model_init` on 2 Ray workers.
 
 Each step asserts on values (steps, weights); any missing dependency fails here, not on a user's machine.
 Usage: python scripts/plain_install_check.py WORK_DIR   (the CI runs it from a clean venv: .ci/run)
@@ -72,6 +73,18 @@ def main(work: str) -> None:
     for name, tensor in whole.items():
         assert torch.equal(lost.model.state_dict()[name], tensor), name
     print("plain install: 2 Ray workers, a lost worker replaced and the run resumed to the same weights: ok")
+
+    # ZeRO-3 with model_init: the model is built under deepspeed.zero.Init on the workers (transformers'
+    # DeepSpeed integration is imported there), half of it on each rank; it trains and comes back whole
+    zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+             "train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+    args = TrainingArguments(output_dir=os.path.join(work, "zero3"), num_workers=2, deepspeed=zero3,
+                             max_steps=4, per_device_train_batch_size=4, save_strategy="no", optim="adamw_torch",
+                             report_to="none", disable_tqdm=True, learning_rate=0.05)
+    trainer = Trainer(model_init=Regressor, args=args, train_dataset=data())
+    assert trainer.train().global_step == 4
+    assert not torch.equal(trainer.model.net.weight, Regressor().net.weight), "ZeRO-3 did not train"
+    print("plain install: ZeRO-3 with model_init on 2 Ray workers: ok")
 
 
 if __name__ == "__main__":
