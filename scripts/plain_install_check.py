@@ -79,8 +79,8 @@ def main(work: str) -> None:
     zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
              "train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
     args = TrainingArguments(output_dir=os.path.join(work, "zero3"), num_workers=2, deepspeed=zero3,
-                             max_steps=4, per_device_train_batch_size=4, save_strategy="no", optim="adamw_torch",
-                             report_to="none", disable_tqdm=True, learning_rate=0.05)
+                             max_steps=4, per_device_train_batch_size=4, save_strategy="no",
+                             optim="adamw_torch", report_to="none", disable_tqdm=True, learning_rate=0.05)
     trainer = Trainer(model_init=Regressor, args=args, train_dataset=data())
     assert trainer.train().global_step == 4
     assert not torch.equal(trainer.model.net.weight, Regressor().net.weight), "ZeRO-3 did not train"
