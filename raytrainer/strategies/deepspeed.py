@@ -261,6 +261,10 @@ class DeepSpeedStrategy(Strategy):
                 error = exc
         if ctx.any_flags([error is not None])[0]:
             raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
+        if self.stage != 3:  # ZeRO-1/2, bf16: a rank holding no parameter of a group (deepspeed_universal)
+            from raytrainer.strategies.deepspeed_universal import repair
+
+            repair(model.optimizer)
         with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
             storage.download_dir(dest, local)
             with weights_only_loads():

@@ -597,3 +597,29 @@ class ReportStartingWeights(TrainerCallback):
                     compared += 1
         log.error("rank %d: built_on=%s start_diff=%g compared=%d lora_b_max=%g held=%d full=%d",
                   args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full)
+
+
+
+
+class FirstLogitShift(torch.nn.Module):
+    """Adds a learned number (named ``bias``: a no-decay parameter) to the first logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, logits):
+        return logits + torch.nn.functional.pad(self.bias, (0, logits.shape[-1] - 1))
+
+
+class OneBiasRegressor(DropoutRegressor):
+    """A DropoutRegressor whose only bias is one number (FirstLogitShift): the optimizer's no-decay group
+    holds 1 number, which ZeRO-1/2 pads to 4 and cuts in 2 on 2 ranks, so rank 1's partition of that group is
+    padding only."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        torch.manual_seed(seed)
+        self.net[0] = torch.nn.Linear(6, 16, bias=False)
+        self.net[-1] = torch.nn.Linear(16, 3, bias=False)
+        self.net.append(FirstLogitShift())
