@@ -8,6 +8,10 @@ head node does not have. Above ``DRIVER_META_ABOVE_PARAMS`` the driver therefore
 ``model_init`` builds under ``torch.device("meta")``: the same modules, shapes and config, no storage. Below
 it (any model a driver-side forward check still covers) the driver builds the real model, as transformers.
 
+On a worker, ranks that receive their weights from rank 0 (FSDP's rank-0 way) build the same skeleton even
+where ``model_init`` loads weights: ``weightless_loading`` (transformers' ``from_pretrained`` builds the model
+on the meta device from its config and the files' headers, reading no tensor).
+
 The skeleton becomes real on first use of the trained weights (``materialise``): ``model_init`` runs again,
 for real, and the final weights are loaded into it (``raytrainer.final_weights``). A ``model_init`` that
 cannot run under the meta device (``from_pretrained`` refuses to) is simply called for real.
@@ -15,6 +19,7 @@ cannot run under the meta device (``from_pretrained`` refuses to) is simply call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -81,3 +86,61 @@ def build_on_meta(build) -> torch.nn.Module | None:
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])
     return model
+
+
+@contextlib.contextmanager
+def weightless_loading():
+    """Meanwhile, ``model_init`` builds a weightless skeleton even where it loads pretrained weights: for a
+    rank whose weights come from another (FSDP's rank-0 way), so that it never holds the model.
+
+    Everything is created under ``torch.device("meta")``, and transformers' ``from_pretrained`` -- which
+    refuses a meta device context (it wants to load the weights) -- is called with ``device_map="meta"``, a
+    mode it supports: its own loading path builds the model on meta, with the dtype, tied weights, renamed
+    keys and adapters a real load gives (so the skeleton's parameters match rank 0's one for one, which a
+    ``from_config`` rebuild cannot promise: ``dtype="auto"`` follows the files). That mode still reads every
+    tensor from the files before moving it to meta; here each is made from its header instead (shape and
+    dtype), so the files' data is never read on this rank. What ``model_init`` does after (PEFT's
+    ``get_peft_model``, a new head) runs on meta too. Where transformers lacks the function this relies on
+    (``core_model_loading._materialize_copy``, 5.x), the tensors are read once and dropped: slower, still
+    never held."""
+    patches = []
+    try:
+        import transformers.modeling_utils as modeling_utils
+    except ImportError:
+        modeling_utils = None
+    if modeling_utils is not None:
+        pretrained = modeling_utils.PreTrainedModel.from_pretrained.__func__
+
+        def from_pretrained(cls, *args, **kwargs):
+            kwargs["device_map"] = "meta"  # whatever was asked: this rank's weights come from rank 0
+            return pretrained(cls, *args, **kwargs)
+
+        patches.append((modeling_utils.PreTrainedModel, "from_pretrained", classmethod(from_pretrained)))
+        try:
+            import transformers.core_model_loading as loading
+        except ImportError:
+            loading = None
+        if loading is not None and callable(getattr(loading, "_materialize_copy", None)):
+            patches.append((loading, "_materialize_copy", _header_only(loading._materialize_copy)))
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        with torch.device("meta"):
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _header_only(materialise):
+    """transformers' ``_materialize_copy(tensor, device, dtype)``, but a safetensors slice bound for the meta
+    device becomes an empty meta tensor of its shape and dtype, without reading its bytes."""
+    from safetensors.torch import _getdtype
+
+    def materialise_copy(tensor, device=None, dtype=None):
+        if device is not None and torch.device(device).type == "meta" and hasattr(tensor, "get_shape"):
+            dtype = dtype or _getdtype(tensor.get_dtype())
+            return torch.empty(tensor.get_shape(), dtype=dtype, device="meta")
+        return materialise(tensor, device, dtype)
+    return materialise_copy

@@ -76,9 +76,13 @@ class DeepSpeedStrategy(Strategy):
             return contextlib.nullcontext()
         import deepspeed
 
-        config = _without_autos(self.config)  # the run's lengths are not known yet: DeepSpeed's defaults
-        for key in ("train_batch_size", "gradient_accumulation_steps"):  # checked against a world size of 1
-            config.pop(key, None)  # before deepspeed.comm is set up; the engine checks them
+        # zero.Init replaces torch.Tensor.__new__ while it is active, and torch._dynamo refuses to import then
+        # (its polyfill for Tensor.__new__ checks the signature): a model_init whose from_pretrained imports
+        # the model's module for the first time (transformers' lazy imports reach torch._dynamo through
+        # masking_utils) would fail inside the context. Imported here first, once per process.
+        import torch._dynamo  # noqa: F401
+
+        config = self._zero_init_config()
         try:
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -86,6 +90,51 @@ class DeepSpeedStrategy(Strategy):
         except ImportError:
             pass
         return deepspeed.zero.Init(config_dict_or_path=config)
+
+    def build_model(self, factory, fresh: bool = True) -> torch.nn.Module:
+        """ZeRO-3 on several workers: ``model_init`` runs under ``zero.Init`` (``model_init_context``) where
+        it builds a model from code or a config. Where it loads pretrained weights (``from_pretrained``, found
+        as on FSDP: it refuses the meta device) or adapts the model with PEFT, it runs as in
+        transformers.Trainer instead: with ``HfDeepSpeedConfig`` alone, so that ``from_pretrained`` loads
+        partition-wise under transformers' own ``zero.Init`` while what ``model_init`` adds afterwards (LoRA
+        adapters) is built whole and initialised as written -- under an outer ``zero.Init`` PEFT's
+        initialisation would write into already-partitioned (empty) tensors and be lost, leaving LoRA's B
+        random instead of zero -- and the engine partitions it. A probe on the meta device decides (no
+        storage, random generators put back)."""
+        if self.stage != 3 or self.ctx.world_size == 1:
+            return factory()
+        from raytrainer.meta_model import build_on_meta, is_skeleton
+
+        probe = build_on_meta(factory)
+        if probe is not None and not is_skeleton(probe):
+            return probe  # model_init chose its own device: built for real, not again
+        if probe is None or hasattr(probe, "peft_config"):
+            del probe
+            with self._transformers_zero3():
+                return factory()
+        del probe
+        with self.model_init_context():
+            return factory()
+
+    def _zero_init_config(self) -> dict:
+        config = _without_autos(self.config)  # the run's lengths are not known yet: DeepSpeed's defaults
+        for key in ("train_batch_size", "gradient_accumulation_steps"):  # checked against a world size of 1
+            config.pop(key, None)  # before deepspeed.comm is set up; the engine checks them
+        return config
+
+    @contextlib.contextmanager
+    def _transformers_zero3(self):
+        """transformers sees ZeRO-3 enabled (``HfDeepSpeedConfig``, kept for the run as transformers.Trainer
+        keeps it): its ``from_pretrained`` / ``from_config`` build partitioned, under their own zero.Init."""
+        import torch._dynamo  # noqa: F401  (see model_init_context)
+
+        try:
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            self._hf_deepspeed_config = HfDeepSpeedConfig(self._zero_init_config())  # a weak reference there
+        except ImportError:
+            pass
+        yield
 
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -104,6 +153,10 @@ class DeepSpeedStrategy(Strategy):
         optimizer = scheduler = None
         if "optimizer" not in config:
             optimizer = optimizers.optimizer()
+            # DeepSpeed drops the optimizer's empty parameter groups (a no-decay group when every trainable
+            # parameter decays, as with LoRA adapters); a scheduler made before would step one group more
+            # than the optimizer has. Dropped here first, as DeepSpeed will.
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
             config.setdefault("zero_allow_untested_optimizer", True)
             if _offloads_optimizer(config):  # a torch optimizer on offloaded state (no DeepSpeedCPUAdam)
                 config.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -208,6 +261,10 @@ class DeepSpeedStrategy(Strategy):
                 error = exc
         if ctx.any_flags([error is not None])[0]:
             raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
+        if self.stage != 3:  # ZeRO-1/2, bf16: a rank holding no parameter of a group (deepspeed_universal)
+            from raytrainer.strategies.deepspeed_universal import repair
+
+            repair(model.optimizer)
         with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
             storage.download_dir(dest, local)
             with weights_only_loads():

@@ -113,11 +113,13 @@ class FSDPStrategy(Strategy):
           which transformers itself relies on for every weight a checkpoint lacks), or the root module's own
           ``reset_parameters()``. A rank holds its shard, never the model.
         - Else rank 0 builds the real model and broadcasts it into every rank's shard, the other ranks
-          building on meta (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained`` inside
-          ``model_init`` (which refuses the meta device), a model neither way can initialise, a resumed run
-          (its weights come from the checkpoint), or ``fsdp_config["cpu_ram_efficient_loading"]`` (the initial
-          weights exactly those of one process's ``model_init()``, at the cost of one whole model on rank 0's
-          CPU).
+          building a weightless skeleton (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained``
+          inside ``model_init`` (which refuses the meta device), a model neither way can initialise, a resumed
+          run (its weights come from the checkpoint), or ``fsdp_config["cpu_ram_efficient_loading"]`` (the
+          initial weights exactly those of one process's ``model_init()``, at the cost of one whole model on
+          rank 0's CPU). The skeleton comes from ``model_init`` itself under
+          ``meta_model.weightless_loading``, where ``from_pretrained`` builds on meta and reads no tensor;
+          a ``model_init`` that fails even so is built for real on that rank, with a warning.
         - Not with ``offload`` (its shards live on the CPU while buffers go to the device) or one worker:
           every rank builds the model then."""
         if self.ctx.world_size == 1 or "offload" in self.args.fsdp:
@@ -143,8 +145,7 @@ class FSDPStrategy(Strategy):
                 return model  # whole on every rank: sharded in setup_model as with one builder
             del model
         self._from_rank0 = True
-        with torch.device("meta") if not self.ctx.is_world_zero else contextlib.nullcontext():
-            return factory()
+        return factory() if self.ctx.is_world_zero else _skeleton(factory, self.ctx.rank)
 
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -274,6 +275,23 @@ def _gradient_sync_off(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def _skeleton(factory, rank: int) -> torch.nn.Module:
+    """``factory()`` without weights, for a rank that receives rank 0's: transformers' ``from_pretrained``
+    inside builds on the meta device instead of refusing it (``meta_model.weightless_loading``). Where even
+    that fails (a loader of another library that insists on real tensors), the rank builds the model for
+    real -- once, replaced by rank 0's weights in ``setup_model`` -- rather than fail the run."""
+    from raytrainer.meta_model import weightless_loading
+
+    try:
+        with weightless_loading():
+            return factory()
+    except Exception as exc:  # any failure only means: build it for real on this rank
+        logger.warning("FSDP: model_init could not build a weightless copy on rank %d (%s: %s); that rank "
+                       "builds the whole model once, then takes rank 0's weights", rank, type(exc).__name__,
+                       exc)
+    return factory()
 
 
 def _initialiser(model: torch.nn.Module):

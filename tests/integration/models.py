@@ -557,3 +557,109 @@ class RecordRaytrainerFile(TrainerCallback):
         import raytrainer
 
         self.files[args.process_index] = (raytrainer.__file__, os.getpid())
+
+
+def save_tiny_llama(folder) -> str:
+    """A tiny Llama causal LM (tied embeddings, a rotary buffer transformers leaves out of the file) saved
+    with ``save_pretrained``: the "pretrained" model a from_pretrained test fine-tunes (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    return str(folder)
+
+
+class FromPretrained:
+    """model_init: ``AutoModelForCausalLM.from_pretrained(path)``, with PEFT's LoRA on the attention's q and v
+    projections when ``lora``. Records where the weights it returned live (``TESTS_BUILT_ON``: ``meta``,
+    ``cpu`` or ``partitioned`` by ZeRO-3) for ``ReportStartingWeights``."""
+
+    def __init__(self, path: str, lora: bool = False):
+        self.path, self.lora = path, lora
+
+    def __call__(self):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.path)
+        weight = model.get_input_embeddings().weight
+        os.environ["TESTS_BUILT_ON"] = "partitioned" if hasattr(weight, "ds_id") else weight.device.type
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        return model
+
+
+def pretrained_key(name: str) -> str:
+    """A parameter's name in the saved file, from its name in the (possibly LoRA-wrapped) model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+class ReportStartingWeights(TrainerCallback):
+    """On every rank before the first step, gathered (a collective): how far the model's weights are from
+    the saved pretrained ones, the largest LoRA B value (PEFT starts B at zero: the adapted model is the
+    pretrained one), the parameter bytes this rank holds against the model's, and where model_init's
+    from_pretrained put the weights on this rank."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import contextlib
+
+        from safetensors.torch import load_file
+        from torch.distributed.tensor import DTensor
+
+        saved = load_file(os.path.join(self.path, "model.safetensors"))
+        params = dict(model.named_parameters())
+        gathered = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for p in params.values()):
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(params.values()))
+        held = full = 0
+        diff = lora_b = 0.0
+        compared = 0
+        for p in params.values():
+            local = p.to_local() if isinstance(p, DTensor) else getattr(p, "ds_tensor", p)
+            held += local.numel() * local.element_size()
+            full += getattr(p, "ds_numel", p.numel()) * p.element_size()
+        with gathered, torch.no_grad():
+            for name, p in params.items():
+                value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                if ".lora_B." in name:
+                    lora_b = max(lora_b, float(value.abs().max()))
+                elif ".lora_" not in name and pretrained_key(name) in saved:
+                    diff = max(diff, float((value.float() - saved[pretrained_key(name)].float()).abs().max()))
+                    compared += 1
+        log.error("rank %d: built_on=%s start_diff=%g compared=%d lora_b_max=%g held=%d full=%d",
+                  args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full)
+
+
+
+
+class FirstLogitShift(torch.nn.Module):
+    """Adds a learned number (named ``bias``: a no-decay parameter) to the first logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, logits):
+        return logits + torch.nn.functional.pad(self.bias, (0, logits.shape[-1] - 1))
+
+
+class OneBiasRegressor(DropoutRegressor):
+    """A DropoutRegressor whose only bias is one number (FirstLogitShift): the optimizer's no-decay group
+    holds 1 number, which ZeRO-1/2 pads to 4 and cuts in 2 on 2 ranks, so rank 1's partition of that group is
+    padding only."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        torch.manual_seed(seed)
+        self.net[0] = torch.nn.Linear(6, 16, bias=False)
+        self.net[-1] = torch.nn.Linear(16, 3, bias=False)
+        self.net.append(FirstLogitShift())

@@ -1,0 +1,67 @@
+"""Fine-tuning a pretrained transformers model, ``model_init=lambda: from_pretrained(path)``, plain and with
+PEFT's LoRA, under FSDP and DeepSpeed ZeRO-3 on 2 Ray workers: the most common way anyone uses a sharded
+strategy. Each run starts from exactly the saved weights on every rank, no rank other than 0 (FSDP) holds
+the whole model, and training moves the weights it should (all of them; with LoRA the adapters only).
+
+Run under each supported transformers version by ``scripts/test_transformers_range.sh``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from models import FromPretrained, ReportStartingWeights, counting_data, pretrained_key, save_tiny_llama
+from test_deepspeed import _config
+
+from raytrainer import Trainer, TrainingArguments
+
+
+def _args(out, strategy: str, learning_rate: float) -> TrainingArguments:
+    sharding = ({"fsdp": "full_shard auto_wrap"} if strategy == "fsdp"
+                else {"deepspeed": _config(3)})
+    return TrainingArguments(
+        output_dir=str(out), num_workers=2, per_device_train_batch_size=4, max_steps=8,
+        learning_rate=learning_rate, optim="adamw_torch", logging_steps=2, save_strategy="no",
+        disable_tqdm=True, report_to="none",
+        **sharding)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, strategy, lora):
+    from safetensors.torch import load_file
+
+    path = save_tiny_llama(tmp_path / "pretrained")
+    args = _args(tmp_path / "out", strategy, 5e-2 if lora else 1e-2)  # LoRA: a few adapters move slower
+    trainer = Trainer(model_init=FromPretrained(path, lora=lora), args=args,
+                      train_dataset=counting_data(64), callbacks=[ReportStartingWeights(path)])
+    assert trainer.train().global_step == 8
+    console = "".join(capfd.readouterr())
+    report = {int(r): (b, float(d), int(c), float(lb), int(h), int(f)) for r, b, d, c, lb, h, f in re.findall(
+        r"rank (\d): built_on=(\w+) start_diff=(\S+) compared=(\d+) lora_b_max=(\S+) held=(\d+) full=(\d+)",
+        console)}
+    assert sorted(report) == [0, 1], console[-3000:]
+    saved = load_file(f"{path}/model.safetensors")
+    for rank, (built_on, diff, compared, lora_b, held, full) in report.items():
+        # every rank starts from exactly the pretrained weights (and LoRA from the pretrained model)
+        assert diff == 0.0 and compared == len(saved) and lora_b == 0.0, (rank, report[rank])
+        assert held < 0.6 * full, (rank, held, full)  # sharded: about half each
+        if strategy == "fsdp":  # rank 0 reads the files; rank 1 builds a weightless skeleton
+            assert built_on == ("cpu" if rank == 0 else "meta"), report
+        else:  # transformers loads partition-wise under zero.Init
+            assert built_on == "partitioned", report
+
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0] - (0.04 if lora else 0.3), losses
+    trained = {pretrained_key(n): p.detach() for n, p in trainer.model.named_parameters()}
+    base = {k: v for k, v in trained.items() if ".lora_" not in k}
+    assert base.keys() >= saved.keys()
+    moved = [k for k in saved if not torch.equal(base[k], saved[k])]
+    if lora:
+        assert moved == []  # frozen
+        adapters = [v for k, v in trained.items() if ".lora_B." in k]
+        assert len(adapters) == 4 and all(v.abs().max() > 0 for v in adapters)
+    else:
+        assert sorted(moved) == sorted(saved)
