@@ -16,12 +16,11 @@ __all__ = ["HubStrategy", "IntervalStrategy", "OptimizerNames", "ParallelMode", 
            "SchedulerType"]
 
 
-# The strategy enums are transformers' own; raytrainer builds a subset of its optimizers.
+# The strategy enums are transformers' own; raytrainer builds a subset of its optimizers (every schedule).
 SUPPORTED_OPTIMIZERS = tuple(OptimizerNames(name) for name in (
     "adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor", "galore_adamw",
     "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
     "galore_adafactor_layerwise"))
-SUPPORTED_SCHEDULERS = tuple(SchedulerType)  # every schedule transformers' get_scheduler builds
 
 
 # "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.

@@ -53,7 +53,6 @@ from raytrainer.arg_types import (
     LOG_LEVELS,
     PLACEMENT_STRATEGIES,
     SUPPORTED_OPTIMIZERS,
-    SUPPORTED_SCHEDULERS,
     TRAIN_SAMPLING_STRATEGIES,
     _check_one_of,
     _check_positive_int,
@@ -196,8 +195,6 @@ class RayArgumentsMixin:
             if level == -1:
                 level = logging.getLogger("raytrainer").getEffectiveLevel()
             self.disable_tqdm = level > logging.WARNING
-        if self.torch_compile_backend or self.torch_compile_mode:
-            self.torch_compile = True
         warmup = self.warmup_steps
         if _is_number(warmup) and warmup >= 1 and warmup == int(warmup):
             self.warmup_steps = int(warmup)
@@ -208,8 +205,7 @@ class RayArgumentsMixin:
         self.logging_strategy = _to_enum("logging_strategy", self.logging_strategy, IntervalStrategy)
         self.save_strategy = _to_enum("save_strategy", self.save_strategy, SaveStrategy)
         self.hub_strategy = _to_enum("hub_strategy", self.hub_strategy, HubStrategy)
-        self.lr_scheduler_type = _to_enum("lr_scheduler_type", self.lr_scheduler_type, SchedulerType,
-                                          SUPPORTED_SCHEDULERS)
+        self.lr_scheduler_type = _to_enum("lr_scheduler_type", self.lr_scheduler_type, SchedulerType)
         self.optim = _to_enum("optim", self.optim, OptimizerNames, SUPPORTED_OPTIMIZERS)
         for name in _DICT_FIELDS:
             if hasattr(self, name):

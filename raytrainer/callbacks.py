@@ -162,16 +162,18 @@ class ProgressCallback(hf.ProgressCallback):
         super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
-            shown = {k: f"{logs[k]:.4g}" for k in ("loss", "learning_rate") if isinstance(logs.get(k), float)}
-            self.training_bar.set_postfix(shown, refresh=False)
-        if state.is_world_process_zero and self.training_bar is not None and logs:
-            shown = {k: v for k, v in logs.items() if not k.startswith("_")}
-            bar, self.training_bar = self.training_bar, _Writer(self.file)
-            try:  # transformers' formatting of the line, written under the bar to our file
-                super().on_log(args, state, control, logs=shown, **kwargs)
-            finally:
-                self.training_bar = bar
+        if not (state.is_world_process_zero and self.training_bar is not None and logs):
+            return
+        if "loss" in logs:
+            latest = {k: f"{logs[k]:.4g}" for k in ("loss", "learning_rate")
+                      if isinstance(logs.get(k), float)}
+            self.training_bar.set_postfix(latest, refresh=False)
+        shown = {k: v for k, v in logs.items() if not k.startswith("_")}
+        bar, self.training_bar = self.training_bar, _Writer(self.file)
+        try:  # transformers' formatting of the line, written under the bar to our file
+            super().on_log(args, state, control, logs=shown, **kwargs)
+        finally:
+            self.training_bar = bar
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None:
