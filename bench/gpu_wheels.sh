@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Wheels for an offline CUDA machine that has torch, transformers and accelerate but not ray, optuna or
-# deepspeed (bench/gpu.sh installs what it finds in WHEEL_DIR). Run here, with network; writes WHEEL_DIR
+# Wheels for an offline CUDA machine that has torch and accelerate but not ray, optuna or deepspeed, and
+# perhaps a transformers older than raytrainer's lower bound, so this project's transformers comes too
+# (bench/gpu.sh installs what it finds in WHEEL_DIR). Run here, with network; writes WHEEL_DIR
 # (default .whl/). Ray's wheel (79 MB) is repacked without its Java jar, RLlib and the dashboard's web
 # client, none of which a raytrainer run loads, to fit a 64 MiB transfer with the rest.
 #
@@ -16,11 +17,12 @@ trap 'rm -rf "$tmp"' EXIT
 # Versions as in this project's environment; the offline machine brings its own torch.
 ray_v="$(.venv/bin/python -c 'import ray; print(ray.__version__)')"
 ds_v="$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"
+tf_v="$(.venv/bin/python -c 'import transformers; print(transformers.__version__)')"
 binary=(jsonschema jsonschema-specifications referencing rpds-py pydantic pydantic-core annotated-types
         typing-inspection tensorboardX hjson)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$tmp" "ray==$ray_v" "${binary[@]}"
+  -d "$tmp" "ray==$ray_v" "transformers==$tf_v" "${binary[@]}"
 # DeepSpeed publishes only a source distribution: build its pure-Python wheel (ops compile at run time).
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$tmp" "deepspeed==$ds_v"
 
