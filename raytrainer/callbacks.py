@@ -96,8 +96,15 @@ class CallbackHandler(hf.CallbackHandler):
     """transformers' handler; a callback may also return a mapping of control flags, and a callback that is
     duck-typed (not a `TrainerCallback`) need not define every event."""
 
-    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
-        super().__init__(callbacks, model, processing_class, optimizer, lr_scheduler)
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None,
+                 flow: bool = True):
+        # flow=False: a handler that only shows what the workers' handlers did (the driver's display) has no
+        # DefaultFlowCallback, about which transformers' handler would warn; give it one, then take it out.
+        flow_callback = None if flow else hf.DefaultFlowCallback()
+        super().__init__([*callbacks, *filter(None, [flow_callback])], model, processing_class, optimizer,
+                         lr_scheduler)
+        if flow_callback is not None:
+            self.remove_callback(flow_callback)
 
     def call_event(self, event: str, args, state, control, **kwargs) -> TrainerControl:
         for callback in self.callbacks:

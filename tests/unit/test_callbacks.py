@@ -523,3 +523,20 @@ def test_printer_callback_prints_without_private_keys(capsys):
     assert capsys.readouterr().out.strip() == "{'loss': '0.25', 'step': 4}"
     cb.on_log(make_args(), TrainerState(is_local_process_zero=False), TrainerControl(), logs=logs)
     assert capsys.readouterr().out == ""
+
+
+def test_the_drivers_display_handler_has_no_flow_and_no_warning_about_it(tmp_path, caplog):
+    """The driver only shows what the workers' handlers decided: its handler has the driver's callbacks
+    alone, and transformers' warning about a missing DefaultFlowCallback (printed once per run) stays out."""
+    import torch
+
+    from raytrainer import Trainer, TrainingArguments
+    from raytrainer.driver.launch import DriverDisplay
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=False)
+    trainer = Trainer(model=torch.nn.Linear(2, 1), args=args)
+    with caplog.at_level(logging.WARNING):
+        display = DriverDisplay(trainer)
+    assert "DefaultFlowCallback" not in caplog.text
+    names = [type(cb).__name__ for cb in display.handler.callbacks]
+    assert names == ["ProgressCallback"], names
