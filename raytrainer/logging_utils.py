@@ -42,10 +42,10 @@ if not _workers.handlers:
     _workers.setLevel(logging.DEBUG)
 
 
-def emit_worker_record(payload: dict) -> None:
-    """Print one record a worker forwarded (its level was checked on the worker)."""
+def emit_worker_record(line) -> None:
+    """Print one record a worker forwarded (a ``protocol.LogLine``; its level was checked on the worker)."""
     record = logging.makeLogRecord(
-        {"name": "raytrainer.workers", "levelno": payload["levelno"],
-         "levelname": logging.getLevelName(payload["levelno"]), "msg": payload["text"]}
+        {"name": "raytrainer.workers", "levelno": line.levelno,
+         "levelname": logging.getLevelName(line.levelno), "msg": line.text}
     )
     _workers.handle(record)

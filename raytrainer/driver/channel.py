@@ -13,6 +13,8 @@ import copy
 
 import ray
 
+from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, Method, RankResult
+
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class Channel:
@@ -25,17 +27,17 @@ class Channel:
     costs the actor 64 pending calls, not 64 polls a second; every method is short and never blocks."""
 
     def __init__(self):
-        self._events: list = []
+        self._events: list[Event] = []
         self._changed = asyncio.Condition()
-        self._command: tuple | None = None  # (id, method, [spec reference]) of the latest command
+        self._command: Command | None = None  # the latest command
         self._expected = 0  # the results the latest command needs (the world size)
         self._closing = False
         self._controller = None  # Ray Train's controller actor, to abort the run (after_controller_start)
         self._reset_command_state()
-        self._fatal: tuple[int, bytes] | None = None  # (rank, pickled exception) of a deterministic failure
+        self._fatal: Fatal | None = None  # the first deterministic failure of a rank
 
     def _reset_command_state(self) -> None:
-        self._results: dict = {}
+        self._results: dict[int, RankResult] = {}
         self._attempts = 0
         self._latest_checkpoint: str | None = None
         self._stop = False
@@ -46,11 +48,10 @@ class Channel:
             self._changed.notify_all()
 
     # -- the command board (driver -> ranks) --------------------------------------------------------------
-    async def submit(self, command_id: int, method: str, spec: list, expected: int) -> None:
-        """Post the next command. ``spec`` is a one-item list holding the spec's object reference (in a
-        list, Ray hands the reference itself over instead of the bytes)."""
+    async def submit(self, command: Command, expected: int) -> None:
+        """Post the next command; ``expected`` ranks will answer it."""
         self._reset_command_state()
-        self._command, self._expected = (command_id, method, spec), expected
+        self._command, self._expected = command, expected
         await self._notify()
 
     async def close(self) -> None:
@@ -58,7 +59,7 @@ class Channel:
         self._closing = True
         await self._notify()
 
-    async def next_command(self, after: int, timeout: float) -> tuple | bool | None:
+    async def next_command(self, after: int, timeout: float) -> Command | bool | None:
         """The command a rank should run next: the latest one, when it is newer than ``after`` and not yet
         answered by every rank (a group restarted between commands must not run the last one again).
         None: the group is closing, or an earlier attempt failed deterministically. False: nothing within
@@ -67,7 +68,7 @@ class Channel:
         def ready():
             if self._closing or self._fatal is not None:
                 return True
-            return (self._command is not None and self._command[0] > after
+            return (self._command is not None and self._command.id > after
                     and len(self._results) < self._expected)
 
         async with self._changed:
@@ -79,11 +80,11 @@ class Channel:
             return None
         return self._command
 
-    async def wait_results(self, command_id: int, timeout: float) -> dict | None:
+    async def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
         """Every rank's result for ``command_id`` once all are in; None if not within ``timeout`` seconds."""
 
         def ready():
-            return (self._command is not None and self._command[0] == command_id
+            return (self._command is not None and self._command.id == command_id
                     and len(self._results) >= self._expected)
 
         async with self._changed:
@@ -100,29 +101,29 @@ class Channel:
         return self._controller
 
     # -- events and the run's bookkeeping (ranks -> driver) ---------------------------------------------
-    async def put(self, events: list) -> None:
+    async def put(self, events: list[Event]) -> None:
         self._events.extend(events)
-        for kind, _rank, payload in events:
-            if kind == "checkpoint":
-                self._latest_checkpoint = payload["uri"]
+        for event in events:
+            if event.kind is Kind.CHECKPOINT:
+                self._latest_checkpoint = event.payload.uri
 
-    async def begin_attempt(self) -> tuple[int, str | None, bool]:
-        """Called once per start of the current command (again after Ray Train restarted the workers):
-        (attempt number, latest checkpoint the command committed so far, whether an earlier attempt ended in
-        a deterministic failure -- then this one must not train)."""
+    async def begin_attempt(self) -> Attempt:
+        """Called by rank 0 once per start of the current command (again after Ray Train restarted the
+        workers)."""
         self._attempts += 1
+        attempt = Attempt(self._attempts - 1, self._latest_checkpoint, self._fatal is not None)
         # the driver numbers evaluations per attempt from here on (a restarted run evaluates again)
-        self._events.append(("attempt", 0, {"attempt": self._attempts - 1}))
-        return self._attempts - 1, self._latest_checkpoint, self._fatal is not None
+        self._events.append(Event(Kind.ATTEMPT, 0, attempt))
+        return attempt
 
-    async def record_fatal(self, rank: int, error: bytes) -> None:
+    async def record_fatal(self, fatal: Fatal) -> None:
         """A rank's deterministic failure (the first one counts): Ray may restart the workers, but
         raytrainer does not train again (driver/failures.py), and the group takes no more commands."""
         if self._fatal is None:
-            self._fatal = (rank, error)
+            self._fatal = fatal
         await self._notify()
 
-    async def fatal(self) -> tuple[int, bytes] | None:
+    async def fatal(self) -> Fatal | None:
         return self._fatal
 
     async def request_stop(self) -> None:
@@ -141,14 +142,60 @@ class Channel:
     async def evaluation_decision(self, attempt: int, index: int) -> bool | None:
         return self._decisions.get((attempt, index))
 
-    async def drain(self) -> list:
+    async def drain(self) -> list[Event]:
         events, self._events = self._events, []
         return events
 
-    async def set_result(self, rank: int, command_id: int, payload) -> None:
-        if self._command is not None and self._command[0] == command_id:
-            self._results[rank] = copy.deepcopy(payload)
+    async def set_result(self, rank: int, command_id: int, result: RankResult) -> None:
+        if self._command is not None and self._command.id == command_id:
+            self._results[rank] = copy.deepcopy(result)
             await self._notify()
 
-    async def results(self) -> dict:
+    async def results(self) -> dict[int, RankResult]:
         return self._results
+
+
+class RayChannel:
+    """The driver's end of a group's ``Channel`` actor: each call one round trip (the pump, the command
+    board, the group's end). ``actor`` is what the workers get (worker/channel_client.py)."""
+
+    def __init__(self):
+        self.actor = Channel.remote()
+
+    def submit(self, command_id: int, method: Method, spec_and_kwargs: tuple, expected: int) -> int:
+        """Post a command; its spec goes to the object store once (the command carries its reference).
+        Returns the spec's size in bytes."""
+        spec_ref = ray.put(spec_and_kwargs)
+        ray.get(self.actor.submit.remote(Command(command_id, method, [spec_ref]), expected))
+        return len(spec_and_kwargs[0])
+
+    def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
+        return ray.get(self.actor.wait_results.remote(command_id, timeout))
+
+    def drain(self) -> list[Event]:
+        return ray.get(self.actor.drain.remote())
+
+    def request_stop(self) -> None:
+        self.actor.request_stop.remote()
+
+    def decide_evaluation(self, attempt: int, index: int, stop: bool) -> None:
+        self.actor.decide_evaluation.remote(attempt, index, stop)
+
+    def fatal(self) -> Fatal | None:
+        return ray.get(self.actor.fatal.remote())
+
+    def controller(self):
+        return ray.get(self.actor.controller.remote(), timeout=10)
+
+    def close(self) -> None:
+        """No more commands (each rank's loop returns); quietly nothing when Ray or the actor is gone."""
+        if not ray.is_initialized():
+            return
+        try:
+            ray.get(self.actor.close.remote(), timeout=10)
+        except Exception:  # the channel is gone: the run is ending or ended
+            pass
+
+    def kill(self) -> None:
+        if ray.is_initialized():
+            ray.kill(self.actor)

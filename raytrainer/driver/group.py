@@ -13,8 +13,9 @@ size, resources, strategy, backend). Ray Train's fault tolerance is unchanged: a
 command restarts the group (``max_failures`` counts over the group's life) and the command runs again,
 ``train`` resuming from the checkpoint it last committed.
 
-The launcher is injectable: ``launcher(args, config, datasets)`` blocks while the run lives, so the
-protocol is tested with a launcher that runs the loop in threads of this process.
+Everything Ray is the group's backend (driver/ray_train.py's ``RayBackend`` by default): a test gives the
+group an in-process backend that replays recorded worker messages, and so exercises the driver's logic
+(dispatch, failure handling, checkpoint registry, log routing, warm groups, results) without Ray.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import logging
 import threading
 import time
 import weakref
+
+from raytrainer.protocol import Method, RankResult
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +53,14 @@ class WorkerGroup:
 
     _ids = itertools.count(1)
 
-    def __init__(self, args, launcher=None, ray_folder: str | None = None):
+    def __init__(self, args, backend=None, ray_folder: str | None = None):
+        from raytrainer.driver.ray_train import RayBackend
+
         self.args = args  # the run's settings (its storage's filesystem serves Ray Train's run folder)
         # Ray Train's run folder, a path on that filesystem: <storage root>/.raytrainer/ray by default
         self.ray_folder = (ray_folder or ray_run_folder(args)).rstrip("/")
         self.key = group_key(args)
-        self.launcher = launcher or ray_train_launcher
+        self.backend = backend or RayBackend()
         self.channel = None
         self._thread: threading.Thread | None = None
         self._ended: BaseException | None = None  # how the run ended, once it has
@@ -80,8 +85,7 @@ class WorkerGroup:
         return (not self.started or self.alive) and self.key == group_key(args)
 
     def start(self, datasets: dict | None = None) -> None:
-        from raytrainer.driver.channel import Channel
-
+        self.backend.prepare(self.args, datasets)
         _close_unreachable_groups()
         root = self.ray_folder
         for other in list(_LIVE):
@@ -91,20 +95,19 @@ class WorkerGroup:
                 logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
                             other.name, root)
                 other.close()
-        _make_room(self.args, exclude=self)
-        self.channel = Channel.remote()
-        config = {"channel": self.channel, "use_gpu": bool(self.args.use_gpu), "ray_run_root": root}
+        _make_room(self.args, self.backend, exclude=self)
+        self.channel = self.backend.channel()
         self.started_at = time.time()
-        self._thread = threading.Thread(target=self._run, args=(config, datasets), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(self.channel, datasets), daemon=True,
                                         name=f"raytrainer-{self.name}")
         self._thread.start()
         _LIVE.add(self)
         _close_before_ray_exits()
         logger.debug("%s: starting %d workers", self.name, self.args.num_workers)
 
-    def _run(self, config: dict, datasets: dict | None) -> None:
+    def _run(self, channel, datasets: dict | None) -> None:
         try:
-            self.launcher(self.args, config, datasets)
+            self.backend.launch(self.args, channel, self.ray_folder, datasets)
             self._ended = GroupFailed("the worker group's run ended")
         except BaseException as exc:  # kept for the driver's thread, which raises the user-facing error
             self._ended = exc
@@ -112,45 +115,35 @@ class WorkerGroup:
     def close(self, timeout: float = 60.0) -> None:
         """End the run: every rank's loop returns and Ray Train releases the workers and their placement
         group. Waits for a command in flight to end for ``timeout`` seconds, then aborts the run."""
-        import ray
-
         _LIVE.discard(self)
-        if self.channel is None or not ray.is_initialized():
+        if self.channel is None:
             return
         channel, self.channel = self.channel, None
-        try:
-            ray.get(channel.close.remote(), timeout=10)
-        except Exception as exc:  # the channel is gone: the run is ending or ended
-            logger.debug("%s: closing: %s", self.name, exc)
+        channel.close()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("%s: the workers did not stop within %.0fs; aborting the run", self.name, timeout)
-            _abort(channel)
+            self.backend.abort(channel)
             self._thread.join(timeout)
-        ray.kill(channel)
+        channel.kill()
         self._ended = None  # Ray Train's error holds its controller's handle in its traceback
 
     # -- commands ---------------------------------------------------------------------------------------
     def run(self, trainer, spec: bytes, method: str, kwargs: dict, registry,
-            datasets: dict | None = None) -> dict:
-        """Run ``method`` on every rank of the group (started now if it is not yet); rank 0's payload."""
-        import cloudpickle
-        import ray
-
-        from raytrainer.driver.launch import DriverDisplay, _Pump
+            datasets: dict | None = None) -> RankResult:
+        """Run ``method`` on every rank of the group (started now if it is not yet); rank 0's result."""
+        from raytrainer.driver.display import DriverDisplay, Pump
 
         if not self.started:
             self.start(datasets)
         command = next(self._commands)
-        spec_ref = ray.put((spec, kwargs))
-        logger.debug("run spec: %d bytes in the object store; command: %d bytes", len(spec),
-                     len(cloudpickle.dumps((command, method, [spec_ref]))))
-        pump = _Pump(self.channel, DriverDisplay(trainer), registry)
+        pump = Pump(self.channel, DriverDisplay(trainer), registry)
         pump.start()
         started = time.time()
         self.busy = True
         try:
-            ray.get(self.channel.submit.remote(command, method, [spec_ref], self.args.num_workers))
+            size = self.channel.submit(command, Method(method), (spec, kwargs), self.args.num_workers)
+            logger.debug("run spec: %d bytes in the object store", size)
             results = self._wait(command)
         except KeyboardInterrupt:
             logger.warning("interrupted: aborting %s on the workers", method)
@@ -162,57 +155,39 @@ class WorkerGroup:
         logger.debug("%s on %d workers took %.2fs", method, self.args.num_workers, time.time() - started)
         return results[0]
 
-    def _wait(self, command: int) -> dict:
-        import ray
-
+    def _wait(self, command: int) -> dict[int, RankResult]:
         while True:
-            results = ray.get(self.channel.wait_results.remote(command, 0.5))
+            results = self.channel.wait_results(command, 0.5)
             if results is not None:
                 return results
             if not self._thread.is_alive():
-                results = ray.get(self.channel.wait_results.remote(command, 0))
+                results = self.channel.wait_results(command, 0)
                 if results is not None:
                     return results
                 raise self._failure()
 
     def _end_now(self, timeout: float = 30.0) -> None:
         """Abort the run through its controller and wait for it to end (Ctrl-C on the driver)."""
-        import ray
-
         _LIVE.discard(self)
         channel, self.channel = self.channel, None
-        _abort(channel)
+        self.backend.abort(channel)
         self._thread.join(timeout)
-        ray.kill(channel)
+        channel.kill()
         self._ended = None
 
     def _failure(self) -> BaseException:
         """The error to raise when the run ended during a command: the recorded deterministic failure, else
         the failing worker's own exception. The group is over; the next call starts another."""
-        import ray
-        from ray.train import TrainingFailedError
-
         from raytrainer.driver import failures
-        from raytrainer.driver.launch import worker_error
 
         ended, self._ended = self._ended, None
-        fatal = ray.get(self.channel.fatal.remote())
-        ray.kill(self.channel)
+        fatal = self.channel.fatal()
+        self.channel.kill()
         self.channel = None
         _LIVE.discard(self)
         if fatal:
-            return failures.unpickled(fatal[1])
-        if isinstance(ended, TrainingFailedError):
-            return worker_error(ended)
-        return ended or GroupFailed("the worker group's run ended during a command")
-
-
-def ray_train_launcher(args, config: dict, datasets: dict | None) -> None:
-    """Run the group as a Ray Train run in the folder ``config["ray_run_root"]`` (blocks until it ends)."""
-    from raytrainer.driver.launch import _forget_previous_ray_run, _torch_trainer
-
-    _forget_previous_ray_run(args, config["ray_run_root"])
-    _torch_trainer(args, config, datasets).fit()
+            return failures.unpickled(fatal.error)
+        return self.backend.failure(ended) or GroupFailed("the worker group's run ended during a command")
 
 
 def ray_run_folder(args) -> str:
@@ -223,29 +198,12 @@ def ray_run_folder(args) -> str:
     return Storage.for_run(args).state("ray").root
 
 
-def _abort(channel) -> None:
-    """Abort the Ray Train run now (as Ray Train's own Ctrl-C handler does), through its controller."""
-    import ray
-
-    try:
-        controller = ray.get(channel.controller.remote(), timeout=10)
-        if controller is not None:
-            ray.get(controller.abort.remote(), timeout=30)
-    except Exception as exc:
-        logger.debug("abort: %s", exc)
-
-
-def _make_room(args, exclude: WorkerGroup) -> None:
+def _make_room(args, backend, exclude: WorkerGroup) -> None:
     """Idle groups of other Trainers hold their workers' resources; when the cluster lacks the CPUs or GPUs
     a new group needs, close idle ones, least recently used first, until it has them (a closed Trainer's
     next call starts a group again). Groups running a command or lent to a search trial stay."""
-    import ray
-
-    from raytrainer.driver.ray_runtime import cpus_needed, gpus_needed
-
     def short() -> bool:
-        free = ray.available_resources()
-        return free.get("CPU", 0) < cpus_needed(args) or free.get("GPU", 0) < gpus_needed(args)
+        return backend.short_of_resources(args)
 
     idle = sorted((g for g in _LIVE if g is not exclude and g.alive and not g.busy and not g.lent),
                   key=lambda g: g.last_used)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import statistics
 
+from raytrainer.protocol import Pace
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,9 +26,9 @@ class StragglerWatch:
         self._streak: dict[int, int] = {}
         self.warned: set[int] = set()
 
-    def observe(self, report: dict) -> list[str]:
+    def observe(self, report: Pace) -> list[str]:
         """The warnings this report raises (each is logged too)."""
-        per_rank, nodes = report["seconds_per_step"], report.get("nodes")
+        per_rank, nodes = report.seconds_per_step, report.nodes
         if len(per_rank) < 2:
             return []
         messages = []

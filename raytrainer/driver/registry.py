@@ -12,6 +12,7 @@ import logging
 import os
 
 from raytrainer.checkpoint import committed_checkpoints
+from raytrainer.protocol import CheckpointCommitted
 from raytrainer.storage import Storage, uri_basename
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,12 @@ class CheckpointRegistry:
         self.listeners: list = []  # called with each committed checkpoint's info (e.g. the hub pusher)
         self.pinned: set[str] = set()  # checkpoint names rotation keeps for now (a push is reading them)
 
-    def add(self, info: dict) -> None:
+    def add(self, info: CheckpointCommitted) -> None:
         """A checkpoint was committed (called with rank 0's report, in commit order)."""
-        self.latest = info["uri"]
-        if info.get("best_model_checkpoint"):
-            self.best = info["best_model_checkpoint"]
-        logger.info("checkpoint committed: %s", info["uri"])
+        self.latest = info.uri
+        if info.best_model_checkpoint:
+            self.best = info.best_model_checkpoint
+        logger.info("checkpoint committed: %s", info.uri)
         for listener in self.listeners:
             listener(info)
         self.rotate()

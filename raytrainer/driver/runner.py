@@ -21,6 +21,7 @@ from raytrainer.checkpoint import (
 )
 from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
+from raytrainer.protocol import RankResult
 from raytrainer.storage import Storage
 from raytrainer.worker.context import local_context
 from raytrainer.worker.rank import run_rank
@@ -84,7 +85,7 @@ def _run_local(trainer, method: str, kwargs: dict, registry: CheckpointRegistry)
     ctx = local_context(trainer.args)
     trainer._checkpoint_sink = registry.add
     try:
-        return run_rank(trainer, ctx, None, method, kwargs)["output"]
+        return run_rank(trainer, ctx, None, method, kwargs).output
     finally:
         trainer._ctx = trainer._strategy = trainer._writer = trainer._checkpoint_sink = None
         trainer.model_wrapped = trainer.model
@@ -106,15 +107,15 @@ def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
     load_weights_into(model, model_weights(reader), reader.uri)
 
 
-def _absorb(trainer, method: str, payload: dict):
+def _absorb(trainer, method: str, result: RankResult):
     """Take rank 0's answer into the driver's Trainer: after train() the final state and where the trained
     weights are (``trainer.model`` loads them on first access); after every call the state its worker-side
     callbacks recorded."""
     from raytrainer.worker.rank import absorb_callback_states
 
     if method == "train":
-        trainer._weights_pending(functools.partial(final_weights.load_into, uri=payload["weights_at"],
+        trainer._weights_pending(functools.partial(final_weights.load_into, uri=result.weights_at,
                                                    filesystem=trainer.args.storage_filesystem))
-        trainer.state = state_from_dict(payload["state"])
-    absorb_callback_states(trainer.callback_handler.callbacks, payload.get("callbacks"))
-    return payload["output"]
+        trainer.state = state_from_dict(result.state)
+    absorb_callback_states(trainer.callback_handler.callbacks, result.callbacks)
+    return result.output

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from raytrainer.arg_types import HubStrategy, SaveStrategy
 from raytrainer.hub import staging
+from raytrainer.protocol import CheckpointCommitted
 from raytrainer.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -75,11 +76,11 @@ class HubPusher:
         self.registry = registry
         registry.listeners.append(self.on_checkpoint)
 
-    def on_checkpoint(self, info: dict) -> None:
+    def on_checkpoint(self, info: CheckpointCommitted) -> None:
         """A checkpoint was committed (the driver's registry, in commit order): push it in the background."""
         if self.args.hub_strategy == HubStrategy.END:
             return
-        name = info["name"]
+        name = info.name
         if self.registry is not None:
             self.registry.pinned = self.registry.pinned | {name}  # a swap: rotation may read it meanwhile
         if self.trainer is not None:
@@ -91,12 +92,12 @@ class HubPusher:
         if self.registry is not None:
             self.registry.pinned = self.registry.pinned - {name}
 
-    def _push_checkpoint(self, info: dict):
+    def _push_checkpoint(self, info: CheckpointCommitted):
         """The model's files at the repository's root (see ``staging``); with hub_strategy checkpoint /
         all_checkpoints also the whole checkpoint, optimizer state included, so it can be resumed from."""
-        name = info["name"]
+        name = info.name
         try:
-            storage = Storage.from_uri(info["uri"], self.args.storage_filesystem)
+            storage = Storage.from_uri(info.uri, self.args.storage_filesystem)
             with tempfile.TemporaryDirectory(prefix="raytrainer-hub-") as tmp:
                 whole = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
                 folder = staging.local_checkpoint(storage, os.path.join(tmp, name)) if whole else None
@@ -120,8 +121,8 @@ class HubPusher:
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
             processing_class.save_pretrained(folder)
 
-    def _message(self, storage: Storage, info: dict) -> str:
+    def _message(self, storage: Storage, info: CheckpointCommitted) -> str:
         if self.args.save_strategy == SaveStrategy.STEPS:
-            return f"Training in progress, step {info['step']}"
+            return f"Training in progress, step {info.step}"
         epoch = json.loads(storage.read_bytes(storage.path("trainer_state.json"))).get("epoch") or 0
         return f"Training in progress, epoch {round(epoch)}"

@@ -7,9 +7,12 @@ import time
 
 import ray
 
+from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, RankResult
+
 
 class ChannelClient:
-    """Worker-side sender: buffers events and flushes every ``interval`` seconds or when asked."""
+    """A rank's end of the channel: buffers events and flushes every ``interval`` seconds or when asked;
+    every other call is one round trip to the channel actor (raytrainer.protocol lists the messages)."""
 
     def __init__(self, handle, rank: int, interval: float = 0.2):
         self.handle = handle
@@ -18,8 +21,8 @@ class ChannelClient:
         self._buffer: list = []
         self._last = time.monotonic()
 
-    def send(self, kind: str, payload, urgent: bool = False) -> None:
-        self._buffer.append((kind, self.rank, payload))
+    def send(self, kind: Kind, payload, urgent: bool = False) -> None:
+        self._buffer.append(Event(kind, self.rank, payload))
         if urgent or time.monotonic() - self._last >= self.interval:
             self.flush()
 
@@ -29,19 +32,26 @@ class ChannelClient:
             self._buffer = []
         self._last = time.monotonic()
 
-    def begin_attempt(self) -> tuple[int, str | None, bool]:
+    def begin_attempt(self) -> Attempt:
         return ray.get(self.handle.begin_attempt.remote())
 
     def record_fatal(self, error: bytes) -> None:
         self.flush()
-        ray.get(self.handle.record_fatal.remote(self.rank, error))
+        ray.get(self.handle.record_fatal.remote(Fatal(self.rank, error)))
 
-    def set_result(self, command_id: int, payload) -> None:
-        refuse_weights(payload)
+    def set_result(self, command_id: int, result: RankResult) -> None:
+        refuse_weights([result.output, result.state, result.callbacks])
         self.flush()
-        ray.get(self.handle.set_result.remote(self.rank, command_id, payload))
+        ray.get(self.handle.set_result.remote(self.rank, command_id, result))
 
-    def next_command(self, after: int, poll: float = 60.0) -> tuple | None:
+    def stop_requested(self):
+        """The stop flag, asked without waiting: an object reference (``ray.wait`` / ``ray.get`` it)."""
+        return self.handle.stop_requested.remote()
+
+    def evaluation_decision(self, attempt: int, index: int) -> bool | None:
+        return ray.get(self.handle.evaluation_decision.remote(attempt, index))
+
+    def next_command(self, after: int, poll: float = 60.0) -> Command | None:
         """Wait for the group's next command (None: the group is closing). The wait is a pending call on the
         channel actor, renewed every ``poll`` seconds."""
         self.flush()

@@ -35,6 +35,7 @@ from raytrainer.checkpoint import (
     model_weights,
     write_manifest,
 )
+from raytrainer.protocol import CheckpointCommitted
 from raytrainer.storage import Storage
 from raytrainer.worker import console
 from raytrainer.worker.pieces import Piece, RngState, optimizer_pieces, rng_file, training_pieces
@@ -214,9 +215,8 @@ class CheckpointWriter:
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
         if ctx.is_world_zero and self.notify is not None:
             state = self.trainer.state
-            self.notify({"name": job.name, "step": step, "uri": self.storage.uri_of(job.name),
-                         "best_model_checkpoint": state.best_model_checkpoint,
-                         "best_metric": state.best_metric})
+            self.notify(CheckpointCommitted(job.name, step, self.storage.uri_of(job.name),
+                                            state.best_model_checkpoint, state.best_metric))
 
 
 def _my_share(stage: str, subdir: str, ctx, shared: bool) -> list[str]:

@@ -40,22 +40,22 @@ def worker_main(config: dict) -> None:
     fresh = ProcessState()
     done = 0
     while (command := client.next_command(done)) is not None:
-        command_id, method, (spec_ref,) = command
+        (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec, kwargs = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
         trainer = cloudpickle.loads(spec)
         del spec
         TIMES["spec"] = time.time()
         try:
-            payload = run_rank(trainer, ctx, client, method, kwargs)
+            result = run_rank(trainer, ctx, client, command.method.value, kwargs)
         except BaseException as exc:
             if not failures.retryable(exc):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
             raise
         del trainer, kwargs
-        client.set_result(command_id, payload)
+        client.set_result(command.id, result)
         fresh.restore()
-        done = command_id
+        done = command.id
 
 
 class ProcessState:

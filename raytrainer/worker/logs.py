@@ -22,6 +22,7 @@ import os
 import sys
 
 from raytrainer.logging_utils import WORKER_FORMAT
+from raytrainer.protocol import Kind, LogLine
 
 _RAY_TQDM_TOKEN = "__ray_tqdm_magic_token__"
 
@@ -40,7 +41,7 @@ class _ForwardHandler(logging.Handler):
         try:
             record.rank = self.rank
             text = self.format(record)
-            self.channel.send("log", {"levelno": record.levelno, "text": text},
+            self.channel.send(Kind.LOG, LogLine(record.levelno, text),
                               urgent=record.levelno >= logging.WARNING)
         except Exception:
             self.handleError(record)
@@ -67,7 +68,7 @@ class _ForwardStream(io.TextIOBase):
         self._sending = True
         try:
             for line in lines:
-                self.channel.send("log", {"levelno": logging.INFO, "text": f"[rank{self.rank}] {line}"})
+                self.channel.send(Kind.LOG, LogLine(logging.INFO, f"[rank{self.rank}] {line}"))
         finally:
             self._sending = False
         return len(text)

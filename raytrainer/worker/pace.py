@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from raytrainer.protocol import Pace
+
 
 class PaceMeter:
     def __init__(self, model: torch.nn.Module, ctx, time_forward: bool = True):
@@ -50,8 +52,8 @@ class PaceMeter:
         self.seconds, self.steps = 0.0, 0
         return out
 
-    def report(self, per_rank: list[float]) -> dict:
-        return {"seconds_per_step": per_rank, "nodes": self.nodes}
+    def report(self, per_rank: list[float]) -> Pace:
+        return Pace(per_rank, self.nodes)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -10,33 +10,34 @@ import torch
 
 from raytrainer import final_weights
 from raytrainer.callbacks import runs_on_driver, state_to_dict
+from raytrainer.protocol import Kind, RankResult
 from raytrainer.worker.context import RankContext
 from raytrainer.worker.logs import rank_logging
 
 logger = logging.getLogger(__name__)
 
 
-def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> dict:
+def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> RankResult:
     """What every rank does: take its place, route its logs, run ``method``, hand back its part."""
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
     trainer._ctx = ctx
     with rank_logging(trainer.args, ctx.rank, channel):
         if channel is not None:
-            trainer._checkpoint_sink = lambda info: channel.send("checkpoint", info, urgent=True)
+            trainer._checkpoint_sink = lambda info: channel.send(Kind.CHECKPOINT, info, urgent=True)
             kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
             if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
-                return {"global_step": 0}
+                return RankResult(global_step=0)
             _split_callbacks(trainer, ctx, channel)
             if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
-                trainer._pace_sink = lambda report: channel.send("pace", report)
+                trainer._pace_sink = lambda report: channel.send(Kind.PACE, report)
         output = getattr(trainer, method)(**kwargs)
         weights_at = None
         if method == "train" and channel is not None:
             weights_at = final_weights.write(trainer, ctx)  # a collective; the weights go to storage
     if not ctx.is_world_zero:
-        return {"global_step": trainer.state.global_step}
-    return {"output": output, "state": state_to_dict(trainer.state), "weights_at": weights_at,
-            "callbacks": callback_states(trainer.callback_handler.callbacks) if channel is not None else None}
+        return RankResult(trainer.state.global_step)
+    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at,
+                      callback_states(trainer.callback_handler.callbacks) if channel is not None else None)
 
 
 _STAYS = (torch.nn.Module, torch.optim.Optimizer, io.IOBase)
@@ -105,21 +106,20 @@ def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
         from raytrainer.worker.stop import DriverStopCallback
 
         # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-        trainer.callback_handler.add_callback(DriverStopCallback(channel.handle, ctx, trainer._attempt))
+        trainer.callback_handler.add_callback(DriverStopCallback(channel, ctx, trainer._attempt))
 
 
 def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
     latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
     train; driver/failures.py)."""
-    attempt, latest, failed = channel.begin_attempt() if ctx.is_world_zero else (0, None, False)
-    attempt, latest, failed = ctx.broadcast_object((attempt, latest, failed))
-    trainer._attempt = attempt
-    if failed:
+    attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
+    trainer._attempt = attempt.number
+    if attempt.failed:
         return None
-    if method == "train" and attempt > 0 and latest:
+    if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
         if ctx.is_world_zero:
-            logger.warning("restart %d: resuming from %s", attempt, latest)
+            logger.warning("restart %d: resuming from %s", attempt.number, attempt.latest_checkpoint)
         trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted
-        return {**kwargs, "resume_from_checkpoint": latest}
+        return {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
     return kwargs

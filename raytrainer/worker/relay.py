@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from raytrainer.callbacks import TrainerCallback
+from raytrainer.protocol import CallbackEvent, Kind
 from raytrainer.trainer_utils import has_length
 
 # what the driver's callbacks read of the state (transformers' trackers: the step, the trial, the steps plan)
@@ -28,7 +29,7 @@ class RelayCallback(TrainerCallback):
 
     def _send(self, event: str, state, urgent: bool = True, **kwargs) -> None:
         snapshot = {f: getattr(state, f) for f in _STATE_FIELDS}
-        self.channel.send("event", (event, snapshot, kwargs), urgent=urgent)
+        self.channel.send(Kind.CALLBACK, CallbackEvent(event, snapshot, kwargs), urgent=urgent)
 
     def _throttled(self) -> bool:
         now = time.monotonic()

@@ -25,7 +25,7 @@ class DriverStopCallback(TrainerCallback):
 
     def __init__(self, channel, ctx, attempt: int = 0, interval: float = 0.2,
                  decision_timeout: float = 1800.0):
-        self.channel = channel  # the Channel actor handle
+        self.channel = channel  # the rank's ChannelClient
         self.ctx, self.attempt = ctx, attempt
         self.interval = interval
         self.decision_timeout = decision_timeout
@@ -44,7 +44,7 @@ class DriverStopCallback(TrainerCallback):
                 self._pending = None
         now = time.monotonic()
         if self._pending is None and not self._stop and now - self._last >= self.interval:
-            self._pending, self._last = self.channel.stop_requested.remote(), now
+            self._pending, self._last = self.channel.stop_requested(), now
         return self._stop
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -60,11 +60,8 @@ class DriverStopCallback(TrainerCallback):
             control.should_training_stop = True
 
     def _wait_for_decision(self, state) -> bool:
-        import ray
-
         deadline = time.monotonic() + self.decision_timeout
-        ask = self.channel.evaluation_decision.remote
-        while (decision := ray.get(ask(self.attempt, self._evaluations))) is None:
+        while (decision := self.channel.evaluation_decision(self.attempt, self._evaluations)) is None:
             if time.monotonic() > deadline:  # failing beats ranks deciding differently
                 raise TimeoutError(f"no decision from the driver on evaluation {self._evaluations} at step "
                                    f"{state.global_step} within {self.decision_timeout:.0f}s")

@@ -531,7 +531,7 @@ def test_the_drivers_display_handler_has_no_flow_and_no_warning_about_it(tmp_pat
     import torch
 
     from raytrainer import Trainer, TrainingArguments
-    from raytrainer.driver.launch import DriverDisplay
+    from raytrainer.driver.display import DriverDisplay
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", disable_tqdm=False)
     trainer = Trainer(model=torch.nn.Linear(2, 1), args=args)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from raytrainer import Trainer
 from raytrainer.hub import FilesystemTarget, HubPusher
+from raytrainer.protocol import CheckpointCommitted
 from raytrainer.hub.model_card import model_card, parse_log_history
 
 TOKEN = "hf_unit_secret_token_9f8e7d"
@@ -106,7 +107,7 @@ def test_a_checkpoint_push_streams_the_model_files_only(tmp_path, make_args, mon
     trainer = SimpleNamespace(processing_class=_Tokenizer())
     pusher = HubPusher(FilesystemTarget(f"file://{repo}"), args, trainer)
     pusher.submit("checkpoint-8", pusher._push_checkpoint,
-                  {"name": "checkpoint-8", "uri": f"file://{checkpoint}", "step": 8}).result()
+                  CheckpointCommitted("checkpoint-8", 8, f"file://{checkpoint}")).result()
 
     pushed = _files(repo / "main") - {os.path.join("last-checkpoint", f) for f in [*_MODEL, *_STATE]}
     assert pushed == {*_MODEL, "tokenizer_config.json"}

@@ -4,12 +4,13 @@ slows one rank down is tests/integration/test_ddp.py::test_a_slow_worker_is_name
 from __future__ import annotations
 
 from raytrainer.driver.pace import StragglerWatch
+from raytrainer.protocol import Pace
 
 NODES = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
 
 
 def _report(*seconds):
-    return {"seconds_per_step": list(seconds), "nodes": NODES[:len(seconds)]}
+    return Pace(list(seconds), NODES[:len(seconds)])
 
 
 def test_a_rank_slow_in_two_reports_in_a_row_is_named_once_with_its_node():
@@ -38,9 +39,9 @@ def test_one_slow_report_resets_and_noise_is_not_a_straggler():
 
 def test_one_rank_alone_has_no_straggler_and_nodes_are_optional():
     watch = StragglerWatch()
-    assert watch.observe({"seconds_per_step": [5.0], "nodes": None}) == []
-    watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
-    (message,) = watch.observe({"seconds_per_step": [0.4, 0.01], "nodes": None})
+    assert watch.observe(Pace([5.0], None)) == []
+    watch.observe(Pace([0.4, 0.01], None))
+    (message,) = watch.observe(Pace([0.4, 0.01], None))
     assert message.startswith("rank 0 is a straggler")
 
 

@@ -1,0 +1,112 @@
+"""What the driver does with the workers' events while a command runs: a pump thread drains the group's
+channel a few times a second and hands each event to its handler -- worker log lines are printed, rank 0's
+callback events are replayed into the driver's display callbacks, committed checkpoints go to the registry,
+pace reports to the straggler watch. No Ray here: the channel is the driver's handle on it
+(driver/channel.py's ``RayChannel``, or a test's in-process one)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
+from raytrainer.driver.pace import StragglerWatch
+from raytrainer.logging_utils import emit_worker_record
+from raytrainer.protocol import Attempt, CallbackEvent, Event, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class _Sized:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+class DriverDisplay:
+    """The driver's callbacks (progress bar, printer, transformers' trackers, any with ``on_driver = True``),
+    fed by rank 0."""
+
+    def __init__(self, trainer):
+        callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
+        self.handler = CallbackHandler(callbacks, trainer.model, trainer.processing_class, None, None,
+                                       flow=False)
+        self.args = trainer.args
+        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        self.control = TrainerControl()
+        self.stragglers = StragglerWatch()
+        self._done = 0
+        # Callbacks that may stop training decide at each evaluation; the workers wait for the decision.
+        self.steers = any(getattr(cb, "may_stop_training", False) for cb in callbacks)
+
+    def replay(self, event: CallbackEvent) -> None:
+        for key, value in event.state.items():
+            setattr(self.state, key, value)
+        if event.name == "on_prediction_step":
+            done, total = event.kwargs["done"], event.kwargs["total"]
+            self.handler.eval_dataloader = _Sized(total) if total is not None else None
+            for _ in range(max(done - self._done, 0)):
+                self.handler.call_event(event.name, self.args, self.state, self.control)
+            self._done = done
+            return
+        if event.name in ("on_evaluate", "on_predict"):
+            self._done = 0
+        self.handler.call_event(event.name, self.args, self.state, self.control, **event.kwargs)
+
+
+class Pump(threading.Thread):
+    """Drains ``channel`` every ``period`` seconds while a command runs, and once more when stopped."""
+
+    def __init__(self, channel, display: DriverDisplay, registry, period: float = 0.1):
+        super().__init__(daemon=True, name="raytrainer-events")
+        self.channel, self.display, self.registry, self.period = channel, display, registry, period
+        self._stop_event = threading.Event()
+        self._stop_sent = False
+        self._attempt, self._evaluations = 0, 0
+        self.handlers = {
+            Kind.LOG: emit_worker_record,
+            Kind.CALLBACK: self.display.replay,
+            Kind.CHECKPOINT: self.registry.add,
+            Kind.PACE: self.display.stragglers.observe,
+            Kind.ATTEMPT: self._new_attempt,
+        }
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.period):
+            self.drain()
+        # The last events too, on this thread: the driver's callbacks see a call's events from one thread
+        # (a tracker's state may be thread-local: MLflow's active run is).
+        self.drain()
+
+    def drain(self) -> None:
+        try:
+            events = self.channel.drain()
+        except Exception as exc:  # the channel died: nothing more will arrive
+            logger.debug("event channel unavailable: %s", exc)
+            return
+        for event in events:
+            self.handle(event)
+        if self.display.control.should_training_stop and not self._stop_sent:
+            # A driver-side callback asked to stop (e.g. a pruned search trial): tell the workers.
+            self._stop_sent = True
+            self.channel.request_stop()
+
+    def handle(self, event: Event) -> None:
+        try:
+            self.handlers[event.kind](event.payload)
+        except Exception:
+            logger.exception("while showing a worker event")
+        if event.kind is Kind.CALLBACK and event.payload.name == "on_evaluate" and self.display.steers:
+            self._evaluations += 1  # the workers wait for this decision (worker/stop.py)
+            stop = bool(self.display.control.should_training_stop)
+            self.channel.decide_evaluation(self._attempt, self._evaluations, stop)
+
+    def _new_attempt(self, attempt: Attempt) -> None:
+        """A (re)started worker group numbers its evaluations from 1."""
+        self._attempt, self._evaluations = attempt.number, 0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()

@@ -1,0 +1,185 @@
+"""Where a worker group meets Ray: the ``RayBackend`` a ``WorkerGroup`` uses by default -- Ray's start, the
+cluster's resources, the group's channel actor, the Ray Train run whose train function is the workers'
+command loop, aborting it, and turning Ray Train's failure into the failing worker's own exception.
+
+A group takes any object with these methods (``WorkerGroup(args, backend=...)``): the unit tests drive the
+driver's logic with an in-process backend that replays recorded worker messages (tests/unit/fake_group.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+
+from raytrainer.driver import failures
+
+logger = logging.getLogger(__name__)
+
+
+class RayBackend:
+    """Worker groups as Ray Train runs on the Ray cluster the arguments name (or a local instance)."""
+
+    def prepare(self, args, datasets: dict | None) -> None:
+        """Before a group starts: Ray up, and the cluster able to hold the group (refused or waited for)."""
+        from raytrainer.driver import ray_runtime, resources
+
+        ray_runtime.check_gpus_before_start(args)
+        ray_runtime.ensure_ray(args)
+        resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
+        if datasets:
+            _check_cpus_for_ray_data(args)
+
+    def short_of_resources(self, args) -> bool:
+        """Whether the cluster lacks, free now, the CPUs or GPUs a group for ``args`` needs."""
+        import ray
+
+        from raytrainer.driver.ray_runtime import cpus_needed, gpus_needed
+
+        free = ray.available_resources()
+        return free.get("CPU", 0) < cpus_needed(args) or free.get("GPU", 0) < gpus_needed(args)
+
+    def channel(self):
+        from raytrainer.driver.channel import RayChannel
+
+        return RayChannel()
+
+    def launch(self, args, channel, ray_folder: str, datasets: dict | None) -> None:
+        """Run the group as a Ray Train run in ``ray_folder`` (blocks until it ends)."""
+        _forget_previous_ray_run(args, ray_folder)
+        config = {"channel": channel.actor, "use_gpu": bool(args.use_gpu), "ray_run_root": ray_folder}
+        _torch_trainer(args, config, datasets).fit()
+
+    def abort(self, channel) -> None:
+        """Abort the Ray Train run now (as Ray Train's own Ctrl-C handler does), through its controller."""
+        import ray
+
+        try:
+            controller = channel.controller()
+            if controller is not None:
+                ray.get(controller.abort.remote(), timeout=30)
+        except Exception as exc:
+            logger.debug("abort: %s", exc)
+
+    def failure(self, ended: BaseException | None) -> BaseException | None:
+        """The error to raise for a run that ended with ``ended``: the failing worker's own exception."""
+        from ray.train import TrainingFailedError
+
+        return worker_error(ended) if isinstance(ended, TrainingFailedError) else ended
+
+
+def _forget_previous_ray_run(args, folder: str) -> None:
+    """Remove Ray Train's run snapshot left in its run folder ``folder`` by an earlier fit.
+
+    Ray Train restores a run of the same name from that snapshot and refuses to start when a checkpoint
+    it lists is gone -- and raytrainer's driver rotates checkpoints away (save_total_limit). raytrainer
+    never resumes through Ray's snapshot: ``resume_from_checkpoint`` and restarts within a fit use the
+    committed checkpoints themselves, so each fit starts Ray's bookkeeping afresh.
+    """
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    from raytrainer.storage import Storage
+
+    storage = Storage.for_run(args)
+    path = posixpath.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
+    if storage.exists(path):
+        storage.fs.delete_file(path)
+
+
+def _run_config(args, channel, folder: str):
+    """Ray Train's run folder ``folder`` (``<storage root>/.raytrainer/ray`` by default: Ray's run record
+    and storage marker stay out of the user's ``output_dir`` listing), given as Ray expects it: a path on
+    the filesystem plus the filesystem object -- for a bucket the same S3FileSystem (endpoint, region;
+    credentials stay in each node's environment) raytrainer uses. The checkpoints are outside it, so they
+    are not reported to Ray: raytrainer's manifests, registry and event channel track them."""
+    from ray.train import FailureConfig, RunConfig
+
+    from raytrainer.storage import Storage
+
+    storage = Storage.for_run(args)
+    root = folder.rstrip("/")
+    return RunConfig(
+        name=posixpath.basename(root),
+        storage_path=posixpath.dirname(root) or "/",
+        storage_filesystem=storage.fs,
+        failure_config=FailureConfig(max_failures=args.max_failures),
+        callbacks=[_controller_handle(channel)],
+    )
+
+
+def _controller_handle(channel):
+    """A Ray Train controller callback that gives the group's channel the controller's handle, so the
+    driver can abort a run it follows from another thread (Ray Train's own Ctrl-C handler is installed only
+    when ``fit()`` runs in the main thread)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    class ControllerHandle(ControllerCallback):
+        def __init__(self, channel):
+            self.channel = channel
+
+        def after_controller_start(self, train_run_context):
+            import ray
+
+            self.channel.set_controller.remote(ray.get_runtime_context().current_actor)
+
+    return ControllerHandle(channel)
+
+
+def _torch_trainer(args, config: dict, datasets: dict | None = None):
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrainer.worker.entry import worker_main
+
+    scaling = ScalingConfig(
+        num_workers=args.num_workers,
+        use_gpu=bool(args.use_gpu),
+        resources_per_worker=args.resources_per_worker,  # a dict: TrainingArguments parsed it
+        placement_strategy=args.placement_strategy,
+    )
+    torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
+    run_config = _run_config(args, config["channel"], config["ray_run_root"])
+    return TorchTrainer(worker_main, train_loop_config=config, scaling_config=scaling,
+                        torch_config=torch_config, run_config=run_config, datasets=datasets)
+
+
+def _check_cpus_for_ray_data(args) -> None:
+    """Ray Data's read tasks need a CPU the training workers do not hold, or the run waits forever."""
+    import ray
+
+    from raytrainer.driver.ray_runtime import cpus_needed
+
+    total, needed = ray.cluster_resources().get("CPU", 0), cpus_needed(args)
+    if total - needed < 1:
+        raise ValueError(
+            f"train_dataset is a Ray Dataset, but the Ray cluster has {total:g} CPUs and the "
+            f"{args.num_workers} workers take {needed:g}: Ray Data would have no CPU to read with. Start Ray "
+            "with more CPUs (ray.init(num_cpus=...)), or leave Ray to raytrainer (it reserves 2 spare CPUs)."
+        )
+
+
+def worker_error(err: Exception) -> Exception:
+    """The failing rank's own exception, so the user sees their error, not a wrapper. When a worker's
+    process was lost, the ranks that were in a collective with it fail too ("connection closed by peer"):
+    the lost rank is the one named, not the lowest rank that noticed."""
+    per_rank = {rank: getattr(exc, "cause", None) or exc
+                for rank, exc in (getattr(err, "worker_failures", None) or {}).items()}
+    if not per_rank:
+        return err
+
+    def noticed_a_lost_peer(exc) -> bool:
+        return failures.retryable(exc) and not _is_ray_error(exc)
+
+    rank = min(per_rank, key=lambda r: (noticed_a_lost_peer(per_rank[r]), r))
+    cause = per_rank[rank]
+    if hasattr(cause, "add_note"):
+        others = sorted(r for r in per_rank if r != rank)
+        lost = " (its process or node was lost)" if _is_ray_error(cause) else ""
+        cause.add_note(f"(raised on Ray Train worker rank {rank}{lost}; {len(per_rank)} of the workers failed"
+                       + (f", ranks {others} after it)" if others else ")"))
+    return cause
+
+
+def _is_ray_error(exc) -> bool:
+    import ray.exceptions
+
+    return isinstance(exc, ray.exceptions.RayError)

@@ -1,0 +1,155 @@
+"""The driver <-> worker contract: every message between the driver and the ranks of a worker group.
+
+Nothing else crosses. The driver posts a ``Command`` on the group's channel (driver/channel.py); each rank
+runs it and answers with a ``RankResult``. While a command runs, ranks send ``Event`` s (a ``Kind`` and its
+payload) that the driver drains a few times a second; rank 0 asks for its ``Attempt`` at each start of the
+command (again after Ray Train restarted the workers), and reads the driver's stop requests and evaluation
+decisions. A rank whose error is deterministic records a ``Fatal`` so that no restart trains again. Weights
+never cross here: they go through storage (raytrainer.final_weights, the checkpoints).
+
+``MESSAGES`` lists every message, who sends it and when; docs/architecture.md's protocol table is checked
+against it (tests/unit/test_protocol.py). Both sides import this module; it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class Method(str, enum.Enum):
+    """The Trainer methods a command runs on every rank."""
+
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+    PREDICT = "predict"
+
+
+class Kind(str, enum.Enum):
+    """What an ``Event`` carries (its payload's type)."""
+
+    LOG = "log"  # LogLine
+    CALLBACK = "callback"  # CallbackEvent
+    CHECKPOINT = "checkpoint"  # CheckpointCommitted
+    PACE = "pace"  # Pace
+    ATTEMPT = "attempt"  # Attempt
+
+
+@dataclass(frozen=True)
+class Command:
+    """Driver -> every rank: run ``method`` with the spec behind ``spec`` (a one-item list holding the
+    object-store reference of the pickled Trainer and the call's arguments: in a list, Ray hands over the
+    reference, not the bytes). ``id`` grows with each command of a group."""
+
+    id: int
+    method: Method
+    spec: list
+
+
+@dataclass(frozen=True)
+class Event:
+    """Rank -> driver, batched and sent without waiting."""
+
+    kind: Kind
+    rank: int
+    payload: Any
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """A log record of any rank (formatted there) or a line it wrote to stdout/stderr."""
+
+    levelno: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallbackEvent:
+    """Rank 0's callback event, replayed into the driver's display callbacks: the event's name, the fields
+    of the state they read, and the event's keyword arguments (logs, metrics, or for ``on_prediction_step``
+    the batches done and the total)."""
+
+    name: str
+    state: dict
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class CheckpointCommitted:
+    """Rank 0 committed checkpoint ``name`` (every rank's share is in storage) at ``step``."""
+
+    name: str
+    step: int
+    uri: str
+    best_model_checkpoint: str | None = None
+    best_metric: float | None = None
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Each rank's seconds per step since the last logging step (a world-size list) and its node."""
+
+    seconds_per_step: list
+    nodes: list
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Channel -> rank 0 at each start of a command: the attempt's number (0, then 1 after the first
+    restart...), the latest checkpoint the command committed so far, and whether an earlier attempt failed
+    deterministically (then this one must not train). Also an event, so the driver numbers evaluations per
+    attempt."""
+
+    number: int
+    latest_checkpoint: str | None = None
+    failed: bool = False
+
+
+@dataclass
+class RankResult:
+    """Rank -> driver at the end of a command. Every rank reports its ``global_step``; rank 0 also the
+    method's output, the final ``TrainerState`` (as a dict), where the trained weights were written, and the
+    attributes of its worker-side callbacks (``(class name, attributes)`` pairs)."""
+
+    global_step: int
+    output: Any = None
+    state: dict | None = None
+    weights_at: str | None = None
+    callbacks: list | None = None
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """Rank -> channel: the rank's deterministic failure, pickled (driver/failures.py)."""
+
+    rank: int
+    error: bytes
+
+
+class Message(NamedTuple):
+    name: str
+    sender: str
+    receiver: str
+    when: str
+
+
+#: Every message of the protocol (the channel's methods carry them).
+MESSAGES: tuple[Message, ...] = (
+    Message("Command", "driver", "every rank", "one per Trainer call (train, evaluate, predict)"),
+    Message("Attempt", "channel", "rank 0 (broadcast to all), driver", "at each start of a command, "
+            "again after Ray Train restarted the workers"),
+    Message("Event(LOG, LogLine)", "every rank", "driver", "each log record and output line, batched"),
+    Message("Event(CALLBACK, CallbackEvent)", "rank 0", "driver", "each callback event (step and "
+            "prediction-step events throttled to a few a second)"),
+    Message("Event(CHECKPOINT, CheckpointCommitted)", "rank 0", "driver", "when every rank's share of a "
+            "checkpoint is in storage"),
+    Message("Event(PACE, Pace)", "rank 0", "driver", "at each logging step (straggler warnings)"),
+    Message("stop request", "driver", "rank 0 (polled)", "when a driver-side callback set "
+            "should_training_stop"),
+    Message("evaluation decision", "driver", "rank 0 (waits, broadcasts)", "after each evaluation, when a "
+            "driver-side callback may stop training"),
+    Message("Fatal", "failing rank", "channel", "on a deterministic error: no restart trains again"),
+    Message("RankResult", "every rank", "driver", "at the end of each command"),
+    Message("close", "driver", "every rank", "the group ends: each rank's command loop returns"),
+)
