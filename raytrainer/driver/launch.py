@@ -19,11 +19,12 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> RankRes
     args = trainer.args
     datasets = _ray_datasets(trainer, method)
     group = trainer.__dict__.get("_group")
+    backend = group.backend if group is not None else None  # a replacement runs where the last one ran
     if group is not None and (datasets or not group.usable_for(args)):
         group.close()  # its workers hold the resources the next group needs
         group = None
     if group is None:
-        group = WorkerGroup(args)
+        group = WorkerGroup(args, backend=backend)
         if not datasets:
             attach(trainer, group)
     try:

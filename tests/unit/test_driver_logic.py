@@ -1,0 +1,223 @@
+"""The driver's logic, in-process and without Ray: a Trainer with ``num_workers=2`` whose worker group is
+driven by tests/unit/fake_group.py, which replays the messages a 2-rank group sends (raytrainer.protocol).
+Everything on the driver's side is the real code: dispatch, the pump, log routing, display callbacks and
+stop decisions, the checkpoint registry and its rotation, failure classification, result absorption, and
+the warm group's life across calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from fake_group import Fail, FakeBackend, Reply, WaitForDecision, event
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+from raytrainer.callbacks import TrainerState, state_to_dict
+from raytrainer.driver.group import WorkerGroup, attach
+from raytrainer.protocol import (
+    Attempt,
+    CallbackEvent,
+    CheckpointCommitted,
+    Kind,
+    LogLine,
+    Method,
+    RankResult,
+)
+from raytrainer.trainer_utils import EvalLoopOutput, TrainOutput
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        out = self.linear(x).squeeze(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out} if labels is not None else {"logits": out}
+
+
+def _data(n=16):
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(2, generator=g), "labels": torch.tensor(1.0)} for _ in range(n)]
+
+
+class Counter(TrainerCallback):
+    """A worker-side callback: what it counts on rank 0 comes back to the driver's instance."""
+
+    def __init__(self):
+        self.steps = 0
+
+
+class Recorder(TrainerCallback):
+    """A driver-side callback: it sees rank 0's events, replayed."""
+
+    on_driver = True
+
+    def __init__(self, stop_at_evaluation: int | None = None):
+        self.events, self.stop_at = [], stop_at_evaluation
+        self.may_stop_training = stop_at_evaluation is not None
+        self.evaluations = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("on_log", state.global_step, dict(logs)))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evaluations += 1
+        self.events.append(("on_evaluate", state.global_step, dict(metrics)))
+        if self.evaluations == self.stop_at:
+            control.should_training_stop = True
+
+
+def _state(step: int, **fields) -> dict:
+    state = TrainerState(global_step=step, max_steps=4, epoch=1.0, is_world_process_zero=True,
+                         is_local_process_zero=True, **fields)
+    return state_to_dict(state)
+
+
+def _snapshot(step: int) -> dict:
+    return {"global_step": step, "max_steps": 4, "epoch": step / 4}
+
+
+def _train_reply(tmp_path, counter_steps=4, checkpoints=()) -> Reply:
+    # the final weights rank 0 would have written to storage (raytrainer.final_weights)
+    from safetensors.torch import save_file
+
+    os.makedirs(tmp_path / "weights", exist_ok=True)
+    save_file({"linear.weight": torch.full((1, 2), 0.5), "linear.bias": torch.full((1,), -0.25)},
+              str(tmp_path / "weights" / "model.safetensors"))
+    steps = [
+        event(Kind.ATTEMPT, Attempt(0)),
+        event(Kind.LOG, LogLine(logging.INFO, "[rank0] INFO user: hello from rank 0")),
+        event(Kind.LOG, LogLine(logging.WARNING, "[rank1] WARNING user: rank 1 warns"), rank=1),
+        event(Kind.CALLBACK, CallbackEvent("on_train_begin", _snapshot(0), {})),
+        event(Kind.CALLBACK, CallbackEvent("on_log", _snapshot(2), {"logs": {"loss": 0.5, "step": 2}})),
+        *(event(Kind.CHECKPOINT, CheckpointCommitted(name, step, f"file://{tmp_path}/out/{name}"))
+          for name, step in checkpoints),
+        event(Kind.CALLBACK, CallbackEvent("on_train_end", _snapshot(4), {})),
+    ]
+    output = TrainOutput(4, 0.25, {"train_loss": 0.25, "epoch": 1.0})
+    history = [{"loss": 0.5, "step": 2}, {"train_loss": 0.25, "step": 4}]
+    return Reply(steps, {
+        0: RankResult(4, output, _state(4, log_history=history), f"file://{tmp_path}/weights",
+                      [("Counter", {"steps": counter_steps})]),
+        1: RankResult(4),
+    })
+
+
+def _eval_reply(stop_decision=False) -> Reply:
+    metrics = {"eval_loss": 0.125}
+    steps = [event(Kind.ATTEMPT, Attempt(0)),
+             event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(4), {"metrics": metrics}))]
+    return Reply(steps, {0: RankResult(4, metrics, None, None, []), 1: RankResult(4)})
+
+
+def _trainer(tmp_path, backend, callbacks=(), **kw):
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), num_workers=2, max_steps=4, report_to="none",
+                             disable_tqdm=True, per_device_train_batch_size=4, **kw)
+    trainer = Trainer(model=Regression(), args=args, train_dataset=_data(), eval_dataset=_data(8),
+                      callbacks=list(callbacks))
+    attach(trainer, WorkerGroup(trainer.args, backend=backend))
+    return trainer
+
+
+def test_a_call_is_a_command_and_rank_zeros_result_is_taken_in(tmp_path, capsys):
+    backend = FakeBackend({"train": _train_reply(tmp_path)})
+    counter, recorder = Counter(), Recorder()
+    trainer = _trainer(tmp_path, backend, [counter, recorder], save_strategy="no")
+
+    output = trainer.train()
+
+    (command,) = backend.commands
+    assert command.method is Method.TRAIN and command.id == 1
+    spec, kwargs = command.spec[0]
+    import cloudpickle
+
+    shipped = cloudpickle.loads(spec)  # the Trainer the ranks get: the user's, without driver state
+    assert type(shipped) is Trainer and shipped.args.num_workers == 2 and "_group" not in vars(shipped)
+    assert kwargs["resume_from_checkpoint"] is None
+    # rank 0's result, taken into the driver's Trainer and its callbacks
+    assert output.global_step == 4 and output.training_loss == 0.25
+    assert trainer.state.global_step == 4
+    assert trainer.state.log_history == [{"loss": 0.5, "step": 2}, {"train_loss": 0.25, "step": 4}]
+    assert counter.steps == 4  # the worker-side instance's count, on the driver's instance
+    # the trained weights, from storage into the driver's model on first use
+    assert trainer.model.linear.weight.tolist() == [[0.5, 0.5]] and trainer.model.linear.bias.tolist() == [-0.25]
+    # rank 0's callback events replayed into the driver-side callback
+    assert recorder.events == [("on_log", 2, {"loss": 0.5, "step": 2})]
+    # every rank's log lines reach the driver's console
+    err = capsys.readouterr().err
+    assert "[rank0] INFO user: hello from rank 0" in err and "[rank1] WARNING user: rank 1 warns" in err
+
+
+def test_the_group_stays_warm_across_calls_and_ends_with_close(tmp_path):
+    backend = FakeBackend({"train": _train_reply(tmp_path), "evaluate": _eval_reply()})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+    group = trainer.__dict__["_group"]
+
+    trainer.train()
+    metrics = trainer.evaluate()
+
+    assert metrics == {"eval_loss": 0.125}
+    assert [c.method for c in backend.commands] == [Method.TRAIN, Method.EVALUATE]
+    assert [c.id for c in backend.commands] == [1, 2]
+    assert backend.prepared == backend.launched == 1  # one group, started once, for both calls
+    assert group.alive
+    trainer.close()
+    assert not group.alive and backend.channels[0].killed and "_group" not in vars(trainer)
+
+
+def test_committed_checkpoints_reach_the_registry_which_rotates_them(tmp_path):
+    # three real committed checkpoints in the run's folder, from a run in this process
+    Trainer(model=Regression(), train_dataset=_data(),
+            args=TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, save_steps=1,
+                                   report_to="none", disable_tqdm=True, per_device_train_batch_size=4)).train()
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    backend = FakeBackend({"train": _train_reply(tmp_path, checkpoints=[("checkpoint-2", 2),
+                                                                       ("checkpoint-3", 3)])})
+    trainer = _trainer(tmp_path, backend, save_steps=1, save_total_limit=1)
+
+    trainer.train()
+
+    # the driver rotated on each commit: only the latest is left
+    assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")) == ["checkpoint-3"]
+
+
+def test_a_deterministic_failure_raises_the_workers_own_error_and_ends_the_group(tmp_path):
+    class LabelError(ValueError):
+        pass
+
+    backend = FakeBackend({"train": Reply([event(Kind.ATTEMPT, Attempt(0))],
+                                          fail=Fail(LabelError("labels must be float"), rank=1)),
+                           "evaluate": _eval_reply()})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+
+    with pytest.raises(LabelError, match="labels must be float") as caught:
+        trainer.train()
+    assert any("raised on Ray Train worker rank 1" in note for note in caught.value.__notes__)
+    # the group is over; the next call starts another
+    assert trainer.evaluate() == {"eval_loss": 0.125}
+    assert backend.prepared == backend.launched == 2
+
+
+def test_a_driver_side_callback_decides_after_each_evaluation(tmp_path):
+    reply = _train_reply(tmp_path)
+    at = next(i for i, e in enumerate(reply.steps) if e.kind is Kind.CALLBACK and e.payload.name == "on_log")
+    evaluation = [event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(2), {"metrics": {"eval_loss": 1.0}})),
+                  WaitForDecision(0, 1),
+                  event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(3), {"metrics": {"eval_loss": 0.9}})),
+                  WaitForDecision(0, 2)]
+    reply.steps[at + 1:at + 1] = evaluation
+    backend = FakeBackend({"train": reply})
+    recorder = Recorder(stop_at_evaluation=2)
+    trainer = _trainer(tmp_path, backend, [recorder], save_strategy="no", eval_strategy="steps", eval_steps=1)
+
+    trainer.train()
+
+    # rank 0 waited for each decision: go on after the first evaluation, stop after the second
+    assert backend.decisions == [False, True]
+    assert backend.channels[0].stop
+    assert [e[0] for e in recorder.events] == ["on_log", "on_evaluate", "on_evaluate"]
