@@ -129,27 +129,40 @@ class Fatal:
 
 class Message(NamedTuple):
     name: str
+    payload: type | None  # the class that carries it (its fields are the message's)
     sender: str
     receiver: str
     when: str
 
 
-#: Every message of the protocol (the channel's methods carry them).
+#: Every message of the protocol (the channel's methods carry them); docs/architecture.md shows this table.
 MESSAGES: tuple[Message, ...] = (
-    Message("Command", "driver", "every rank", "one per Trainer call (train, evaluate, predict)"),
-    Message("Attempt", "channel", "rank 0 (broadcast to all), driver", "at each start of a command, "
-            "again after Ray Train restarted the workers"),
-    Message("Event(LOG, LogLine)", "every rank", "driver", "each log record and output line, batched"),
-    Message("Event(CALLBACK, CallbackEvent)", "rank 0", "driver", "each callback event (step and "
+    Message("Command", Command, "driver", "every rank", "one per Trainer call (train, evaluate, predict)"),
+    Message("Attempt", Attempt, "channel", "rank 0 (broadcast to every rank); the driver as an event",
+            "at each start of a command, again after Ray Train restarted the workers"),
+    Message("Event(LOG)", LogLine, "every rank", "driver", "each log record and output line, batched"),
+    Message("Event(CALLBACK)", CallbackEvent, "rank 0", "driver", "each callback event (step and "
             "prediction-step events throttled to a few a second)"),
-    Message("Event(CHECKPOINT, CheckpointCommitted)", "rank 0", "driver", "when every rank's share of a "
+    Message("Event(CHECKPOINT)", CheckpointCommitted, "rank 0", "driver", "when every rank's share of a "
             "checkpoint is in storage"),
-    Message("Event(PACE, Pace)", "rank 0", "driver", "at each logging step (straggler warnings)"),
-    Message("stop request", "driver", "rank 0 (polled)", "when a driver-side callback set "
-            "should_training_stop"),
-    Message("evaluation decision", "driver", "rank 0 (waits, broadcasts)", "after each evaluation, when a "
-            "driver-side callback may stop training"),
-    Message("Fatal", "failing rank", "channel", "on a deterministic error: no restart trains again"),
-    Message("RankResult", "every rank", "driver", "at the end of each command"),
-    Message("close", "driver", "every rank", "the group ends: each rank's command loop returns"),
+    Message("Event(PACE)", Pace, "rank 0", "driver", "at each logging step (straggler warnings)"),
+    Message("stop request", None, "driver", "rank 0 (polled between steps)", "when a driver-side callback "
+            "set should_training_stop"),
+    Message("evaluation decision", None, "driver", "rank 0 (waits for it, broadcasts it)", "after each "
+            "evaluation, when a driver-side callback may stop training"),
+    Message("Fatal", Fatal, "the failing rank", "channel (then the driver)", "on a deterministic error: "
+            "no restart trains again, the group ends"),
+    Message("RankResult", RankResult, "every rank", "driver", "at the end of each command"),
+    Message("close", None, "driver", "every rank", "the group ends: each rank's command loop returns"),
 )
+
+
+def markdown_table() -> str:
+    """``MESSAGES`` as the Markdown table docs/architecture.md holds (tests/unit/test_protocol.py)."""
+    from dataclasses import fields
+
+    rows = ["| message | fields | from | to | when |", "|---|---|---|---|---|"]
+    for m in MESSAGES:
+        names = ", ".join(f.name for f in fields(m.payload)) if m.payload is not None else "(none)"
+        rows.append(f"| {m.name} | {names} | {m.sender} | {m.receiver} | {m.when} |")
+    return "\n".join(rows)
