@@ -121,7 +121,7 @@ class RankResult:
 
 @dataclass(frozen=True)
 class Fatal:
-    """Rank -> channel: the rank's deterministic failure, pickled (driver/failures.py)."""
+    """Rank -> channel: the rank's deterministic failure, pickled (failures.py)."""
 
     rank: int
     error: bytes

@@ -118,7 +118,7 @@ class Channel:
 
     async def record_fatal(self, fatal: Fatal) -> None:
         """A rank's deterministic failure (the first one counts): Ray may restart the workers, but
-        raytrainer does not train again (driver/failures.py), and the group takes no more commands."""
+        raytrainer does not train again (failures.py), and the group takes no more commands."""
         if self._fatal is None:
             self._fatal = fatal
         await self._notify()

@@ -178,7 +178,7 @@ class WorkerGroup:
     def _failure(self) -> BaseException:
         """The error to raise when the run ended during a command: the recorded deterministic failure, else
         the failing worker's own exception. The group is over; the next call starts another."""
-        from raytrainer.driver import failures
+        from raytrainer import failures
 
         ended, self._ended = self._ended, None
         fatal = self.channel.fatal()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from raytrainer.driver import failures
+from raytrainer import failures
 
 logger = logging.getLogger(__name__)
 

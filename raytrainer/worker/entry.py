@@ -19,7 +19,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from raytrainer.driver import failures
+from raytrainer import failures
 
 #: When this worker entered the loop and last received and unpickled a command (``time.time()``), for the
 #: start-up breakdown (bench/bench_startup.py).

@@ -112,7 +112,7 @@ def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
 def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
     latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
-    train; driver/failures.py)."""
+    train; failures.py)."""
     attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
     trainer._attempt = attempt.number
     if attempt.failed:

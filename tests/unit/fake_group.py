@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from raytrainer.driver import failures
+from raytrainer import failures
 from raytrainer.protocol import Command, Event, Fatal, Kind, Method, RankResult
 
 
@@ -64,17 +64,19 @@ class FakeChannel:
     # -- the driver's side ------------------------------------------------------------------------
     def submit(self, command_id: int, method: Method, spec_and_kwargs: tuple, expected: int) -> int:
         with self._cond:
-            self.command, self.expected, self.results = Command(command_id, method, [spec_and_kwargs]), expected, {}
+            self.command = Command(command_id, method, [spec_and_kwargs])
+            self.expected, self.results = expected, {}
             self.decisions, self.stop = {}, False
             self._cond.notify_all()
         return len(spec_and_kwargs[0])
 
     def wait_results(self, command_id: int, timeout: float):
         with self._cond:
-            self._cond.wait_for(lambda: self.command is not None and self.command.id == command_id
-                                and len(self.results) >= self.expected, timeout)
-            done = self.command is not None and self.command.id == command_id and len(self.results) >= self.expected
-            return dict(self.results) if done else None
+            def done():
+                return (self.command is not None and self.command.id == command_id
+                        and len(self.results) >= self.expected)
+
+            return dict(self.results) if self._cond.wait_for(done, timeout) else None
 
     def drain(self) -> list[Event]:
         with self._cond:
@@ -107,7 +109,8 @@ class FakeChannel:
     # -- the ranks' side ----------------------------------------------------------------------------
     def next_command(self, after: int) -> Command | None:
         with self._cond:
-            self._cond.wait_for(lambda: self.closing or (self.command is not None and self.command.id > after))
+            self._cond.wait_for(lambda: self.closing or (self.command is not None
+                                                         and self.command.id > after))
             return None if self.closing else self.command
 
     def put(self, event: Event) -> None:

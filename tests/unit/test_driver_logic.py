@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-
 from fake_group import Fail, FakeBackend, Reply, WaitForDecision, event
+
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 from raytrainer.callbacks import TrainerState, state_to_dict
 from raytrainer.driver.group import WorkerGroup, attach
@@ -25,7 +25,7 @@ from raytrainer.protocol import (
     Method,
     RankResult,
 )
-from raytrainer.trainer_utils import EvalLoopOutput, TrainOutput
+from raytrainer.trainer_utils import TrainOutput
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +37,9 @@ class Regression(torch.nn.Module):
 
     def forward(self, x, labels=None):
         out = self.linear(x).squeeze(-1)
-        return {"loss": ((out - labels) ** 2).mean(), "logits": out} if labels is not None else {"logits": out}
+        if labels is None:
+            return {"logits": out}
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
 
 
 def _data(n=16):
@@ -145,7 +147,8 @@ def test_a_call_is_a_command_and_rank_zeros_result_is_taken_in(tmp_path, capsys)
     assert trainer.state.log_history == [{"loss": 0.5, "step": 2}, {"train_loss": 0.25, "step": 4}]
     assert counter.steps == 4  # the worker-side instance's count, on the driver's instance
     # the trained weights, from storage into the driver's model on first use
-    assert trainer.model.linear.weight.tolist() == [[0.5, 0.5]] and trainer.model.linear.bias.tolist() == [-0.25]
+    assert trainer.model.linear.weight.tolist() == [[0.5, 0.5]]
+    assert trainer.model.linear.bias.tolist() == [-0.25]
     # rank 0's callback events replayed into the driver-side callback
     assert recorder.events == [("on_log", 2, {"loss": 0.5, "step": 2})]
     # every rank's log lines reach the driver's console
@@ -172,9 +175,9 @@ def test_the_group_stays_warm_across_calls_and_ends_with_close(tmp_path):
 
 def test_committed_checkpoints_reach_the_registry_which_rotates_them(tmp_path):
     # three real committed checkpoints in the run's folder, from a run in this process
-    Trainer(model=Regression(), train_dataset=_data(),
-            args=TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, save_steps=1,
-                                   report_to="none", disable_tqdm=True, per_device_train_batch_size=4)).train()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, save_steps=1, report_to="none",
+                             disable_tqdm=True, per_device_train_batch_size=4)
+    Trainer(model=Regression(), train_dataset=_data(), args=args).train()
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     backend = FakeBackend({"train": _train_reply(tmp_path, checkpoints=[("checkpoint-2", 2),
                                                                        ("checkpoint-3", 3)])})
@@ -206,10 +209,10 @@ def test_a_deterministic_failure_raises_the_workers_own_error_and_ends_the_group
 def test_a_driver_side_callback_decides_after_each_evaluation(tmp_path):
     reply = _train_reply(tmp_path)
     at = next(i for i, e in enumerate(reply.steps) if e.kind is Kind.CALLBACK and e.payload.name == "on_log")
-    evaluation = [event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(2), {"metrics": {"eval_loss": 1.0}})),
-                  WaitForDecision(0, 1),
-                  event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(3), {"metrics": {"eval_loss": 0.9}})),
-                  WaitForDecision(0, 2)]
+    def evaluated(step, loss):
+        return event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(step), {"metrics": {"eval_loss": loss}}))
+
+    evaluation = [evaluated(2, 1.0), WaitForDecision(0, 1), evaluated(3, 0.9), WaitForDecision(0, 2)]
     reply.steps[at + 1:at + 1] = evaluation
     backend = FakeBackend({"train": reply})
     recorder = Recorder(stop_at_evaluation=2)

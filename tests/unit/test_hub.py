@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from raytrainer import Trainer
 from raytrainer.hub import FilesystemTarget, HubPusher
-from raytrainer.protocol import CheckpointCommitted
 from raytrainer.hub.model_card import model_card, parse_log_history
+from raytrainer.protocol import CheckpointCommitted
 
 TOKEN = "hf_unit_secret_token_9f8e7d"
 

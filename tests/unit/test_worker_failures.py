@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from raytrainer.driver import failures
+from raytrainer import failures
 
 
 class Model:
