@@ -209,8 +209,10 @@ def test_a_deterministic_failure_raises_the_workers_own_error_and_ends_the_group
 def test_a_driver_side_callback_decides_after_each_evaluation(tmp_path):
     reply = _train_reply(tmp_path)
     at = next(i for i, e in enumerate(reply.steps) if e.kind is Kind.CALLBACK and e.payload.name == "on_log")
+
     def evaluated(step, loss):
-        return event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(step), {"metrics": {"eval_loss": loss}}))
+        metrics = {"metrics": {"eval_loss": loss}}
+        return event(Kind.CALLBACK, CallbackEvent("on_evaluate", _snapshot(step), metrics))
 
     evaluation = [evaluated(2, 1.0), WaitForDecision(0, 1), evaluated(3, 0.9), WaitForDecision(0, 2)]
     reply.steps[at + 1:at + 1] = evaluation
