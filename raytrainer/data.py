@@ -14,8 +14,10 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers.data.data_collator import default_data_collator as _default_data_collator
+from transformers.trainer_pt_utils import DistributedLengthGroupedSampler, find_batch_size
+from transformers.trainer_utils import RemoveColumnsCollator as _RemoveColumnsCollator
 
 LABEL_KEYS = ("label", "label_ids", "labels")
 
@@ -38,12 +40,10 @@ def _as_mapping(example) -> Mapping:
 
 
 def batch_size_of(inputs, default: int = 1) -> int:
-    """The number of examples in a batch: the first dimension of its first non-scalar tensor."""
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.ndim > 0:
-            return v.shape[0]
-    return default
+    """The number of examples in a batch: transformers' ``find_batch_size`` (the first dimension of its
+    first non-scalar tensor), ``default`` where it finds none."""
+    size = find_batch_size(inputs)
+    return default if size is None else size
 
 
 def signature_columns(model: torch.nn.Module, label_names: list[str]) -> set[str] | None:
@@ -68,16 +68,12 @@ def first_keys_within(dataset, keep: set[str]) -> bool:
     return all(isinstance(e, Mapping) and set(e) <= keep for e in ends)
 
 
-class RemoveColumnsCollator:
-    """Drop the keys the model's forward does not take, then collate (HF's ``RemoveColumnsCollator``)."""
+class RemoveColumnsCollator(_RemoveColumnsCollator):
+    """transformers' ``RemoveColumnsCollator``, for examples of any mapping or dataclass (transformers' passes
+    an example that is not a ``dict``, a ``BatchEncoding`` say, to the collator whole)."""
 
-    def __init__(self, collator, keep: set[str]):
-        self.collator = collator
-        self.keep = keep
-
-    def __call__(self, features: list):
-        features = [{k: v for k, v in _as_mapping(f).items() if k in self.keep} for f in features]
-        return self.collator(features)
+    def _remove_columns(self, feature) -> dict:
+        return super()._remove_columns(dict(_as_mapping(feature)))
 
 
 def default_label_names(model: torch.nn.Module) -> list[str]:
@@ -87,42 +83,29 @@ def default_label_names(model: torch.nn.Module) -> list[str]:
 
 
 # -- training samplers ----------------------------------------------------------------------------------
-def _example_length(example, column: str) -> int:
-    example = _as_mapping(example)
-    if column in example:
-        return int(example[column])
-    return len(example["input_ids"])
+def example_lengths(dataset, length_column_name: str = "length") -> list[int]:
+    """``group_by_length``'s lengths: the ``length_column_name`` column, else each example's value of that
+    key, else the length of its ``input_ids``."""
+    column_names = getattr(dataset, "column_names", None)
+    if column_names is not None and length_column_name in column_names:
+        return list(dataset[length_column_name])
+    lengths = []
+    for i in range(len(dataset)):
+        example = _as_mapping(dataset[i])
+        lengths.append(int(example[length_column_name]) if length_column_name in example
+                       else len(example["input_ids"]))
+    return lengths
 
 
-class LengthGroupedDistributedSampler(DistributedSampler):
-    """``group_by_length``: shuffled, then sorted by length inside mega-batches of 50 batches.
-
-    Examples of similar length share batches (less padding) while the order stays random per epoch.
-    """
-
-    def __init__(self, dataset, batch_size: int, lengths: list[int] | None = None,
-                 length_column_name: str = "length", **kwargs):
-        super().__init__(dataset, **kwargs)
-        if lengths is None:
-            column_names = getattr(dataset, "column_names", None)
-            if column_names is not None and length_column_name in column_names:
-                lengths = list(dataset[length_column_name])
-            else:
-                lengths = [_example_length(dataset[i], length_column_name) for i in range(len(dataset))]
-        self.lengths = lengths
-        self.mega = batch_size * self.num_replicas * 50
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(len(self.lengths), generator=g).tolist()
-        groups = [perm[i:i + self.mega] for i in range(0, len(perm), self.mega)]
-        indices = [i for grp in groups for i in sorted(grp, key=lambda j: -self.lengths[j])]
-        if self.drop_last:
-            indices = indices[: self.total_size]
-        else:
-            indices += indices[: self.total_size - len(indices)]
-        return iter(indices[self.rank: self.total_size: self.num_replicas])
+def length_grouped_sampler(dataset, batch_size: int, num_replicas: int, rank: int, seed: int,
+                           drop_last: bool, length_column_name: str = "length", lengths=None):
+    """``group_by_length``: transformers' ``DistributedLengthGroupedSampler`` over the GLOBAL batch
+    (``batch_size`` examples per rank): its order depends on the global batch only, so a run with W ranks of
+    batch B sees the same global batches as one rank of batch W*B."""
+    if lengths is None:
+        lengths = example_lengths(dataset, length_column_name)
+    return DistributedLengthGroupedSampler(batch_size * num_replicas, num_replicas=num_replicas, rank=rank,
+                                           seed=seed, drop_last=drop_last, lengths=lengths)
 
 
 # -- resuming mid-epoch ----------------------------------------------------------------------------------

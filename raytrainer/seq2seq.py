@@ -163,20 +163,8 @@ class Seq2SeqTrainer(Trainer):
                 if own is not None:
                     model.forward = own
 
-    def _pad_tensors_to_max_len(self, tensor: torch.Tensor, max_length: int) -> torch.Tensor:
-        processing = self.processing_class
-        if processing is not None and hasattr(processing, "pad_token_id"):
-            pad_token_id = processing.pad_token_id if processing.pad_token_id is not None \
-                else processing.eos_token_id
-        elif getattr(getattr(self.model, "config", None), "pad_token_id", None) is not None:
-            pad_token_id = self.model.config.pad_token_id
-        else:
-            raise ValueError("Pad_token_id must be set in the configuration of the model, in order to pad "
-                             "tensors")
-        padded = torch.full((tensor.shape[0], max_length), pad_token_id, dtype=tensor.dtype,
-                            device=tensor.device)
-        padded[:, : tensor.shape[-1]] = tensor
-        return padded
+    # transformers' own: the processing class's pad (else eos) token, else the model config's pad token
+    _pad_tensors_to_max_len = transformers.Seq2SeqTrainer._pad_tensors_to_max_len
 
 
 def _settled_generation_config(model):

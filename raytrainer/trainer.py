@@ -417,7 +417,8 @@ class Trainer:
         keep = rdata.signature_columns(self.model, self.label_names)
         if keep is None or rdata.first_keys_within(dataset, keep):
             return self.data_collator  # nothing to remove: no per-batch filtering
-        return rdata.RemoveColumnsCollator(self.data_collator, keep)
+        return rdata.RemoveColumnsCollator(self.data_collator, keep, logger=logger,
+                                           model_name=type(self.model).__name__)
 
     def _loader_kwargs(self) -> dict[str, Any]:
         a = self.args
@@ -442,8 +443,9 @@ class Trainer:
         common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": self._data_seed(),
                   "drop_last": a.dataloader_drop_last}
         if a.train_sampling_strategy == "group_by_length":
-            return rdata.LengthGroupedDistributedSampler(
-                dataset, batch_size=a.train_batch_size, length_column_name=a.length_column_name, **common)
+            # grouped over B x GA per rank (x W ranks: the global batch), as transformers groups over B x GA
+            return rdata.length_grouped_sampler(dataset, a.train_batch_size * a.gradient_accumulation_steps,
+                                                length_column_name=a.length_column_name, **common)
         return DistributedSampler(dataset, shuffle=a.train_sampling_strategy != "sequential", **common)
 
     def get_train_dataloader(self) -> DataLoader:
@@ -580,16 +582,9 @@ class Trainer:
     def _get_learning_rate(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def get_num_trainable_parameters(self) -> int:
-        """The number of parameters that require gradients (as transformers.Trainer)."""
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def get_learning_rates(self) -> list[float]:
-        """The learning rate of each of the optimizer's parameter groups (as transformers.Trainer)."""
-        if self.optimizer is None:
-            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer "
-                             "before.")
-        return [group["lr"] for group in self.optimizer.param_groups]
+    # transformers' own (as its Trainer binds them)
+    get_num_trainable_parameters = hf_pt_utils.get_num_trainable_parameters
+    get_learning_rates = hf_pt_utils.get_learning_rates
 
     # -- one step --------------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
@@ -805,17 +800,13 @@ class Trainer:
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
                           dataset_tags=None, dataset=None, dataset_args=None) -> None:
-        """Write a draft model card (README.md) to ``output_dir`` from this run's arguments and log history,
-        as transformers does (push_to_hub writes the same card)."""
-        if not self.is_world_process_zero():
-            return
-        from raytrainer.hub.model_card import model_card
+        """transformers' draft model card (README.md) in ``output_dir``, from this run's arguments and log
+        history (push_to_hub writes the same card); see raytrainer/hub/model_card.py."""
+        from raytrainer.hub.model_card import create_model_card
 
-        name = model_name or os.path.abspath(self.args.output_dir).rstrip("/").split("/")[-1]
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, "README.md"), "w") as f:
-            f.write(model_card(self, name, language=language, license=license, tags=tags,
-                               finetuned_from=finetuned_from, tasks=tasks, dataset=dataset))
+        create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                          finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                          dataset=dataset, dataset_args=dataset_args)
 
     def _get_output_dir(self, trial=None) -> str:
         """Where this run (or search trial: each has its own ``output_dir``) writes (transformers' name)."""

@@ -75,7 +75,7 @@ def push_to_hub(trainer, commit_message: str | None = "End of training", blockin
 
     Returns the target's commit (a ``huggingface_hub.CommitInfo``, or the revision URI of a filesystem
     repository), or a ``Future`` of it with ``blocking=False``."""
-    from raytrainer.hub.model_card import model_card
+    from raytrainer.hub.model_card import create_model_card
 
     args = trainer.args
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
@@ -93,8 +93,12 @@ def push_to_hub(trainer, commit_message: str | None = "End of training", blockin
     else:
         pusher = pusher_for(trainer)
     trainer.save_model(_internal_call=True)
-    with open(os.path.join(args.output_dir, "README.md"), "w") as f:
-        f.write(model_card(trainer, model_name, **kwargs))
+    model_tags = getattr(trainer.model, "model_tags", None)  # as transformers' push_to_hub adds them
+    if model_tags is not None:
+        tags = kwargs.get("tags") or []
+        tags = kwargs["tags"] = [tags] if isinstance(tags, str) else tags
+        tags.extend(t for t in model_tags if t not in tags)
+    create_model_card(trainer, model_name=model_name, **kwargs)
     pusher.wait()  # the current push finishes first
     future = pusher.submit("the model in " + args.output_dir, pusher.target.upload, args.output_dir, "",
                            commit_message or "End of training", revision or args.hub_revision,

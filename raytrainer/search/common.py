@@ -28,7 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
-from transformers.trainer_utils import default_hp_space_optuna as _transformers_default_hp_space_optuna
+from transformers.trainer_utils import (  # noqa: F401  (transformers' defaults, used from here)
+    default_compute_objective,
+    default_hp_space_optuna,
+    default_hp_space_ray,
+)
 
 from raytrainer.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from raytrainer.deps import require
@@ -68,33 +72,6 @@ class TrialSummary:
             return None
         with open(path) as f:
             return cls(**json.load(f))
-
-
-# -- HF defaults ---------------------------------------------------------------------------------------
-# transformers' own optuna space. Its Ray Tune space draws the seed from tune.uniform (a float seed); the one
-# below draws an int, and the objective below also leaves out the *_compilation_time metrics.
-default_hp_space_optuna = _transformers_default_hp_space_optuna
-
-
-def default_hp_space_ray(trial) -> dict[str, Any]:
-    from ray import tune
-
-    return {
-        "learning_rate": tune.loguniform(1e-6, 1e-4),
-        "num_train_epochs": tune.choice(list(range(1, 6))),
-        "seed": tune.randint(1, 41),
-        "per_device_train_batch_size": tune.choice([4, 8, 16, 32, 64]),
-    }
-
-
-def default_compute_objective(metrics: dict[str, float]) -> float:
-    """HF's default: the evaluation loss when there are no other metrics, else the sum of the metrics."""
-    metrics = dict(metrics)
-    loss = metrics.pop("eval_loss", None)
-    metrics.pop("epoch", None)
-    for key in [k for k in metrics if k.endswith(("_runtime", "_per_second", "_compilation_time"))]:
-        metrics.pop(key)
-    return loss if len(metrics) == 0 else sum(metrics.values())
 
 
 def pick_backend(backend: str | None) -> str:

@@ -8,6 +8,7 @@ model is wrapped, so DDP and FSDP alike see it) and removed when it ends.
 from __future__ import annotations
 
 import torch
+from transformers.integrations.neftune import neftune_post_forward_hook
 
 
 def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
@@ -24,18 +25,11 @@ def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     return found[0]
 
 
-def _add_noise(module, inputs, output):
-    if module.training:
-        magnitude = module.neftune_noise_alpha / (output.size(-2) * output.size(-1)) ** 0.5
-        output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
-    return output
-
-
 class NEFTune:
     def __init__(self, model: torch.nn.Module, alpha: float):
         self.module = input_embeddings(model)
         self.module.neftune_noise_alpha = alpha
-        self.handle = self.module.register_forward_hook(_add_noise)
+        self.handle = self.module.register_forward_hook(neftune_post_forward_hook)  # transformers' hook
 
     def remove(self) -> None:
         self.handle.remove()

@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
+from transformers.trainer_pt_utils import find_batch_size, get_length_grouped_indices
+from transformers.trainer_utils import RemoveColumnsCollator as TransformersRemoveColumnsCollator
 
 from raytrainer.data import (
     EvalBlockSampler,
     IterableShard,
-    LengthGroupedDistributedSampler,
     RemoveColumnsCollator,
+    batch_size_of,
     default_data_collator,
     default_label_names,
     eval_positions,
+    length_grouped_sampler,
     signature_columns,
     unshard,
 )
@@ -124,6 +127,28 @@ def test_remove_columns_collator_keeps_only_forward_inputs_and_labels():
             return kwargs
 
     assert signature_columns(KwargsModel(), ["labels"]) is None  # names nothing: remove nothing
+
+
+def test_remove_columns_collator_is_transformers_also_for_non_dict_examples():
+    from transformers import BatchEncoding
+
+    keep = {"input_ids", "labels"}
+    features = [{"input_ids": [1, 2], "labels": 1, "meta": [9.0]},
+                {"input_ids": [3, 4], "labels": 0, "meta": [8.0]}]
+    ours = RemoveColumnsCollator(default_data_collator, keep)(features)
+    theirs = TransformersRemoveColumnsCollator(default_data_collator, keep)(features)
+    assert ours.keys() == theirs.keys() == keep
+    assert all(torch.equal(ours[k], theirs[k]) for k in keep)
+    # an example that is a mapping but not a dict has its columns removed too (transformers' passes it whole)
+    batch = RemoveColumnsCollator(default_data_collator, keep)([BatchEncoding(f) for f in features])
+    assert set(batch) == keep
+
+
+def test_batch_size_of_is_transformers_find_batch_size():
+    batch = {"scalar": torch.tensor(1.0), "input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)}
+    assert batch_size_of(batch) == find_batch_size(batch) == 3
+    assert batch_size_of({"x": torch.tensor(2.0)}) == 1 and find_batch_size({"x": torch.tensor(2.0)}) is None
+    assert batch_size_of({"x": torch.tensor(2.0)}, default=0) == 0
 
 
 # -- evaluation block sharding -------------------------------------------------------------------------------
@@ -289,15 +314,10 @@ def test_length_grouped_sampler_two_by_eight_equals_one_by_sixteen(seed):
     n = 64
     lengths = [(i * 37) % 23 + 1 for i in range(n)]
     dataset = [{"input_ids": [0] * length} for length in lengths]
-    two = [
-        LengthGroupedDistributedSampler(
-            dataset, batch_size=8, lengths=lengths, num_replicas=2, rank=r, seed=seed
-        )
-        for r in (0, 1)
-    ]
-    one = LengthGroupedDistributedSampler(
-        dataset, batch_size=16, lengths=lengths, num_replicas=1, rank=0, seed=seed
-    )
+    two = [length_grouped_sampler(dataset, 8, lengths=lengths, num_replicas=2, rank=r, seed=seed,
+                                  drop_last=False) for r in (0, 1)]
+    one = length_grouped_sampler(dataset, 16, lengths=lengths, num_replicas=1, rank=0, seed=seed,
+                                 drop_last=False)
     per_rank = [list(s) for s in two]
     whole = list(one)
     assert sorted(whole) == list(range(n))
@@ -306,8 +326,11 @@ def test_length_grouped_sampler_two_by_eight_equals_one_by_sixteen(seed):
             per_rank[1][step * 8 : (step + 1) * 8]
         )
         assert ranks_batch == set(whole[step * 16 : (step + 1) * 16])
-    # inside the one mega-batch, examples come longest first
-    assert [lengths[i] for i in whole] == sorted(lengths, reverse=True)
+    # one rank's order is transformers' get_length_grouped_indices over the global batch, seeded seed + epoch
+    one.set_epoch(3)
+    generator = torch.Generator()
+    generator.manual_seed(seed + 3)
+    assert list(one) == get_length_grouped_indices(lengths, 16, generator=generator)
     # the lengths may also come from the examples themselves
-    derived = LengthGroupedDistributedSampler(dataset, batch_size=16, num_replicas=1, rank=0, seed=seed)
+    derived = length_grouped_sampler(dataset, 16, num_replicas=1, rank=0, seed=seed, drop_last=False)
     assert derived.lengths == lengths

@@ -12,10 +12,11 @@ import threading
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers.modelcard import TrainingSummary
 
 from raytrainer import Trainer
 from raytrainer.hub import FilesystemTarget, HubPusher
-from raytrainer.hub.model_card import model_card, parse_log_history
+from raytrainer.hub.model_card import _as_transformers_sees_it
 from raytrainer.protocol import CheckpointCommitted
 
 TOKEN = "hf_unit_secret_token_9f8e7d"
@@ -207,7 +208,8 @@ def test_push_to_hub_writes_the_model_card_and_the_final_model(tmp_path, make_ar
     assert not any(p.startswith(("checkpoint-", "logs")) for p in pushed)
     _assert_weights(repo / "main" / "model.safetensors", trainer.model)
     card = (repo / "main" / "README.md").read_text()
-    assert "license: \"apache-2.0\"" in card and "# tiny" in card
+    assert card == _transformers_card(trainer, license="apache-2.0", model_name="tiny")
+    assert "license: apache-2.0" in card and "# tiny" in card
     assert "- learning_rate: 0.1" in card and "- training_steps: 8" in card
     final_eval = [e for e in trainer.state.log_history if "eval_loss" in e][-1]["eval_loss"]
     assert f"- Loss: {final_eval:.4f}" in card  # the final metrics
@@ -216,14 +218,9 @@ def test_push_to_hub_writes_the_model_card_and_the_final_model(tmp_path, make_ar
     assert FilesystemTarget(f"file://{repo}").commits()[-1]["message"] == "End of training"
 
 
-def test_parse_log_history_rows():
-    history = [{"loss": 2.0, "step": 1, "epoch": 0.5}, {"eval_loss": 1.5, "eval_accuracy": 0.5,
-               "eval_runtime": 0.1, "step": 1, "epoch": 0.5}, {"loss": 1.0, "step": 2, "epoch": 1.0},
-               {"eval_loss": 0.5, "eval_accuracy": 0.9, "step": 2, "epoch": 1.0}]
-    rows, last = parse_log_history(history)
-    assert rows == [{"Training Loss": 2.0, "Epoch": 0.5, "Step": 1, "Validation Loss": 1.5, "Accuracy": 0.5},
-                    {"Training Loss": 1.0, "Epoch": 1.0, "Step": 2, "Validation Loss": 0.5, "Accuracy": 0.9}]
-    assert last == {"Loss": 0.5, "Accuracy": 0.9}
+def _transformers_card(trainer, **kwargs) -> str:
+    """What transformers' ``TrainingSummary.from_trainer`` writes for this run."""
+    return TrainingSummary.from_trainer(_as_transformers_sees_it(trainer), **kwargs).to_model_card()
 
 
 class _GatedTarget(FilesystemTarget):
@@ -355,13 +352,16 @@ def test_huggingface_hub_pushes_through_hfapi_and_never_leaks_the_token(tmp_path
     assert trainer.args.hub_token == TOKEN  # the driver keeps it for later pushes
 
 
-def test_model_card_without_evaluation_lists_training_losses(make_args, make_classifier, make_examples):
+def test_model_card_without_evaluation_has_no_results_table(make_args, make_classifier, make_examples):
     trainer = _trainer(make_args, make_classifier, make_examples, eval_strategy="no", push_to_hub=False,
                        save_strategy="no")
     trainer.train()
-    card = model_card(trainer, "tiny")
-    assert "| Training Loss | Epoch | Step |" in card and card.count("\n| ") == 1 + 4
-    assert "achieves the following results" not in card
+    trainer.create_model_card(model_name="tiny")
+    with open(os.path.join(trainer.args.output_dir, "README.md")) as f:
+        card = f.read()
+    assert card == _transformers_card(trainer, model_name="tiny")
+    # as transformers: without evaluations, no results table and no final metrics
+    assert "| Training Loss" not in card and "achieves the following results" not in card
 
 
 def test_the_workers_trainer_never_holds_the_hub_token(tmp_path, monkeypatch, make_args, make_classifier,
@@ -411,7 +411,7 @@ def test_create_model_card_writes_readme_from_the_run(tmp_path):
     trainer.train()
     trainer.create_model_card(model_name="tiny-reg", license="apache-2.0", tags=["regression"])
     card = (tmp_path / "README.md").read_text()
-    assert "# tiny-reg" in card and 'license: "apache-2.0"' in card and '"regression"' in card
+    assert card == _transformers_card(trainer, model_name="tiny-reg", license="apache-2.0",
+                                      tags=["regression"])
+    assert "# tiny-reg" in card and "license: apache-2.0" in card and "- regression" in card
     assert "- learning_rate: 5e-05" in card and "- training_steps: 2" in card
-    losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
-    assert f"| {losses[0]:.4f} | 0.5000 | 1 |" in card  # the run's own log history

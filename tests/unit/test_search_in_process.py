@@ -12,6 +12,7 @@ import threading
 import optuna
 import pytest
 import torch
+import transformers.trainer_utils
 
 from raytrainer import Trainer, TrainerCallback
 from raytrainer.search import BestRun, default_compute_objective
@@ -62,6 +63,7 @@ def _trainer(make_args, data, model_init, **args):
 
 
 def test_default_objective_is_eval_loss_or_sum_of_metrics():
+    assert default_compute_objective is transformers.trainer_utils.default_compute_objective
     assert default_compute_objective({"eval_loss": 0.7, "epoch": 2.0, "eval_runtime": 3.0}) == 0.7
     metrics = {"eval_loss": 0.7, "eval_accuracy": 0.5, "eval_f1": 0.25, "eval_samples_per_second": 9.0,
                "eval_steps_per_second": 1.0, "epoch": 1.0}
@@ -69,6 +71,8 @@ def test_default_objective_is_eval_loss_or_sum_of_metrics():
 
 
 def test_default_spaces_are_hf_spaces():
+    assert default_hp_space_optuna is transformers.trainer_utils.default_hp_space_optuna
+    assert default_hp_space_ray is transformers.trainer_utils.default_hp_space_ray
     study = optuna.create_study()
     for _ in range(20):
         params = default_hp_space_optuna(study.ask())
@@ -79,6 +83,13 @@ def test_default_spaces_are_hf_spaces():
     assert (space["learning_rate"].lower, space["learning_rate"].upper) == (1e-6, 1e-4)
     assert sorted(space["per_device_train_batch_size"].categories) == [4, 8, 16, 32, 64]
     assert sorted(space["num_train_epochs"].categories) == [1, 2, 3, 4, 5]
+
+
+def test_a_float_seed_from_the_ray_space_becomes_an_int(make_args, tmp_path):
+    from raytrainer.search.common import trial_args
+
+    args = trial_args(make_args(output_dir=str(tmp_path)), {"seed": 17.6}, "0")  # tune.uniform(1, 40)
+    assert args.seed == 17 and isinstance(args.seed, int)  # cast to the field's type, as transformers
 
 
 def test_optuna_search_in_process(make_args, make_examples, tmp_path):
