@@ -38,13 +38,25 @@ class Kind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Command:
-    """Driver -> every rank: run ``method`` with the spec behind ``spec`` (a one-item list holding the
-    object-store reference of the pickled Trainer and the call's arguments: in a list, Ray hands over the
-    reference, not the bytes). ``id`` grows with each command of a group."""
+    """Driver -> every rank: run ``method`` with the ``Spec`` behind ``spec`` (a one-item list holding its
+    object-store reference: in a list, Ray hands over the reference, not the bytes). ``id`` grows with each
+    command of a group."""
 
     id: int
     method: Method
     spec: list
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a command runs (driver/spec.py builds it): the pickled Trainer -- the user's state only --, the
+    call's arguments, and what the driver learnt for the ranks: the rows of a Ray Dataset training set and
+    transformers' log level in the script."""
+
+    trainer: bytes
+    kwargs: dict
+    ray_data_rows: int | None = None
+    transformers_log_level: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,8 @@ class Message(NamedTuple):
 #: Every message of the protocol (the channel's methods carry them); docs/architecture.md shows this table.
 MESSAGES: tuple[Message, ...] = (
     Message("Command", Command, "driver", "every rank", "one per Trainer call (train, evaluate, predict)"),
+    Message("Spec", Spec, "driver (into the object store once)", "every rank (fetches it)",
+            "with each command"),
     Message("Attempt", Attempt, "channel", "rank 0 (broadcast to every rank); the driver as an event",
             "at each start of a command, again after Ray Train restarted the workers"),
     Message("Event(LOG)", LogLine, "every rank", "driver", "each log record and output line, batched"),

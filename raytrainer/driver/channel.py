@@ -13,7 +13,7 @@ import copy
 
 import ray
 
-from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, Method, RankResult
+from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, Method, RankResult, Spec
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -162,12 +162,9 @@ class RayChannel:
     def __init__(self):
         self.actor = Channel.remote()
 
-    def submit(self, command_id: int, method: Method, spec_and_kwargs: tuple, expected: int) -> int:
-        """Post a command; its spec goes to the object store once (the command carries its reference).
-        Returns the spec's size in bytes."""
-        spec_ref = ray.put(spec_and_kwargs)
-        ray.get(self.actor.submit.remote(Command(command_id, method, [spec_ref]), expected))
-        return len(spec_and_kwargs[0])
+    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> None:
+        """Post a command; its spec goes to the object store once (the command carries its reference)."""
+        ray.get(self.actor.submit.remote(Command(command_id, method, [ray.put(spec)]), expected))
 
     def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
         return ray.get(self.actor.wait_results.remote(command_id, timeout))

@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 
-from raytrainer.protocol import Method, RankResult
+from raytrainer.protocol import Method, RankResult, Spec
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ class WorkerGroup:
         self._ended = None  # Ray Train's error holds its controller's handle in its traceback
 
     # -- commands ---------------------------------------------------------------------------------------
-    def run(self, trainer, spec: bytes, method: str, kwargs: dict, registry,
-            datasets: dict | None = None) -> RankResult:
+    def run(self, trainer, spec: Spec, method: str, registry, datasets: dict | None = None) -> RankResult:
         """Run ``method`` on every rank of the group (started now if it is not yet); rank 0's result."""
         from raytrainer.driver.display import DriverDisplay, Pump
 
@@ -142,8 +141,8 @@ class WorkerGroup:
         started = time.time()
         self.busy = True
         try:
-            size = self.channel.submit(command, Method(method), (spec, kwargs), self.args.num_workers)
-            logger.debug("run spec: %d bytes in the object store", size)
+            self.channel.submit(command, Method(method), spec, self.args.num_workers)
+            logger.debug("run spec: %d bytes in the object store", len(spec.trainer))
             results = self._wait(command)
         except KeyboardInterrupt:
             logger.warning("interrupted: aborting %s on the workers", method)

@@ -7,17 +7,17 @@ reference. While the command runs, the group's pump (driver/display.py) shows th
 
 from __future__ import annotations
 
-from raytrainer.protocol import RankResult
+from raytrainer.protocol import RankResult, Spec
 
 
-def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> RankResult:
+def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
     """Run ``method`` on the Trainer's live worker group (started now if it has none, or none that fits the
     arguments); return rank 0's result. A Ray Data training set is given to Ray Train at the start of a
     run, so that ``train()`` runs on a group of its own, closed after it."""
     from raytrainer.driver.group import WorkerGroup, attach
 
     args = trainer.args
-    datasets = _ray_datasets(trainer, method)
+    datasets = _ray_datasets(trainer, spec, method)
     group = trainer.__dict__.get("_group")
     backend = group.backend if group is not None else None  # a replacement runs where the last one ran
     if group is not None and (datasets or not group.usable_for(args)):
@@ -28,18 +28,17 @@ def launch(trainer, spec: bytes, method: str, kwargs: dict, registry) -> RankRes
         if not datasets:
             attach(trainer, group)
     try:
-        return group.run(trainer, spec, method, kwargs, registry, datasets)
+        return group.run(trainer, spec, method, registry, datasets)
     finally:
         if datasets:
             group.close()
 
 
-def _ray_datasets(trainer, method: str) -> dict | None:
+def _ray_datasets(trainer, spec: Spec, method: str) -> dict | None:
     """A Ray Data training set goes to Ray Train, which gives each worker its shard."""
     from raytrainer.data import is_ray_dataset, pad_ray_dataset
 
     dataset = trainer.train_dataset
     if method == "train" and is_ray_dataset(dataset):  # no row left out of the equal split
-        rows = trainer._ray_data_rows  # counted by the driver's pre-flight
-        return {"train": pad_ray_dataset(dataset, rows, max(trainer.args.num_workers, 1))}
+        return {"train": pad_ray_dataset(dataset, spec.ray_data_rows, max(trainer.args.num_workers, 1))}
     return None

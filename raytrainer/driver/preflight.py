@@ -1,19 +1,15 @@
 """Checks on the driver before any worker starts: bad input fails here, clearly, with nothing started.
 
-``check`` returns the pickled Trainer (the run spec the workers unpickle), so that pickling — and the
-error that names what cannot be pickled — happens exactly once, before Ray is touched.
+``check`` only checks (it changes neither the Trainer nor the call's arguments); the run spec is built after
+it (driver/spec.py), where pickling -- and the error that names what cannot be pickled -- happens once.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
-import os
-import sys
 from collections.abc import Mapping
 
-import cloudpickle
 import torch
 from torch.utils.data import IterableDataset
 
@@ -21,27 +17,23 @@ from raytrainer import data as rdata
 from raytrainer import meta_model
 from raytrainer.deps import require
 from raytrainer.trainer_utils import has_length
-from raytrainer.worker.logs import driver_transformers_level
 
 logger = logging.getLogger(__name__)
 
 
-def check(trainer, method: str, kwargs: dict) -> bytes | None:
+def check(trainer, method: str, kwargs: dict) -> None:
+    """Refuse, on the driver and before any worker starts, a call that cannot run: each error names the
+    value and the fix. Only checks: the spec is built afterwards (driver/spec.py)."""
     args = trainer.args
     if args.num_workers > 0:
         require("ray.train", f"num_workers={args.num_workers} (training on Ray Train workers)")
     if args.deepspeed:
         require("deepspeed", "--deepspeed")
-    if any(rdata.is_ray_dataset(d) for d in (trainer.train_dataset, trainer.eval_dataset, *kwargs.values())):
-        # Ray Data would start Ray on its own (with no spare CPUs) on first use: start it our way first.
-        from raytrainer.driver.ray_runtime import ensure_ray
-
-        ensure_ray(args)
     if method == "train":
         _check_train(trainer)
         _check_neftune(trainer)
         _check_gradient_checkpointing(trainer)
-        _check_checkpointing(trainer, kwargs)
+        _check_checkpointing(trainer, kwargs.get("resume_from_checkpoint"))
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
         dataset = trainer.eval_dataset if dataset is None else dataset
@@ -52,29 +44,10 @@ def check(trainer, method: str, kwargs: dict) -> bytes | None:
         if kwargs.get("test_dataset") is None:
             raise ValueError("predict() needs a test_dataset.")
         _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
-    if args.num_workers == 0:
-        return None
-    if method != "train" and _starts_a_group(trainer):
+    if args.num_workers > 0 and method != "train" and _starts_a_group(trainer):
         from raytrainer.storage import Storage
 
         Storage.for_run(args).check_writable()  # the new group's Ray Train run folder lives there
-    for key in ("eval_dataset", "test_dataset"):
-        if key in kwargs:
-            kwargs[key] = _materialized(kwargs[key])
-    return pickled_spec(trainer, kwargs, method)
-
-
-def _materialized(dataset):
-    """A Ray Dataset used for evaluation, read once here into rows.
-
-    Evaluation needs every example once and in order; and a worker cannot read a Ray Dataset itself:
-    Ray Data's tasks would wait for CPUs inside the Ray Train placement group that the workers hold.
-    """
-    if rdata.is_ray_dataset(dataset):
-        return dataset.take_all()
-    if isinstance(dataset, Mapping):
-        return {k: _materialized(v) for k, v in dataset.items()}
-    return dataset
 
 
 # -- training ----------------------------------------------------------------------------------------
@@ -82,9 +55,9 @@ def _check_train(trainer) -> None:
     args, dataset = trainer.args, trainer.train_dataset
     if dataset is None:
         raise ValueError("train() needs a train_dataset: pass `train_dataset=` to Trainer.")
-    if rdata.is_ray_dataset(dataset):
-        trainer._ray_data_rows = dataset.count()  # sizes the epoch on every rank without a recount
-    elif (isinstance(dataset, IterableDataset) or not has_length(dataset)) and args.max_steps <= 0:
+    sized = has_length(dataset) and not isinstance(dataset, IterableDataset)
+    sized = sized or rdata.is_ray_dataset(dataset)
+    if not sized and args.max_steps <= 0:
         raise ValueError(
             f"train_dataset ({type(dataset).__name__}) has no length, so the number of steps is unknown: "
             "set max_steps to a positive value."
@@ -151,14 +124,12 @@ def check_resume_target(trainer, resume: str) -> None:
             "run's.", resume, saved, world)
 
 
-def _check_checkpointing(trainer, kwargs: dict) -> None:
-    """Resolve resume_from_checkpoint to a committed checkpoint; make sure the storage can be written."""
-    from raytrainer.checkpoint import resolve_resume
+def _check_checkpointing(trainer, resume: str | None) -> None:
+    """The checkpoint to resume (resolved by the runner to a committed one) fits; the storage is writable."""
     from raytrainer.storage import Storage
 
     args = trainer.args
     storage = Storage.for_run(args)
-    resume = kwargs["resume_from_checkpoint"] = resolve_resume(storage, kwargs.get("resume_from_checkpoint"))
     if resume:
         check_resume_target(trainer, resume)
     if _writes_storage(args):
@@ -277,69 +248,3 @@ def _check_returns_loss(trainer, dataset) -> None:
     finally:
         model.train(was_training)
     _loss_from_outputs(outputs, model)
-
-
-# -- picklability ------------------------------------------------------------------------------------
-def pickled_spec(trainer, kwargs: dict, method: str = "train") -> bytes:
-    """The Trainer pickled for the workers; on failure, the error names the object that fails.
-
-    ``train`` with ``model_init`` ships no model: every worker builds its own (``training_loop``), so the
-    driver's instance -- built, as HF does, in ``Trainer.__init__`` -- never crosses the network. Nor does
-    evaluate/predict's while the driver holds a weightless skeleton (raytrainer.meta_model): the workers build
-    the model under the run's seed, as the driver's ``Trainer.__init__`` would have."""
-    shipped = copy.copy(trainer)  # workers may run in another directory: paths become absolute
-    skeleton = "_pending_weights" not in vars(trainer) and meta_model.is_skeleton(vars(trainer).get("_model"))
-    if trainer.model_init is not None and (method == "train" or skeleton):
-        shipped.model = shipped.model_wrapped = None
-        shipped.callback_handler = copy.copy(trainer.callback_handler)
-        shipped.callback_handler.model = None
-    shipped.eval_dataset = _materialized(trainer.eval_dataset)
-    shipped.args = copy.copy(trainer.args)
-    shipped.args.output_dir = os.path.abspath(trainer.args.output_dir)
-    shipped.args._driver_hf_level = driver_transformers_level()  # the script's verbosity (worker/logs.py)
-    if shipped.args.storage_path and "://" not in shipped.args.storage_path:
-        shipped.args.storage_path = os.path.abspath(shipped.args.storage_path)
-    ship_dynamic_modules()
-    try:
-        cloudpickle.dumps(kwargs)
-        return cloudpickle.dumps(shipped)
-    except Exception as exc:
-        culprit = _find_unpicklable(trainer, kwargs)
-        raise ValueError(
-            f"{culprit} cannot be pickled to send it to the Ray workers ({type(exc).__name__}: {exc}). "
-            "Define functions and classes at module level, and keep locks, open files, sockets and "
-            "generators out of models, datasets and callbacks (or build them inside model_init / the "
-            "dataset's __getitem__)."
-        ) from exc
-
-
-#: Packages that transformers, evaluate and datasets create at run time from code under ``HF_HOME/modules``
-#: (a Hub model's ``trust_remote_code`` classes, an ``evaluate.load`` metric, a data set's loading script).
-#: A worker on another node has no such folder, and one on this node not on its ``sys.path``.
-DYNAMIC_MODULE_PACKAGES = ("transformers_modules", "evaluate_modules", "datasets_modules")
-
-
-def ship_dynamic_modules() -> None:
-    """Let the classes and functions of those packages travel by value (their source with them), as
-    cloudpickle does for ``__main__``: a ``compute_metrics`` holding an ``evaluate`` metric then unpickles on
-    every worker (transformers' example scripts load theirs that way)."""
-    for name in DYNAMIC_MODULE_PACKAGES:
-        module = sys.modules.get(name)
-        if module is not None:
-            cloudpickle.register_pickle_by_value(module)
-
-
-def _find_unpicklable(trainer, kwargs: dict) -> str:
-    candidates = [(f"{name}=", value) for name, value in kwargs.items()]
-    for name, value in vars(trainer).items():
-        if name == "callback_handler":
-            candidates += [(f"callback {type(cb).__name__}", cb) for cb in value.callbacks]
-        else:
-            candidates.append((f"Trainer.{name}", value))
-    for label, value in candidates:
-        try:
-            cloudpickle.dumps(value)
-        except Exception:
-            described = getattr(value, "__qualname__", None) or type(value).__name__
-            return f"{label} ({described})"
-    return f"the {type(trainer).__name__} object"

@@ -5,6 +5,7 @@ Either way the same code path runs on each rank (``run_rank``); only the transpo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import posixpath
@@ -17,14 +18,18 @@ from raytrainer.checkpoint import (
     committed_checkpoints,
     load_weights_into,
     model_weights,
+    resolve_resume,
     step_of,
 )
+from raytrainer.data import is_ray_dataset
 from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
-from raytrainer.protocol import RankResult
+from raytrainer.driver.spec import build as build_spec
+from raytrainer.protocol import RankResult, Spec
 from raytrainer.storage import Storage
 from raytrainer.worker.context import local_context
 from raytrainer.worker.rank import run_rank
+from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +37,16 @@ logger = logging.getLogger(__name__)
 def run(trainer, method: str, kwargs: dict):
     """Validate on the driver, run ``method`` on every rank, return rank 0's answer."""
     asked = kwargs.get("resume_from_checkpoint")
+    if any(is_ray_dataset(d) for d in (trainer.train_dataset, trainer.eval_dataset, *kwargs.values())):
+        # Ray Data would start Ray on its own (with no spare CPUs) on first use: start it our way first.
+        from raytrainer.driver.ray_runtime import ensure_ray
+
+        ensure_ray(trainer.args)
+    if method == "train":  # True / a path / a checkpoint's name -> a committed checkpoint's URI, or None
+        kwargs = {**kwargs, "resume_from_checkpoint": resolve_resume(Storage.for_run(trainer.args), asked)}
+    preflight.check(trainer, method, kwargs)
     with hub.token_withheld(trainer.args):  # the Trainer the workers get never holds the hub token
-        spec = preflight.check(trainer, method, kwargs)
+        spec = build_spec(trainer, method, kwargs) if trainer.args.num_workers > 0 else None
     registry = CheckpointRegistry(trainer.args)
     pusher = hub.for_training(trainer, registry) if method == "train" else None  # checked before launch
     try:
@@ -42,7 +55,10 @@ def run(trainer, method: str, kwargs: dict):
                 output = _run_once(trainer, spec, method, kwargs, registry)
                 break
             except DamagedCheckpointError as exc:
-                kwargs = {**kwargs, "resume_from_checkpoint": _earlier_checkpoint(trainer, exc, asked)}
+                instead = {"resume_from_checkpoint": _earlier_checkpoint(trainer, exc, asked)}
+                kwargs = {**kwargs, **instead}
+                if spec is not None:  # the same Trainer, resuming from the checkpoint before
+                    spec = dataclasses.replace(spec, kwargs={**spec.kwargs, **instead})
     finally:
         hub.finish_training(pusher, registry)  # pending pushes end before train() returns
     if method == "train":
@@ -52,12 +68,12 @@ def run(trainer, method: str, kwargs: dict):
     return output
 
 
-def _run_once(trainer, spec, method: str, kwargs: dict, registry: CheckpointRegistry):
-    if trainer.args.num_workers == 0:
+def _run_once(trainer, spec: Spec | None, method: str, kwargs: dict, registry: CheckpointRegistry):
+    if spec is None:
         return _run_local(trainer, method, kwargs, registry)
     from raytrainer.driver.launch import launch
 
-    return _absorb(trainer, method, launch(trainer, spec, method, kwargs, registry))
+    return _absorb(trainer, method, launch(trainer, spec, method, registry))
 
 
 def _earlier_checkpoint(trainer, exc: DamagedCheckpointError, asked) -> str:
@@ -82,12 +98,10 @@ def _earlier_checkpoint(trainer, exc: DamagedCheckpointError, asked) -> str:
 
 
 def _run_local(trainer, method: str, kwargs: dict, registry: CheckpointRegistry):
-    ctx = local_context(trainer.args)
-    trainer._checkpoint_sink = registry.add
+    session = RankSession(local_context(trainer.args), checkpoint_sink=registry.add)
     try:
-        return run_rank(trainer, ctx, None, method, kwargs).output
+        return run_rank(trainer, session, method, kwargs).output
     finally:
-        trainer._ctx = trainer._strategy = trainer._writer = trainer._checkpoint_sink = None
         trainer.model_wrapped = trainer.model
 
 

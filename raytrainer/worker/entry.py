@@ -33,6 +33,7 @@ def worker_main(config: dict) -> None:
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.context import ray_train_context
     from raytrainer.worker.rank import run_rank
+    from raytrainer.worker.session import RankSession
 
     TIMES["entry"] = time.time()
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
@@ -42,17 +43,18 @@ def worker_main(config: dict) -> None:
     while (command := client.next_command(done)) is not None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
-        spec, kwargs = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
-        trainer = cloudpickle.loads(spec)
-        del spec
+        spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
+        trainer = cloudpickle.loads(spec.trainer)
+        session = RankSession(ctx, client, ray_data_rows=spec.ray_data_rows,
+                              transformers_log_level=spec.transformers_log_level)
         TIMES["spec"] = time.time()
         try:
-            result = run_rank(trainer, ctx, client, command.method.value, kwargs)
+            result = run_rank(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
             if not failures.retryable(exc):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
             raise
-        del trainer, kwargs
+        del trainer, spec, session
         client.set_result(command.id, result)
         fresh.restore()
         done = command.id

@@ -80,14 +80,13 @@ class _ForwardStream(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def rank_logging(args, rank: int, channel=None):
+def rank_logging(args, rank: int, channel=None, driver_hf_level: int | None = None):
     """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process).
 
     With a ``passive`` log_level the main rank takes transformers' verbosity from the driver as it was when
-    the call was sent (``args._driver_hf_level``, driver/preflight.py), as if it had run the script's
+    the call was sent (``driver_hf_level``: the spec's, driver/spec.py), as if it had run the script's
     ``transformers.logging.set_verbosity_info()`` itself: under torchrun every rank runs the script.
     """
-    driver_hf_level = getattr(args, "_driver_hf_level", None)
     level = args.get_process_log_level()
     levels = {logging.getLogger(): level, logging.getLogger("raytrainer"): level}
     hf = _transformers_logger()

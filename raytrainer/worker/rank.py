@@ -11,29 +11,34 @@ import torch
 from raytrainer import final_weights
 from raytrainer.callbacks import runs_on_driver, state_to_dict
 from raytrainer.protocol import Kind, RankResult
-from raytrainer.worker.context import RankContext
 from raytrainer.worker.logs import rank_logging
+from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
 
 
-def run_rank(trainer, ctx: RankContext, channel, method: str, kwargs: dict) -> RankResult:
-    """What every rank does: take its place, route its logs, run ``method``, hand back its part."""
+def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankResult:
+    """What every rank does: take its place, route its logs, run ``method``, hand back its part. The
+    Trainer refers to the session while the method runs (``trainer._session``), and only then."""
+    ctx, channel = session.ctx, session.channel
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
-    trainer._ctx = ctx
-    with rank_logging(trainer.args, ctx.rank, channel):
-        if channel is not None:
-            trainer._checkpoint_sink = lambda info: channel.send(Kind.CHECKPOINT, info, urgent=True)
-            kwargs = _after_restart(trainer, ctx, channel, method, kwargs)
-            if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
-                return RankResult(global_step=0)
-            _split_callbacks(trainer, ctx, channel)
-            if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
-                trainer._pace_sink = lambda report: channel.send(Kind.PACE, report)
-        output = getattr(trainer, method)(**kwargs)
-        weights_at = None
-        if method == "train" and channel is not None:
-            weights_at = final_weights.write(trainer, ctx)  # a collective; the weights go to storage
+    trainer._session = session
+    try:
+        with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
+            if channel is not None:
+                session.checkpoint_sink = lambda info: channel.send(Kind.CHECKPOINT, info, urgent=True)
+                kwargs = _after_restart(trainer, session, method, kwargs)
+                if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
+                    return RankResult(global_step=0)
+                _split_callbacks(trainer, session)
+                if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
+                    session.pace_sink = lambda report: channel.send(Kind.PACE, report)
+            output = getattr(trainer, method)(**kwargs)
+            weights_at = None
+            if method == "train" and channel is not None:
+                weights_at = final_weights.write(trainer, session)  # a collective; the weights go to storage
+    finally:
+        trainer._session = None
     if not ctx.is_world_zero:
         return RankResult(trainer.state.global_step)
     return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at,
@@ -93,10 +98,11 @@ def absorb_callback_states(callbacks, states: list[tuple[str, dict]] | None) -> 
             vars(mine[name].pop(0)).update(attributes)
 
 
-def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
+def _split_callbacks(trainer, session: RankSession) -> None:
     """Display callbacks run on the driver; rank 0 relays the events they need."""
     from raytrainer.worker.relay import RelayCallback
 
+    ctx, channel = session.ctx, session.channel
     driver_side = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
     for cb in driver_side:
         trainer.callback_handler.remove_callback(cb)
@@ -106,15 +112,16 @@ def _split_callbacks(trainer, ctx: RankContext, channel) -> None:
         from raytrainer.worker.stop import DriverStopCallback
 
         # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-        trainer.callback_handler.add_callback(DriverStopCallback(channel, ctx, trainer._attempt))
+        trainer.callback_handler.add_callback(DriverStopCallback(channel, ctx, session.attempt))
 
 
-def _after_restart(trainer, ctx, channel, method: str, kwargs: dict) -> dict:
+def _after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> dict | None:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
     latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
     train; failures.py)."""
-    attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
-    trainer._attempt = attempt.number
+    ctx = session.ctx
+    attempt = ctx.broadcast_object(session.channel.begin_attempt() if ctx.is_world_zero else None)
+    session.attempt = attempt.number
     if attempt.failed:
         return None
     if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from raytrainer import failures
-from raytrainer.protocol import Command, Event, Fatal, Kind, Method, RankResult
+from raytrainer.protocol import Command, Event, Fatal, Kind, Method, RankResult, Spec
 
 
 @dataclass
@@ -62,13 +62,12 @@ class FakeChannel:
         self.killed = False
 
     # -- the driver's side ------------------------------------------------------------------------
-    def submit(self, command_id: int, method: Method, spec_and_kwargs: tuple, expected: int) -> int:
+    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> None:
         with self._cond:
-            self.command = Command(command_id, method, [spec_and_kwargs])
+            self.command = Command(command_id, method, [spec])
             self.expected, self.results = expected, {}
             self.decisions, self.stop = {}, False
             self._cond.notify_all()
-        return len(spec_and_kwargs[0])
 
     def wait_results(self, command_id: int, timeout: float):
         with self._cond:

@@ -135,12 +135,12 @@ def test_a_call_is_a_command_and_rank_zeros_result_is_taken_in(tmp_path, capsys)
 
     (command,) = backend.commands
     assert command.method is Method.TRAIN and command.id == 1
-    spec, kwargs = command.spec[0]
+    (spec,) = command.spec
     import cloudpickle
 
-    shipped = cloudpickle.loads(spec)  # the Trainer the ranks get: the user's, without driver state
+    shipped = cloudpickle.loads(spec.trainer)  # the Trainer the ranks get: the user's, no driver state
     assert type(shipped) is Trainer and shipped.args.num_workers == 2 and "_group" not in vars(shipped)
-    assert kwargs["resume_from_checkpoint"] is None
+    assert spec.kwargs["resume_from_checkpoint"] is None and spec.ray_data_rows is None
     # rank 0's result, taken into the driver's Trainer and its callbacks
     assert output.global_step == 4 and output.training_loss == 0.25
     assert trainer.state.global_step == 4
