@@ -557,7 +557,9 @@ class Trainer:
     # schedule (``transformers.get_scheduler`` with ``args.get_warmup_steps``; a scheduler per parameter for
     # layer-wise GaLore). They read ``args``, ``model``, ``optimizer``, ``lr_scheduler`` and
     # ``optimizer_cls_and_kwargs``, which this Trainer has; a subclass may override each.
+    # (bound here, once: a test harness may later put this class in place of transformers.Trainer)
     create_optimizer = hf_trainer.Trainer.create_optimizer
+    _hf_create_scheduler = hf_trainer.Trainer.create_scheduler
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """transformers.Trainer.create_scheduler (for a layer-wise optimizer, with
@@ -572,8 +574,8 @@ class Trainer:
         target = optimizer if optimizer is not None else self.optimizer
         if isinstance(target, hf_pt_utils.LayerWiseDummyOptimizer):
             with mock.patch.object(hf_optimization, "LayerWiseDummyScheduler", LayerWiseScheduler):
-                return hf_trainer.Trainer.create_scheduler(self, num_training_steps, optimizer)
-        return hf_trainer.Trainer.create_scheduler(self, num_training_steps, optimizer)
+                return self._hf_create_scheduler(num_training_steps, optimizer)
+        return self._hf_create_scheduler(num_training_steps, optimizer)
 
     get_optimizer_cls_and_kwargs = staticmethod(hf_trainer.Trainer.get_optimizer_cls_and_kwargs)
     get_decay_parameter_names = hf_trainer.Trainer.get_decay_parameter_names
