@@ -1,8 +1,9 @@
-"""Checks of `TrainingArguments`' values, and the subset of transformers' enums raytrainer builds.
+"""Checks of `TrainingArguments`' values (every value of transformers' enums is accepted).
 
 Every check raises a `ValueError` that reads "<field>=<value>: <what is wrong>; <how to fix it>".
 """
 
+import importlib.util
 import json
 import logging
 import os
@@ -14,13 +15,6 @@ from transformers.training_args import OptimizerNames, ParallelMode
 
 __all__ = ["HubStrategy", "IntervalStrategy", "OptimizerNames", "ParallelMode", "SaveStrategy",
            "SchedulerType"]
-
-
-# The strategy enums are transformers' own; raytrainer builds a subset of its optimizers (every schedule).
-SUPPORTED_OPTIMIZERS = tuple(OptimizerNames(name) for name in (
-    "adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor", "galore_adamw",
-    "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
-    "galore_adafactor_layerwise"))
 
 
 # "passive" leaves the level to raytrainer's default: INFO on the main process, WARNING on replicas.
@@ -110,20 +104,15 @@ def _check_positive_int(name: str, value: Any, example: int) -> None:
         raise _error(name, value, "must be a positive integer", f"pass e.g. --{name} {example}")
 
 
-def _to_enum(name: str, value: Any, enum_cls: type[Enum], supported: tuple | None = None) -> Enum:
-    """``value`` as a member of ``enum_cls`` (transformers' enums), refused by name when it is not one, or
-    not one of the ``supported`` members raytrainer builds."""
-    allowed = supported or tuple(enum_cls)
+def _to_enum(name: str, value: Any, enum_cls: type[Enum]) -> Enum:
+    """``value`` as a member of ``enum_cls`` (transformers' enums), refused by name when it is not one."""
     try:
-        member = enum_cls(getattr(value, "value", value))
+        return enum_cls(getattr(value, "value", value))
     except ValueError:
-        member = None
-    if member not in allowed:
+        allowed = tuple(enum_cls)
         shown = ", ".join(repr(m.value) for m in allowed)
-        problem = ("is transformers' but raytrainer does not build it; use one of " if member is not None
-                   else "unknown value, must be one of ")
-        raise _error(name, value, problem + shown, f"pass e.g. --{name} {allowed[0].value}")
-    return member
+        raise _error(name, value, "unknown value, must be one of " + shown,
+                     f"pass e.g. --{name} {allowed[0].value}") from None
 
 
 def _check_one_of(name: str, value: Any, allowed: tuple) -> None:
@@ -297,20 +286,92 @@ def check_deepspeed(args) -> None:
                      "with 'Type fp16 is not supported on your device')", "use --bf16 on CPU, or --use_gpu")
 
 
+# The package each of transformers' optimizer handlers (``transformers.trainer_optimizer``) imports:
+# transformers' own availability check for it, and what to install. The torch optimizers need none.
+def _optim_packages() -> dict[str, tuple]:
+    from transformers.utils import import_utils as iu
+
+    return {
+        "_get_bitsandbytes_optimizer": (iu.is_bitsandbytes_available, "bitsandbytes", "bitsandbytes"),
+        "_get_galore_optimizer": (iu.is_galore_torch_available, "galore_torch", "galore-torch"),
+        "_get_apollo_optimizer": (iu.is_apollo_torch_available, "apollo_torch", "apollo-torch"),
+        "_get_lomo_optimizer": (iu.is_lomo_available, "lomo_optim", "lomo-optim"),
+        "_get_grokadamw": (iu.is_grokadamw_available, "grokadamw", "grokadamw"),
+        "_get_torchao_optimizer": (iu.is_torchao_available, "torchao", "torchao"),
+        "_get_schedule_free_optimizer": (iu.is_schedulefree_available, "schedulefree", "schedulefree"),
+        "_get_stable_adamw": (iu.is_torch_optimi_available, "torch-optimi", "torch-optimi"),
+        "_get_adamw_anyprecision": (lambda: importlib.util.find_spec("torchdistx") is not None, "torchdistx",
+                                    "git+https://github.com/pytorch/torchdistx"),
+    }
+
+
+# Optimizers that update the weights outside the optimizer step raytrainer's loop makes (transformers has its
+# own training step for them), or that need a device raytrainer's workers do not have.
+_UNSUPPORTED_OPTIMIZERS = {
+    "lomo": "updates the weights inside its own fused backward (Lomo.fused_backward), which raytrainer's "
+            "training step does not call",
+    "adalomo": "updates the weights inside its own fused backward (AdaLomo.fused_backward), which "
+               "raytrainer's training step does not call",
+    "adamw_torch_xla": "is torch_xla's optimizer for XLA devices, and raytrainer's workers run on CUDA or "
+                       "CPU",
+    "adamw_torch_npu_fused": "is torch_npu's optimizer for Ascend NPUs, and raytrainer's workers run on CUDA "
+                             "or CPU",
+}
+
+
+def check_optim_package(args) -> None:
+    """The package the optimizer ``args.optim`` names is installed (on the driver: the workers need it too),
+    and ``optim_args`` reads as transformers reads it."""
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, _parse_optim_args
+
+    name = args.optim.value
+    if name in _UNSUPPORTED_OPTIMIZERS:
+        raise _error("optim", name, _UNSUPPORTED_OPTIMIZERS[name],
+                     "use another optimizer, e.g. --optim adamw_torch (or galore_adamw_layerwise for low "
+                     "memory)")
+    handler = _OPTIMIZER_HANDLERS.get(args.optim)
+    available, module, pip_name = _optim_packages().get(getattr(handler, "__name__", ""), (None, None, None))
+    if available is not None:
+        ok = available()
+        if ok and name == "schedule_free_radam":
+            ok = available("1.4.0")
+            pip_name = "'schedulefree>=1.4.0'"
+        if not ok:
+            raise ValueError(f"optim={name!r} needs the {module} package: pip install {pip_name} (in the "
+                             "workers' environment too)")
+    try:
+        _parse_optim_args(args.optim_args)
+    except ValueError:
+        raise _error("optim_args", args.optim_args, "must read 'key=value,key=value' (no empty item)",
+                     "pass e.g. --optim_args 'momentum=0.9,nesterov=true'") from None
+
+
 def check_optim_features(args) -> None:
-    name = getattr(args.optim, "value", args.optim)
-    if name.startswith("galore"):
-        if not args.optim_target_modules:
-            raise _error("optim", name, "needs optim_target_modules (the layers GaLore projects)",
+    name = args.optim.value
+    if name.startswith(("galore", "apollo")):  # transformers' low-rank optimizers
+        modules = args.optim_target_modules
+        kind = "GaLore" if name.startswith("galore") else "APOLLO"
+        if not modules:
+            raise _error("optim", name, f"needs optim_target_modules (the layers {kind} projects)",
                          "pass e.g. --optim_target_modules 'attn,mlp' or 'all-linear'")
-        if name.endswith("_layerwise") and args.num_workers > 1:
-            raise _error("optim", name, "layer-wise GaLore steps each parameter in its backward hook, which "
-                         "DDP's gradient all-reduce does not support",
-                         "use --num_workers 1, or the non-layerwise form (e.g. galore_adamw)")
+        if not isinstance(modules, (list, str)):
+            raise _error("optim_target_modules", modules, "must be a list of names, a regex or 'all-linear'",
+                         "pass e.g. --optim_target_modules 'attn,mlp' or 'all-linear'")
+        whole = name.removesuffix("_layerwise")
+        if name != whole and args.num_workers > 1:
+            raise _error("optim", name, "a layer-wise optimizer steps each parameter in its backward hook, "
+                         "which DDP's gradient all-reduce does not support",
+                         f"use --num_workers 1, or the non-layerwise form ({whole})")
+        if name != whole and args.gradient_accumulation_steps != 1:
+            raise _error("optim", name, "a layer-wise optimizer steps each parameter in its backward hook, "
+                         "so it cannot accumulate gradients (gradient_accumulation_steps="
+                         f"{args.gradient_accumulation_steps})",
+                         f"pass --gradient_accumulation_steps 1, or use {whole}")
         if args.deepspeed or (args.fsdp and "no_shard" not in args.fsdp):
             raise _error("optim", name,
-                         "GaLore projects whole weight matrices; sharded strategies split them",
-                         "use GaLore with DDP (or one worker), or another optimizer with FSDP/DeepSpeed")
+                         f"{kind} projects whole weight matrices; sharded strategies split them",
+                         "use it with DDP (or one worker), or another optimizer with FSDP/DeepSpeed")
+    check_optim_package(args)
     if args.tf32 and args.num_workers > 0 and not args.use_gpu:
         raise _error("tf32", True, "is a GPU (Ampere or newer) setting, but use_gpu=False",
                      "pass --use_gpu true on a GPU cluster, or drop --tf32")

@@ -15,7 +15,8 @@ What the mixin changes in transformers' behaviour, and why:
 
 - Values are checked on the driver before transformers derives anything: each mistake is a `ValueError` that
   reads "<field>=<value>: <what is wrong>; <how to fix it>" (`raytrainer/arg_types.py`), and the values
-  raytrainer cannot honour (an optimizer it does not build, XLA FSDP, tensor parallelism) are refused by name.
+  raytrainer cannot honour (XLA FSDP, tensor parallelism, an optimizer whose package is not installed) are
+  refused by name.
 - The process view (`world_size`, `process_index`, `device`, `should_log`, ...) describes the run, not the
   driver's process: on the driver it is rank 0's view of `num_workers` workers, and each worker calls
   `_set_process(...)` on its own copy once it knows its rank. transformers would set up accelerate's
@@ -52,7 +53,6 @@ from raytrainer.arg_types import (
     INCLUDE_FOR_METRICS,
     LOG_LEVELS,
     PLACEMENT_STRATEGIES,
-    SUPPORTED_OPTIMIZERS,
     TRAIN_SAMPLING_STRATEGIES,
     _check_one_of,
     _check_positive_int,
@@ -206,7 +206,7 @@ class RayArgumentsMixin:
         self.save_strategy = _to_enum("save_strategy", self.save_strategy, SaveStrategy)
         self.hub_strategy = _to_enum("hub_strategy", self.hub_strategy, HubStrategy)
         self.lr_scheduler_type = _to_enum("lr_scheduler_type", self.lr_scheduler_type, SchedulerType)
-        self.optim = _to_enum("optim", self.optim, OptimizerNames, SUPPORTED_OPTIMIZERS)
+        self.optim = _to_enum("optim", self.optim, OptimizerNames)
         for name in _DICT_FIELDS:
             if hasattr(self, name):
                 setattr(self, name, _parse_dict(name, getattr(self, name)))

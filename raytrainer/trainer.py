@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from transformers import trainer as hf_trainer
 from transformers import trainer_pt_utils as hf_pt_utils
 
 from raytrainer import data as rdata
@@ -553,31 +554,33 @@ class Trainer:
         self.create_optimizer()
         self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
 
-    def create_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            if self.optimizer_cls_and_kwargs is not None:
-                from raytrainer.optim import get_decay_parameter_names
-
-                cls, kwargs = self.optimizer_cls_and_kwargs
-                decay = set(get_decay_parameter_names(self.model))
-                params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-                groups = [
-                    {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
-                    {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
-                ]
-                self.optimizer = cls(groups, **kwargs)
-            else:
-                from raytrainer.optim import create_optimizer
-
-                self.optimizer = create_optimizer(self.model, self.args)
-        return self.optimizer
+    # transformers.Trainer's own: the decayed / not-decayed parameter groups, ``optimizer_cls_and_kwargs``
+    # or the optimizer ``args.optim`` names (with ``optim_args``; GaLore, optimizer factories), and the
+    # schedule (``transformers.get_scheduler`` with ``args.get_warmup_steps``; a scheduler per parameter for
+    # layer-wise GaLore). They read ``args``, ``model``, ``optimizer``, ``lr_scheduler`` and
+    # ``optimizer_cls_and_kwargs``, which this Trainer has; a subclass may override each.
+    # (bound here, once: a test harness may later put this class in place of transformers.Trainer)
+    create_optimizer = hf_trainer.Trainer.create_optimizer
+    _hf_create_scheduler = hf_trainer.Trainer.create_scheduler
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        if self.lr_scheduler is None:
-            from raytrainer.optim import create_scheduler
+        """transformers.Trainer.create_scheduler (for a layer-wise optimizer, with
+        ``optim.LayerWiseScheduler`` in place of transformers' ``LayerWiseDummyScheduler``, whose rates torch
+        refuses)."""
+        from unittest import mock
 
-            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
-        return self.lr_scheduler
+        from transformers import optimization as hf_optimization
+
+        from raytrainer.optim import LayerWiseScheduler
+
+        target = optimizer if optimizer is not None else self.optimizer
+        if isinstance(target, hf_pt_utils.LayerWiseDummyOptimizer):
+            with mock.patch.object(hf_optimization, "LayerWiseDummyScheduler", LayerWiseScheduler):
+                return self._hf_create_scheduler(num_training_steps, optimizer)
+        return self._hf_create_scheduler(num_training_steps, optimizer)
+
+    get_optimizer_cls_and_kwargs = staticmethod(hf_trainer.Trainer.get_optimizer_cls_and_kwargs)
+    get_decay_parameter_names = hf_trainer.Trainer.get_decay_parameter_names
 
     def _get_learning_rate(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -622,6 +625,8 @@ class Trainer:
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()  # a schedule-free optimizer trains on its own iterate, as in transformers
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             if self._compute_loss_takes_num_items():

@@ -127,6 +127,8 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     prediction_loss_only = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
     model = trainer._strategy.eval_model(trainer.model_wrapped)
     model.eval()
+    if hasattr(trainer.optimizer, "eval") and callable(trainer.optimizer.eval):
+        trainer.optimizer.eval()  # a schedule-free optimizer evaluates its averaged weights (transformers)
     handler = trainer.callback_handler
     handler.eval_dataloader = dataloader
     include = set(args.include_for_metrics or [])

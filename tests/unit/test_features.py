@@ -79,9 +79,12 @@ def test_torch_compile_trains_through_a_compiled_graph(tmp_path):
         torch.testing.assert_close(compiled.model.state_dict()[k], v)
 
 
-def test_adafactor_is_torchs_and_trains(tmp_path):
+def test_adafactor_is_transformers_and_trains(tmp_path):
+    from transformers.optimization import Adafactor
+
     trainer = train(tmp_path, optim="adafactor", learning_rate=0.01)
-    assert type(trainer.optimizer) is torch.optim.Adafactor
+    assert type(trainer.optimizer) is Adafactor  # transformers' (with a fixed lr), not torch's
+    assert trainer.optimizer.defaults["relative_step"] is False
     assert trainer.optimizer.state  # it took steps: factored second moments exist
     initial = Net().state_dict()
     assert all(not torch.equal(trainer.model.state_dict()[k], v) for k, v in initial.items())

@@ -9,8 +9,10 @@ from torch import nn
 galore_torch = pytest.importorskip("galore_torch",
                                    reason="galore-torch is not installed (pip install galore-torch)")
 
+import transformers  # noqa: E402
+from transformers.trainer_pt_utils import LayerWiseDummyOptimizer, LayerWiseDummyScheduler  # noqa: E402
+
 from raytrainer import Trainer, TrainingArguments  # noqa: E402
-from raytrainer.galore import LayerWiseOptimizer  # noqa: E402
 
 
 class Net(nn.Module):
@@ -55,11 +57,39 @@ def test_galore_adamw_keeps_the_target_layers_state_low_rank(tmp_path):
 
 def test_layerwise_galore_steps_each_parameter_in_backward(tmp_path):
     trainer, before, losses = _train(tmp_path, "galore_adamw_layerwise")
-    assert isinstance(trainer.optimizer, LayerWiseOptimizer)
-    assert len(trainer.optimizer.optimizers) == 6  # one optimizer per parameter
+    assert isinstance(trainer.optimizer, LayerWiseDummyOptimizer)  # transformers' own
+    assert isinstance(trainer.lr_scheduler, LayerWiseDummyScheduler)
+    assert len(trainer.optimizer.optimizer_dict) == 6  # one optimizer per parameter
     for name, tensor in trainer.model.state_dict().items():
         assert not torch.equal(tensor, before[name]), f"{name} was never stepped"
     assert losses[-1] < losses[0] * 0.8
     # each parameter's own linear schedule ran to the end (32 steps): lr 0
-    lrs = {s.get_last_lr()[0] for s in trainer.lr_scheduler.schedulers.values()}
-    assert lrs == {0.0}
+    assert set(trainer.lr_scheduler.get_lr()) == {0.0}
+
+
+@pytest.mark.parametrize("optim", ["galore_adamw", "galore_adafactor", "galore_adamw_layerwise"])
+def test_galore_groups_are_transformers(tmp_path, optim):
+    kw = dict(optim=optim, optim_target_modules=["mlp"], optim_args="rank=4,update_proj_gap=5,scale=0.5",
+              learning_rate=0.01, report_to="none", use_cpu=True)
+    ours = Trainer(model=Net(), args=TrainingArguments(output_dir=str(tmp_path / "a"), **kw))
+    theirs = transformers.Trainer(model=Net(), args=transformers.TrainingArguments(str(tmp_path / "b"), **kw))
+
+    def described(trainer):
+        opt = trainer.create_optimizer()
+        names = {id(p): n for n, p in trainer.model.named_parameters()}
+        optimizers = list(opt.optimizer_dict.values()) if hasattr(opt, "optimizer_dict") else [opt]
+        return type(opt), [(type(o), [({k: v for k, v in g.items() if k != "params"},
+                                       [names[id(p)] for p in g["params"]]) for g in o.param_groups])
+                           for o in optimizers]
+
+    cls, optimizers = described(ours)
+    assert (cls, optimizers) == described(theirs)
+    projected = [settings for _, groups in optimizers for settings, names in groups
+                 if names == ["mlp.weight"]]
+    assert projected and all((s["rank"], s["update_proj_gap"], s["scale"]) == (4, 5, 0.5) for s in projected)
+
+
+def test_layerwise_galore_is_refused_with_accumulation(tmp_path):
+    with pytest.raises(ValueError, match=r"optim='galore_adamw_layerwise': .*cannot accumulate gradients"):
+        TrainingArguments(output_dir=str(tmp_path), optim="galore_adamw_layerwise",
+                          optim_target_modules=["mlp"], gradient_accumulation_steps=2)

@@ -2,24 +2,19 @@ import enum
 import io
 import math
 import pickle
+import re
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from torch import nn
+from transformers.training_args import OptimizerNames
 
-from raytrainer.optim import (
-    METRIC_SCHEDULERS,
-    OPTIMIZER_NAMES,
-    SCHEDULER_NAMES,
-    create_optimizer,
-    create_scheduler,
-    get_decay_parameter_names,
-    get_scheduler,
-    parse_optim_args,
-    warmup_steps_for,
-)
+from raytrainer import Trainer, TrainingArguments
+from raytrainer.optim import METRIC_SCHEDULERS, get_scheduler
+
+SCHEDULER_NAMES = tuple(member.value for member in transformers.SchedulerType)
 
 WARMUP, TOTAL, STEPS = 3, 20, 24  # stepping past TOTAL checks the tail of each schedule too
 
@@ -175,34 +170,6 @@ def test_unknown_scheduler_and_bad_kwargs():
         get_scheduler("polynomial", _optimizer(lr=1e-8), 1, 10)
 
 
-def test_warmup_steps_for():
-    ns = SimpleNamespace
-    assert warmup_steps_for(ns(warmup_steps=5, warmup_ratio=0.5), 100) == 5  # steps win over the ratio
-    assert warmup_steps_for(ns(warmup_steps=0.1, warmup_ratio=0.0), 25) == 3  # a float < 1 is a ratio
-    assert warmup_steps_for(ns(warmup_steps=0, warmup_ratio=0.1), 25) == 3
-    assert warmup_steps_for(ns(warmup_steps=0, warmup_ratio=0.0), 25) == 0
-    assert warmup_steps_for(ns(), 25) == 0  # neither attribute
-    with pytest.raises(ValueError, match="must be >= 0"):
-        warmup_steps_for(ns(warmup_steps=-1, warmup_ratio=0.0), 25)
-
-
-def test_create_scheduler_reads_args():
-    args = SimpleNamespace(lr_scheduler_type="cosine_with_restarts", lr_scheduler_kwargs={"num_cycles": 2},
-                           warmup_steps=0, warmup_ratio=0.1)
-    opt = _optimizer(lr=1.0)
-    seq = [g[0] for g in _lrs(create_scheduler(opt, args, 20), opt, steps=20)]
-    # warmup = ceil(20 * 0.1) = 2; two cosine cycles over the 18 remaining steps.
-    assert seq[:3] == [0.0, 0.5, 1.0]
-    assert seq[11] == 1.0  # the restart: progress exactly 0.5 of two cycles
-    assert seq[10] < 0.05 and seq[20] == 0.0
-    # lr_scheduler_kwargs may arrive as a JSON string (as from a command line); None means no kwargs.
-    args.lr_scheduler_kwargs = '{"num_cycles": 2}'
-    opt = _optimizer(lr=1.0)
-    assert [g[0] for g in _lrs(create_scheduler(opt, args, 20), opt, steps=20)] == seq
-    args.lr_scheduler_type, args.lr_scheduler_kwargs = "linear", None
-    assert isinstance(create_scheduler(_optimizer(), args, 20), torch.optim.lr_scheduler.LambdaLR)
-
-
 def _save_load(obj, weights_only=True):
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -244,163 +211,6 @@ def test_plateau_state_dict_round_trip():
     assert sched2.best == 1.0 and sched2.factor == 0.5 and sched2.num_bad_epochs == sched.num_bad_epochs
 
 
-# --- weight decay groups ------------------------------------------------------------------------------
-
-
-class LlamaRMSNorm(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-class PreNorm(nn.Module):
-    """A wrapper named like a norm that holds a sublayer: only its own norm parameters are excluded."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-        self.fn = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        return self.fn(x * self.scale)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.ln = nn.LayerNorm(8)
-        self.rms = LlamaRMSNorm(8)
-        self.torch_rms = nn.RMSNorm(8)
-        self.gn = nn.GroupNorm(2, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.pre = PreNorm(8)
-        self.attn = nn.MultiheadAttention(8, 2)  # in_proj_weight, in_proj_bias, out_proj.{weight,bias}
-        self.head = nn.Linear(8, 3)
-        self.head_scale = nn.Parameter(torch.ones(3))  # a parameter owned by the model itself
-
-    def forward(self, x):
-        h = self.pre(self.bn(self.gn(self.torch_rms(self.rms(self.ln(self.embed(x)))))))
-        return self.head(h) * self.head_scale
-
-
-DECAYED = ["head_scale", "embed.weight", "pre.fn.weight", "attn.in_proj_weight", "attn.out_proj.weight",
-           "head.weight"]
-
-
-def test_decay_parameter_names():
-    model = Net()
-    names = get_decay_parameter_names(model)
-    assert sorted(names) == sorted(DECAYED)
-    assert set(names) <= dict(model.named_parameters()).keys()
-
-
-def _args(**kw):
-    base = dict(optim="adamw_torch", optim_args=None, learning_rate=1e-2, weight_decay=0.1,
-                adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
-    base.update(kw)
-    return SimpleNamespace(**base)
-
-
-def test_create_optimizer_groups():
-    model = Net()
-    model.head.bias.requires_grad_(False)
-    model.pre.fn.weight.requires_grad_(False)
-    opt = create_optimizer(model, _args())
-    assert isinstance(opt, torch.optim.AdamW)
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    decay, no_decay = ([by_id[id(p)] for p in g["params"]] for g in opt.param_groups)
-    assert sorted(decay) == sorted(set(DECAYED) - {"pre.fn.weight"})
-    assert sorted(no_decay) == sorted(
-        n for n, p in model.named_parameters() if n not in DECAYED and n != "head.bias"
-    )
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    d = opt.defaults
-    assert (d["lr"], d["betas"], d["eps"], d["fused"]) == (1e-2, (0.8, 0.95), 1e-6, False)
-    assert d["foreach"] is None  # torch picks
-
-
-def test_create_optimizer_needs_trainable_params():
-    model = nn.Linear(2, 2).requires_grad_(False)
-    with pytest.raises(ValueError, match="no parameter with requires_grad"):
-        create_optimizer(model, _args())
-
-
-def _small():
-    # Well-conditioned gradients: in Net, a GroupNorm feeding a BatchNorm gets gradients near 1e-10,
-    # below adam_epsilon, where fused and foreach AdamW legitimately round differently.
-    return nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), LlamaRMSNorm(16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def _train(optim, steps=5):
-    torch.manual_seed(0)
-    model = _small()
-    opt = create_optimizer(model, _args(optim=optim))
-    before = [p.detach().clone() for p in model.parameters()]
-    for i in range(steps):
-        torch.manual_seed(100 + i)
-        x = torch.randn(6, 4)
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-    return opt, before, [p.detach().clone() for p in model.parameters()]
-
-
-def test_fused_adamw_on_cpu_matches_unfused():
-    fused_opt, before, fused = _train("adamw_torch_fused")
-    plain_opt, before2, plain = _train("adamw_torch")
-    assert fused_opt.defaults["fused"] is True and plain_opt.defaults["fused"] is False
-    assert all(torch.equal(a, b) for a, b in zip(before, before2))
-    assert any(not torch.equal(a, b) for a, b in zip(before, fused))  # it did step
-    for a, b in zip(fused, plain):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("optim,cls", [("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad),
-                                       ("rmsprop", torch.optim.RMSprop)])
-def test_other_optimizers(optim, cls):
-    opt = create_optimizer(Net(), _args(optim=optim))
-    assert type(opt) is cls and opt.defaults["lr"] == 1e-2
-    assert "betas" not in opt.defaults
-
-
-def test_optim_enum_and_unknown_optim():
-    class OptimizerNames(str, enum.Enum):
-        SGD = "sgd"
-
-    assert isinstance(create_optimizer(Net(), _args(optim=OptimizerNames.SGD)), torch.optim.SGD)
-    with pytest.raises(ValueError, match="Unknown optim 'adamw_apex'") as err:
-        create_optimizer(Net(), _args(optim="adamw_apex"))
-    for name in OPTIMIZER_NAMES:
-        assert repr(name) in str(err.value)
-
-
-def test_parse_optim_args():
-    assert parse_optim_args(None) == {} and parse_optim_args("") == {}
-    parsed = parse_optim_args("momentum=0.9, nesterov=true,dampening=0,foreach=None,centered=False,mode=max")
-    assert parsed == {"momentum": 0.9, "nesterov": True, "dampening": 0, "foreach": None, "centered": False,
-                      "mode": "max"}
-    assert type(parsed["dampening"]) is int and type(parsed["momentum"]) is float
-    assert parse_optim_args("eps=1e-6,") == {"eps": 1e-6}
-    assert parse_optim_args({"lr_decay": 0.1}) == {"lr_decay": 0.1}
-    with pytest.raises(ValueError, match="k1=v1,k2=v2"):
-        parse_optim_args("momentum")
-
-
-def test_optim_args_reach_the_optimizer():
-    opt = create_optimizer(Net(), _args(optim="sgd", optim_args="momentum=0.9,nesterov=true"))
-    assert opt.defaults["momentum"] == 0.9 and opt.defaults["nesterov"] is True
-    opt = create_optimizer(Net(), _args(optim_args="amsgrad=true,eps=1e-5"))
-    assert opt.defaults["amsgrad"] is True and opt.defaults["eps"] == 1e-5  # optim_args win over adam_epsilon
-    opt = create_optimizer(Net(), _args(optim="rmsprop", optim_args="alpha=0.5,centered=true"))
-    assert (opt.defaults["alpha"], opt.defaults["centered"]) == (0.5, True)
-    with pytest.raises(TypeError, match=r"optim 'sgd' does not accept \['betas1'\]"):
-        create_optimizer(Net(), _args(optim="sgd", optim_args="betas1=0.9"))
-
-
 def test_schedule_multiplier_is_finite_everywhere():
     # Degenerate step counts (no warmup, warmup == total) must not divide by zero.
     for name, kwargs in CASES:
@@ -422,6 +232,214 @@ def test_schedule_multiplier_is_finite_everywhere():
                     continue
                 seq = _lrs(sched, opt, steps=7)
             assert all(math.isfinite(v) for lrs in seq for v in lrs), (name, warmup, total)
+
+
+# --- the optimizer, its decay groups and the schedule: transformers.Trainer's --------------------------
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Net(nn.Module):
+    """Norms under names transformers recognises (``layernorm``, ``norm``, ``_norm``) and under names it does
+    not (``rms``, ``gn``, ``bn``), a bias-less attention, and a parameter the model owns itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.input_layernorm = LlamaRMSNorm(8)
+        self.ln = nn.LayerNorm(8)
+        self.norm = nn.RMSNorm(8)
+        self.post_norm = nn.GroupNorm(2, 8)
+        self.rms = LlamaRMSNorm(8)
+        self.bn = nn.BatchNorm1d(8)
+        self.attn = nn.MultiheadAttention(8, 2)  # in_proj_weight, in_proj_bias, out_proj.{weight,bias}
+        self.head = nn.Linear(8, 3)
+        self.head_scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, labels=None):
+        h = self.bn(self.rms(self.post_norm(self.norm(self.ln(self.input_layernorm(self.embed(x)))))))
+        logits = self.head(h) * self.head_scale
+        return nn.functional.cross_entropy(logits, labels), logits
+
+
+# what transformers decays on Net: not biases, not nn.LayerNorm's parameters, not parameters whose name holds
+# layernorm / rmsnorm / norm / _norm; other norms' weights (rms, bn) are decayed
+DECAYED = ["embed.weight", "rms.weight", "bn.weight", "attn.in_proj_weight", "attn.out_proj.weight",
+           "head.weight", "head_scale"]
+
+_COMMON = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+               report_to="none", use_cpu=True)
+
+
+def _both(tmp_path, **kw):
+    """raytrainer's Trainer and transformers' on equal copies of Net, with the same arguments."""
+    ours = Trainer(model=Net(), args=TrainingArguments(output_dir=str(tmp_path / "ours"), **_COMMON, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **_COMMON, **kw)
+        theirs = transformers.Trainer(model=Net(), args=hf_args)
+    return ours, theirs
+
+
+def _described(trainer):
+    """The optimizer's class, each group's parameter names and settings, and its defaults."""
+    opt = trainer.create_optimizer()
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    groups = [({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]])
+              for g in opt.param_groups]
+    return type(opt), groups, dict(opt.defaults)
+
+
+def test_decay_parameter_names_are_transformers(tmp_path):
+    ours, theirs = _both(tmp_path)
+    names = ours.get_decay_parameter_names(ours.model)
+    assert names == theirs.get_decay_parameter_names(theirs.model)
+    # transformers also lists unset (None) parameter slots, e.g. MultiheadAttention's q/k/v_proj_weight
+    assert sorted(set(names) & dict(ours.model.named_parameters()).keys()) == sorted(DECAYED)
+
+
+@pytest.mark.parametrize("optim,optim_args", [
+    ("adamw_torch", None),
+    ("adamw_torch_fused", None),
+    ("adafactor", None),
+    ("sgd", "momentum=0.9,nesterov=true,dampening=0"),
+    ("adagrad", "lr_decay=0.1,eps=1e-8"),
+    ("rmsprop", "alpha=0.5,centered=true,momentum=0.1"),
+    ("adamw_8bit", None),
+    ("lion_32bit", None),
+    ("rmsprop_bnb", None),  # transformers passes its optim_args on as strings (alpha="0.9" fails)
+])
+def test_create_optimizer_is_transformers(tmp_path, optim, optim_args):
+    if "8bit" in optim or "lion" in optim or "bnb" in optim:
+        pytest.importorskip("bitsandbytes")
+    ours, theirs = _both(tmp_path, optim=optim, optim_args=optim_args)
+    cls, groups, defaults = _described(ours)
+    assert (cls, groups, defaults) == _described(theirs)
+    assert sorted(groups[0][1]) == sorted(DECAYED)
+    assert [g[0]["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert defaults["lr"] == 1e-2
+    if optim == "adafactor":
+        assert cls is transformers.optimization.Adafactor  # not torch's
+        assert (defaults["scale_parameter"], defaults["relative_step"]) == (False, False)
+    if optim == "sgd":
+        assert (defaults["momentum"], defaults["nesterov"]) == (0.9, True)
+
+
+def test_frozen_parameters_are_left_out_as_in_transformers(tmp_path):
+    ours, theirs = _both(tmp_path)
+    for trainer in (ours, theirs):
+        trainer.model.head.bias.requires_grad_(False)
+        trainer.model.embed.weight.requires_grad_(False)
+    described = _described(ours)
+    assert described == _described(theirs)
+    assert "embed.weight" not in described[1][0][1] and "head.bias" not in described[1][1][1]
+
+
+def test_optimizer_cls_and_kwargs_and_a_factory(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), **_COMMON)
+    trainer = Trainer(model=Net(), args=args, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
+    opt = trainer.create_optimizer()
+    assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.5
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+    seen = {}
+
+    class Factory:  # not an Optimizer class: called with the model (transformers' Muon / Dion form)
+        def __call__(self, model, lr):
+            seen["model"] = model
+            return torch.optim.SGD(model.parameters(), lr=lr)
+
+    trainer = Trainer(model=Net(), args=args, optimizer_cls_and_kwargs=(Factory, {"lr": 0.25}))
+    assert trainer.create_optimizer().defaults["lr"] == 0.25 and seen["model"] is trainer.model
+    assert Trainer.get_optimizer_cls_and_kwargs is transformers.Trainer.get_optimizer_cls_and_kwargs
+
+
+@pytest.mark.parametrize("schedule,warmup,kwargs", [
+    ("linear", 3, None),
+    ("cosine", 0.25, None),
+    ("cosine_with_restarts", 2, {"num_cycles": 2}),
+    ("cosine_with_min_lr", 0.1, {"min_lr_rate": 0.1}),
+    ("warmup_stable_decay", 2, {"num_decay_steps": 5}),
+    ("polynomial", 0, {"power": 2.0}),
+])
+def test_warmup_and_schedule_are_transformers(tmp_path, schedule, warmup, kwargs):
+    total = 20
+    ours, theirs = _both(tmp_path, lr_scheduler_type=schedule, warmup_steps=warmup,
+                         lr_scheduler_kwargs=kwargs)
+    assert ours.args.get_warmup_steps(total) == theirs.args.get_warmup_steps(total)
+    sequences = []
+    for trainer in (ours, theirs):
+        opt = trainer.create_optimizer()
+        sched = trainer.create_scheduler(num_training_steps=total, optimizer=opt)
+        sequences.append(_lrs(sched, opt, steps=total))
+    assert sequences[0] == sequences[1]
+    warm = ours.args.get_warmup_steps(total)
+    assert warm == (warmup if warmup >= 1 else math.ceil(total * warmup))
+    if warm:
+        assert sequences[0][0][0] == 0.0 and sequences[0][warm][0] == pytest.approx(1e-2)
+
+
+# --- optim is checked on the driver -------------------------------------------------------------------
+
+
+def test_every_transformers_optimizer_is_accepted_or_named(tmp_path):
+    """Each of transformers' optimizers is accepted when its package is installed; otherwise refused with the
+    package and the install command; LOMO and the XLA / NPU ones are refused with the reason."""
+    for name in OptimizerNames:
+        kw = {"optim_target_modules": ["head"]} if name.value.startswith(("galore", "apollo")) else {}
+        try:
+            TrainingArguments(output_dir=str(tmp_path), optim=name.value, report_to="none", **kw)
+        except ValueError as err:
+            message = str(err)
+            assert message.startswith(f"optim={name.value!r}")
+            assert ("package: pip install" in message and "workers' environment too" in message) or \
+                name.value in ("lomo", "adalomo", "adamw_torch_xla", "adamw_torch_npu_fused"), message
+
+
+@pytest.mark.parametrize("optim,package,install", [
+    ("grokadamw", "grokadamw", "grokadamw"),
+    ("schedule_free_adamw", "schedulefree", "schedulefree"),
+    ("adamw_torch_4bit", "torchao", "torchao"),
+    ("apollo_adamw", "apollo_torch", "apollo-torch"),
+])
+def test_a_missing_optimizer_package_is_refused_on_the_driver(tmp_path, optim, package, install):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    kw = {"optim_target_modules": ["head"]} if optim.startswith("apollo") else {}
+    message = f"optim='{optim}' needs the {package} package: pip install {install} (in the workers' " \
+              "environment too)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingArguments(output_dir=str(tmp_path), optim=optim, **kw)
+
+
+def test_missing_bitsandbytes_is_refused(tmp_path, monkeypatch):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_bitsandbytes_available", lambda *a: False)
+    with pytest.raises(ValueError) as err:
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_bnb_8bit")
+    assert str(err.value) == ("optim='adamw_bnb_8bit' needs the bitsandbytes package: pip install "
+                              "bitsandbytes (in the workers' environment too)")
+
+
+def test_unknown_optim_lomo_and_bad_optim_args(tmp_path):
+    with pytest.raises(ValueError, match="optim='adamw_apex': unknown value, must be one of 'adamw_torch'"):
+        TrainingArguments(output_dir=str(tmp_path), optim="adamw_apex")
+    with pytest.raises(ValueError, match="optim='lomo': updates the weights inside its own fused backward"):
+        TrainingArguments(output_dir=str(tmp_path), optim="lomo")
+    for bad in ("momentum", "eps=1e-6,", "a=b=c"):
+        with pytest.raises(ValueError, match=f"optim_args={bad!r}: must read 'key=value,key=value'"):
+            TrainingArguments(output_dir=str(tmp_path), optim="sgd", optim_args=bad)
 
 
 # --- metric-driven schedulers in the loop -------------------------------------------------------------
