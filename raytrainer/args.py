@@ -393,7 +393,7 @@ class RayArgumentsMixin:
         and ``use_cpu`` is off (where a ``num_workers=0`` run trains)."""
         if getattr(self, "_device", None) is not None:
             return self._device
-        from raytrainer.worker.context import local_device
+        from raytrainer.rank_context import local_device
 
         return local_device(self)
 

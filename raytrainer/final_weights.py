@@ -32,8 +32,9 @@ FOLDER = posixpath.join(STATE_FOLDER, "final-model")  # hidden; never pushed to 
 DCP_METADATA = ".metadata"
 
 
-def write(trainer, ctx) -> str:
+def write(trainer, session) -> str:
     """On every rank after ``train()``: write the final weights (a collective); returns the folder URI."""
+    ctx, strategy = session.ctx, session.strategy
     storage = Storage.for_run(trainer.args)
     dest = storage.path(FOLDER)
     if ctx.is_world_zero and storage.exists(dest):
@@ -41,11 +42,11 @@ def write(trainer, ctx) -> str:
     ctx.barrier()
     if storage.is_local:
         os.makedirs(dest, exist_ok=True)
-        trainer._strategy.save_final_weights(trainer.model_wrapped, dest)
+        strategy.save_final_weights(trainer.model_wrapped, dest)
     else:
         stage = tempfile.mkdtemp(prefix="raytrainer-final-")
         try:
-            trainer._strategy.save_final_weights(trainer.model_wrapped, stage)
+            strategy.save_final_weights(trainer.model_wrapped, stage)
             if os.listdir(stage):
                 storage.upload_dir(stage, dest)  # this rank's files only
         finally:

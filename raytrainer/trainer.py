@@ -47,9 +47,9 @@ from raytrainer.trainer_utils import (
     speed_metrics,
 )
 from raytrainer.worker import console
+from raytrainer.worker.loss import loss_from_outputs
 
 logger = logging.getLogger(__name__)
-
 
 
 class Trainer:
@@ -139,11 +139,7 @@ class Trainer:
         )
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
         self.control = TrainerControl()
-        self._ctx = None  # RankContext while running as a rank
-        self._strategy = None
-        self._channel = None
-        self._writer = None  # the rank's CheckpointWriter during train()
-        self._checkpoint_sink = None  # told of each committed checkpoint (the driver's registry)
+        self._session = None  # the rank's RankSession while a command runs on it (worker/session.py)
         self._hub = None  # the driver's hub pusher (raytrainer.hub), when pushing
         if args.enable_jit_checkpoint:  # transformers' own callback: a SIGTERM handler in this process
             from raytrainer.deps import require
@@ -163,12 +159,22 @@ class Trainer:
         self._init_mem_metrics = init_memory.stop("init")  # reported with the first train()'s metrics
 
     @property
+    def _ctx(self):
+        """This rank's RankContext while a command runs on it, else None (on the driver)."""
+        return self._session.ctx if self._session is not None else None
+
+    @property
+    def _strategy(self):
+        """This rank's strategy once its model is set up, else None."""
+        return self._session.strategy if self._session is not None else None
+
+    @property
     def _view(self):
         """This rank's context in a run; outside one (a user calling get_train_dataloader, say), the view of
         a one-process run: the whole dataset, this process's device."""
         if self._ctx is not None:
             return self._ctx
-        from raytrainer.worker.context import local_context
+        from raytrainer.rank_context import local_context
 
         return local_context(self.args)
 
@@ -216,10 +222,9 @@ class Trainer:
 
         state = self.__dict__.copy()
         state["callback_handler"] = shipped_handler(self.callback_handler)  # trackers stay on the driver
-        for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink", "_hub"):
-            state[name] = None
+        state["_session"] = state["_hub"] = None  # a rank's own; the driver's hub pusher
         for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders",
-                     "_group", "_pace_sink"):
+                     "_group"):
             state.pop(name, None)  # caches: recomputed where the object lands; the driver's worker group
         return state
 
@@ -266,7 +271,8 @@ class Trainer:
         try:
             while True:
                 try:
-                    return training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval)
+                    return training_loop(self, self._session, resume_from_checkpoint, trial,
+                                         ignore_keys_for_eval)
                 except Exception as exc:
                     if resume_from_checkpoint or not retry_smaller(self, exc):  # resumed: the saved size
                         raise
@@ -330,7 +336,8 @@ class Trainer:
     def _memory_tracker(self, stage: str) -> MemoryTracker:
         """``<stage>_mem_*`` metrics with skip_memory_metrics=False; not inside train(), whose own cover it
         (as transformers)."""
-        tracker = MemoryTracker(self.args.skip_memory_metrics or self._writer is not None)
+        tracker = MemoryTracker(self.args.skip_memory_metrics
+                                or (self._session is not None and self._session.writer is not None))
         tracker.start(stage)
         return tracker
 
@@ -397,7 +404,7 @@ class Trainer:
             from raytrainer.strategies import select_strategy
             from raytrainer.strategies.precision import CastPrecision, full_eval_dtype
 
-            self._strategy = select_strategy(self.args, self._ctx)
+            self._session.strategy = select_strategy(self.args, self._ctx)
             if self.model is None and self.model_init is not None:  # the driver kept a skeleton
                 seed = self.args.seed
                 enable_full_determinism(seed) if self.args.full_determinism else set_seed(seed)
@@ -514,9 +521,11 @@ class Trainer:
         import ray.train
 
         ctx = self._view
-        rows = getattr(self, "_ray_data_rows", None)
-        if rows is None:
-            rows = self._ray_data_rows = dataset.count()
+        rows = self._session.ray_data_rows if self._session is not None else None
+        if rows is None:  # in the driver's own process (num_workers=0): counted here
+            rows = dataset.count()
+            if self._session is not None:
+                self._session.ray_data_rows = rows
         source = ray.train.get_dataset_shard("train") if ctx.on_ray else dataset
         keep = None
         if self.args.remove_unused_columns:
@@ -612,7 +621,7 @@ class Trainer:
         elif labels is not None:
             loss = (self.label_smoother or hf_pt_utils.LabelSmoother(epsilon=smoothing))(outputs, labels)
         else:
-            loss = _loss_from_outputs(outputs, model)
+            loss = loss_from_outputs(outputs, model)
         return (loss, outputs) if return_outputs else loss
 
     def _label_smoothing(self) -> float:
@@ -635,7 +644,8 @@ class Trainer:
                 loss = self.compute_loss(model, inputs)
         normalised = num_items_in_batch is not None and (
             self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
-        micro_steps = getattr(self, "_micro_steps", self.args.gradient_accumulation_steps)
+        micro_steps = (self._session.micro_steps if self._session is not None else None) \
+            or self.args.gradient_accumulation_steps
         if not normalised:
             if micro_steps > 1:  # a mean per micro-batch: average over the accumulation window
                 loss = loss / micro_steps
@@ -780,7 +790,7 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Consolidated weights (``model.safetensors``, or ``save_pretrained`` when the model has it)."""
-        from raytrainer.worker.saving import save_model_files
+        from raytrainer.saving import save_model_files
 
         output_dir = output_dir or self.args.output_dir
         state_dict = self._strategy.full_state_dict(self.model_wrapped) if self._strategy else None
@@ -832,7 +842,7 @@ class Trainer:
 
     def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
         """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""
-        return self._writer.save(metrics)
+        return self._session.writer.save(metrics)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -860,28 +870,6 @@ def _to_device(obj, device):
         return type(obj)(_to_device(v, device) for v in obj)
     return obj
 
-
-def _loss_from_outputs(outputs, model) -> torch.Tensor:
-    """The loss a model returned: first element of a tuple, ``loss`` of a dict, or a scalar tensor."""
-    loss = None
-    if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
-        loss = outputs.get("loss") if hasattr(outputs, "get") else None
-        found = list(outputs.keys())
-    elif isinstance(outputs, (tuple, list)):
-        loss = outputs[0] if outputs else None
-        found = f"a {type(outputs).__name__} of {len(outputs)}"
-    elif isinstance(outputs, torch.Tensor) and outputs.ndim == 0:
-        loss = outputs
-        found = "a scalar"
-    else:
-        found = type(outputs).__name__
-    if not isinstance(loss, torch.Tensor) or loss.ndim > 1 or (loss.ndim == 1 and loss.numel() != 1):
-        raise ValueError(
-            f"{type(model).__name__} returned no loss (it returned {found}). Return the loss first in a "
-            "tuple or under 'loss' in a dict when labels are given, or override Trainer.compute_loss / "
-            "pass compute_loss_func."
-        )
-    return loss
 
 
 def _logits_from_outputs(outputs, ignore_keys: list[str], drop_first: bool):

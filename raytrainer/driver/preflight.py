@@ -216,7 +216,7 @@ def _check_returns_loss(trainer, dataset) -> None:
     """Run forward once on (up to) two collated examples -- no more than the batch size: the model must
     return a loss. A driver's weightless skeleton (raytrainer.meta_model) runs it on the meta device: shapes
     only, at no cost. Skipped for a real model above FORWARD_CHECK_MAX_PARAMS, or one partly on meta."""
-    from raytrainer.trainer import _loss_from_outputs
+    from raytrainer.worker.loss import loss_from_outputs
 
     model = trainer.model
     params = list(model.parameters())
@@ -247,4 +247,4 @@ def _check_returns_loss(trainer, dataset) -> None:
         return
     finally:
         model.train(was_training)
-    _loss_from_outputs(outputs, model)
+    loss_from_outputs(outputs, model)

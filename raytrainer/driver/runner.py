@@ -26,8 +26,8 @@ from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
 from raytrainer.driver.spec import build as build_spec
 from raytrainer.protocol import RankResult, Spec
+from raytrainer.rank_context import local_context
 from raytrainer.storage import Storage
-from raytrainer.worker.context import local_context
 from raytrainer.worker.rank import run_rank
 from raytrainer.worker.session import RankSession
 

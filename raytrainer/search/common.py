@@ -315,8 +315,7 @@ def trial_trainer(trainer, args, model, reporter: TrialReporter):
     t.control = TrainerControl()
     for tracker in filter(None, trackers.values()):
         tracker.on_init_end(args, t.state, t.control, model=model, processing_class=t.processing_class)
-    for name in ("_ctx", "_strategy", "_channel", "_writer", "_checkpoint_sink"):
-        setattr(t, name, None)
+    t._session = None
     for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_group"):
         t.__dict__.pop(name, None)  # the trial's worker group comes from the search's pool (run_trial)
     return t

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from raytrainer.worker.context import RankContext
+from raytrainer.rank_context import RankContext
 
 
 class OptimizerFactory(Protocol):
@@ -114,7 +114,7 @@ class Strategy:
         if self.ctx.is_world_zero:
             from safetensors.torch import save_file
 
-            from raytrainer.worker.saving import WEIGHTS_NAME, dedupe_shared
+            from raytrainer.saving import WEIGHTS_NAME, dedupe_shared
 
             save_file(dedupe_shared(weights), os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
 

@@ -307,7 +307,7 @@ def _partitions(files, step: int) -> list[str]:
 
 def _alone(ctx):
     """Rank 0's context seen as a one-rank world (it reads every file, verifying each, by itself)."""
-    from raytrainer.worker.context import RankContext
+    from raytrainer.rank_context import RankContext
 
     return RankContext(device=ctx.device)
 

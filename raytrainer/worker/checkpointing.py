@@ -36,10 +36,10 @@ from raytrainer.checkpoint import (
     write_manifest,
 )
 from raytrainer.protocol import CheckpointCommitted
+from raytrainer.saving import TRAINER_STATE_NAME, save_model_files
 from raytrainer.storage import Storage
 from raytrainer.worker import console
 from raytrainer.worker.pieces import Piece, RngState, optimizer_pieces, rng_file, training_pieces
-from raytrainer.worker.saving import TRAINER_STATE_NAME, save_model_files
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ def worker_main(config: dict) -> None:
     """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
     import ray
 
+    from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
-    from raytrainer.worker.context import ray_train_context
     from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
 

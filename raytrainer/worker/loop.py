@@ -44,6 +44,7 @@ from raytrainer.worker.loss import label_targets, loss_shifts_labels
 from raytrainer.worker.neftune import NEFTune
 from raytrainer.worker.nonfinite import NonFiniteGuard
 from raytrainer.worker.pace import PaceMeter
+from raytrainer.worker.session import RankSession
 
 _FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
@@ -80,13 +81,14 @@ class _Schedule:
             self.num_epochs = sys.maxsize
 
 
-def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
-    args, ctx = trainer.args, trainer._ctx
+def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
+                  ignore_keys_for_eval) -> TrainOutput:
+    args, ctx = trainer.args, session.ctx
     memory = MemoryTracker(args.skip_memory_metrics)
     memory.start("train")
     # every rank, as transformers' Trainer seeds its process
     enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-    strategy = trainer._strategy = select_strategy(args, ctx)
+    strategy = session.strategy = select_strategy(args, ctx)
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
     if trainer.model_init is not None:  # a sharded strategy builds only this rank's share
@@ -161,7 +163,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
     resumed_at = (epochs_trained, skip_updates * args.gradient_accumulation_steps) if resume else None
     console.announce_training(trainer, train_dataloader, schedule.num_epochs, schedule.updates_per_epoch,
                               schedule.max_steps, resumed_at)
-    writer = trainer._writer = CheckpointWriter(trainer, getattr(trainer, "_checkpoint_sink", None))
+    writer = session.writer = CheckpointWriter(trainer, session.checkpoint_sink)
     handler.model, handler.optimizer, handler.lr_scheduler = trainer.model, optimizer, scheduler
     handler.train_dataloader = train_dataloader
 
@@ -215,7 +217,7 @@ def training_loop(trainer, resume_from_checkpoint, trial, ignore_keys_for_eval) 
             if first_resumed_epoch and update == start_update and start_update:
                 resume.restore_rng()  # after the skipped batches: the next step draws what it drew
             control = trainer.control = handler.on_step_begin(args, state, control)
-            trainer._micro_steps = len(micro)
+            session.micro_steps = len(micro)
             num_items = (_num_items_in_batch(micro, args, ctx, normalised_loss, shifted)
                          if count_items else None)
             for i, inputs in enumerate(micro):
@@ -303,7 +305,7 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
     loop's stop): one more flag all-reduce on the steps that log, evaluate or save, none on the others."""
     args, state, control, ctx = trainer.args, trainer.state, trainer.control, trainer._ctx
     if control.should_log and state.global_step > loop.last_logged:
-        loss = _logging_window_sums(trainer, tr_loss, loop.pace, ctx)
+        loss = _logging_window_sums(trainer._session, tr_loss, loop.pace)
         loop.total_loss += loss
         logs = {"loss": loss / (state.global_step - loop.last_logged)}  # unrounded, as transformers 5
         if loop.grad_norm is not None:
@@ -427,15 +429,15 @@ def _compiled(model: torch.nn.Module, args) -> torch.nn.Module:
     return torch.compile(model, **kwargs)
 
 
-def _logging_window_sums(trainer, tr_loss: torch.Tensor, pace, ctx) -> float:
+def _logging_window_sums(session: RankSession, tr_loss: torch.Tensor, pace) -> float:
     """The loss summed since the last log, averaged across ranks; each rank's pace rides in the same
-    all-reduce, and rank 0 hands it to the driver (``_pace_sink``)."""
+    all-reduce, and rank 0 hands it to the driver (``session.pace_sink``)."""
+    ctx = session.ctx
     if pace is None:
         return _mean_across_ranks(tr_loss, ctx)
     total, *per_rank = ctx.sum([float(tr_loss.item()), *pace.slots()])
-    sink = getattr(trainer, "_pace_sink", None)
-    if sink is not None and ctx.is_world_zero:
-        sink(pace.report(per_rank))
+    if session.pace_sink is not None and ctx.is_world_zero:
+        session.pace_sink(pace.report(per_rank))
     return total / ctx.world_size
 
 

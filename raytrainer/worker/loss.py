@@ -1,7 +1,9 @@
-"""Which label positions a loss counts (transformers' ``num_items_in_batch``). Label smoothing is
-transformers' ``LabelSmoother``."""
+"""The loss a model returned, and which label positions a loss counts (transformers'
+``num_items_in_batch``). Label smoothing is transformers' ``LabelSmoother``."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -25,3 +27,26 @@ def label_targets(batch, shifted: bool) -> torch.Tensor:
     if "shift_labels" in batch:
         return batch["shift_labels"]
     return batch["labels"][..., 1:] if shifted else batch["labels"]
+
+
+def loss_from_outputs(outputs, model) -> torch.Tensor:
+    """The loss a model returned: first element of a tuple, ``loss`` of a dict, or a scalar tensor."""
+    loss = None
+    if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
+        loss = outputs.get("loss") if hasattr(outputs, "get") else None
+        found = list(outputs.keys())
+    elif isinstance(outputs, (tuple, list)):
+        loss = outputs[0] if outputs else None
+        found = f"a {type(outputs).__name__} of {len(outputs)}"
+    elif isinstance(outputs, torch.Tensor) and outputs.ndim == 0:
+        loss = outputs
+        found = "a scalar"
+    else:
+        found = type(outputs).__name__
+    if not isinstance(loss, torch.Tensor) or loss.ndim > 1 or (loss.ndim == 1 and loss.numel() != 1):
+        raise ValueError(
+            f"{type(model).__name__} returned no loss (it returned {found}). Return the loss first in a "
+            "tuple or under 'loss' in a dict when labels are given, or override Trainer.compute_loss / "
+            "pass compute_loss_func."
+        )
+    return loss

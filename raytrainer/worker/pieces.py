@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from raytrainer.checkpoint import restore_rng_state, rng_state_bytes
-from raytrainer.worker.saving import TRAINER_STATE_NAME
+from raytrainer.saving import TRAINER_STATE_NAME
 
 
 class Stateful(Protocol):

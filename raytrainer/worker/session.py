@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for readers; nothing here is imported at run time
     from raytrainer.protocol import CheckpointCommitted, Pace
+    from raytrainer.rank_context import RankContext
     from raytrainer.strategies.base import Strategy
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.checkpointing import CheckpointWriter
-    from raytrainer.worker.context import RankContext
 
 
 @dataclass

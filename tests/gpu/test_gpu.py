@@ -237,8 +237,9 @@ def test_fsdp2_on_a_one_gpu_nccl_group_matches_one_device(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from raytrainer.worker.context import RankContext
+    from raytrainer.rank_context import RankContext
     from raytrainer.worker.rank import run_rank
+    from raytrainer.worker.session import RankSession
 
     single = Trainer(model=tiny_llama(), args=make_args(tmp_path / "single", max_steps=8),
                      train_dataset=token_data())
@@ -248,9 +249,10 @@ def test_fsdp2_on_a_one_gpu_nccl_group_matches_one_device(tmp_path):
     try:
         args = make_args(tmp_path / "fsdp", max_steps=8, num_workers=1, fsdp="full_shard auto_wrap")
         trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_data())
-        run_rank(trainer, RankContext(device=torch.device("cuda")), None, "train", {})
+        session = RankSession(RankContext(device=torch.device("cuda")))
+        run_rank(trainer, session, "train", {})
         assert isinstance(next(trainer.model_wrapped.parameters()), DTensor)
-        full = trainer._strategy.full_state_dict(trainer.model_wrapped)
+        full = session.strategy.full_state_dict(trainer.model_wrapped)
     finally:
         dist.destroy_process_group()
     expected = single.model.state_dict()

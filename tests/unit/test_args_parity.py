@@ -65,8 +65,8 @@ def test_a_start_method_that_does_not_exist_is_named(tmp_path):
 def test_ddp_static_graph_reaches_distributed_data_parallel(tmp_path, make_classifier):
     import torch.distributed as dist
 
+    from raytrainer.rank_context import RankContext
     from raytrainer.strategies.ddp import DDPStrategy
-    from raytrainer.worker.context import RankContext
 
     args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, ddp_static_graph=True)
     dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")

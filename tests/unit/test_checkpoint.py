@@ -461,7 +461,7 @@ def test_early_stopping_state_survives_resume(tmp_path):
 
 def test_verification_is_shared_by_bytes_not_by_file_count():
     from raytrainer.checkpoint import _share_by_size
-    from raytrainer.worker.context import RankContext
+    from raytrainer.rank_context import RankContext
 
     sizes = {"global_step4/mp_rank_00_model_states.pt": 12_600,
              "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": 1_200_000_000,

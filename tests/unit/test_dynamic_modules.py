@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from raytrainer import Trainer
-from raytrainer.driver.preflight import pickled_spec
+from raytrainer.driver.spec import pickled_trainer
 
 METRIC = '''
 class Accuracy:
@@ -51,7 +51,7 @@ def test_an_evaluate_metric_in_compute_metrics_reaches_the_workers(make_args, ma
 
     trainer = Trainer(model=make_classifier(), args=make_args(num_workers=2),
                       train_dataset=make_examples(8)[0], compute_metrics=compute_metrics)
-    spec = pickled_spec(trainer, {}, "evaluate")
+    spec = pickled_trainer(trainer, {}, "evaluate")
     # a worker: the package is neither loaded nor on its path
     for name in [n for n in sys.modules if n.startswith("evaluate_modules")]:
         monkeypatch.delitem(sys.modules, name)

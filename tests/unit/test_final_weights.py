@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from raytrainer import Trainer, TrainingArguments, final_weights
+from raytrainer.rank_context import RankContext
 from raytrainer.strategies.base import Strategy
 from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, refuse_weights
-from raytrainer.worker.context import RankContext
+from raytrainer.worker.session import RankSession
 
 
 def _model(seed: int) -> nn.Module:
@@ -28,7 +29,11 @@ class _Rank:
     """What final_weights.write needs of a Trainer running as a rank."""
 
     def __init__(self, args, strategy, model):
-        self.args, self._strategy, self.model_wrapped = args, strategy, model
+        self.args, self.model_wrapped = args, model
+
+
+def _session(strategy) -> RankSession:
+    return RankSession(strategy.ctx, strategy=strategy)
 
 
 def _args(out, **kw) -> TrainingArguments:
@@ -45,7 +50,7 @@ def gloo_group():
 
 
 def _round_trip(args, strategy, trained):
-    uri = final_weights.write(_Rank(args, strategy, trained), strategy.ctx)
+    uri = final_weights.write(_Rank(args, strategy, trained), _session(strategy))
     driver = _model(seed=1)  # the driver's module: other values, filled in place
     before = driver[0].weight
     final_weights.load_into(driver, uri, args.storage_filesystem)
@@ -84,7 +89,7 @@ def test_fsdp_writes_shards_and_the_driver_loads_them_from_a_bucket(tmp_path, s3
 def test_a_second_write_replaces_the_first(tmp_path):
     args = _args(tmp_path / "out")
     strategy = Strategy(RankContext(), args)
-    final_weights.write(_Rank(args, strategy, _model(seed=0)), strategy.ctx)
+    final_weights.write(_Rank(args, strategy, _model(seed=0)), _session(strategy))
     stale = tmp_path / "out" / ".raytrainer" / "final-model" / "__5_0.distcp"
     stale.write_bytes(b"from a run on more workers")
     _, driver = _round_trip(args, strategy, _model(seed=2))
@@ -95,7 +100,7 @@ def test_a_second_write_replaces_the_first(tmp_path):
 def test_trainer_model_is_filled_on_first_use_and_a_new_model_cancels_it(tmp_path):
     args = _args(tmp_path / "out")
     strategy = Strategy(RankContext(), args)
-    uri = final_weights.write(_Rank(args, strategy, _model(seed=0)), strategy.ctx)
+    uri = final_weights.write(_Rank(args, strategy, _model(seed=0)), _session(strategy))
     trainer = Trainer(model=_model(seed=1), args=args, train_dataset=[{"x": 1}])
     trainer._weights_pending(functools.partial(final_weights.load_into, uri=uri))
     assert "_pending_weights" in trainer.__dict__
@@ -138,7 +143,7 @@ class _Mixed(nn.Module):
 def test_safetensors_are_read_straight_into_the_model_tensors_and_cast_where_the_dtype_differs(tmp_path):
     from safetensors.torch import save_file
 
-    from raytrainer.worker.saving import dedupe_shared
+    from raytrainer.saving import dedupe_shared
 
     torch.manual_seed(3)
     trained = _Mixed()

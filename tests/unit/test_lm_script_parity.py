@@ -109,7 +109,7 @@ def test_a_passive_log_level_gives_the_main_worker_the_drivers_transformers_verb
     log_level_replica (warning)."""
     import cloudpickle
 
-    from raytrainer.driver.preflight import pickled_spec
+    from raytrainer.driver.spec import pickled_trainer
     from raytrainer.worker.logs import rank_logging
 
     trainer = Trainer(model=_tiny_gpt2(), args=make_args())
@@ -117,7 +117,7 @@ def test_a_passive_log_level_gives_the_main_worker_the_drivers_transformers_verb
     channels = {}
     try:
         hf_logging.set_verbosity_info()  # the script, on the driver
-        shipped = pickled_spec(trainer, {})
+        shipped = pickled_trainer(trainer, {})
         hf_logging.set_verbosity_warning()  # a fresh worker process: transformers' default verbosity
         for rank in (0, 1):
             worker = cloudpickle.loads(shipped)

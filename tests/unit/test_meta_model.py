@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from raytrainer import Trainer, meta_model
-from raytrainer.driver.preflight import _check_returns_loss, pickled_spec
+from raytrainer.driver.preflight import _check_returns_loss
+from raytrainer.driver.spec import pickled_trainer
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
@@ -116,7 +117,7 @@ def test_evaluate_ships_no_skeleton_and_the_workers_build_the_model(make_args, a
     import cloudpickle
 
     trainer = Trainer(model_init=Counted(), args=make_args(num_workers=2), eval_dataset=tokens())
-    shipped = cloudpickle.loads(pickled_spec(trainer, {}, "evaluate"))
+    shipped = cloudpickle.loads(pickled_trainer(trainer, {}, "evaluate"))
     assert shipped.model is None and shipped.callback_handler.model is None
     shipped.args.num_workers = 0  # run its evaluate here, as a worker would (one process)
     metrics = shipped.evaluate()

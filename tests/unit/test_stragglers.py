@@ -50,7 +50,7 @@ def test_the_pace_meter_counts_batch_reading_and_training_forwards_only():
 
     import torch
 
-    from raytrainer.worker.context import RankContext
+    from raytrainer.rank_context import RankContext
     from raytrainer.worker.pace import PaceMeter
 
     class Slow(torch.nn.Module):

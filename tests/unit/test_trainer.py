@@ -1052,7 +1052,7 @@ def test_label_smoothing_is_used_in_training_and_evaluation(make_args, make_clas
 def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_examples):
     """train() with model_init: the workers build the model, so the spec the driver ships holds no weights
     (evaluate/predict need the trained model, and ship it)."""
-    from raytrainer.driver.preflight import pickled_spec
+    from raytrainer.driver.spec import pickled_trainer
 
     def big():  # 1M parameters: 4 MB of float32 weights
         return nn.Sequential(nn.Linear(4, 1000), nn.Linear(1000, 996), nn.Linear(996, 3))
@@ -1060,8 +1060,8 @@ def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_exam
     data, _, _ = make_examples(16)
     trainer = Trainer(model_init=big, args=make_args(num_workers=2), train_dataset=data)
     kwargs = {"resume_from_checkpoint": None, "trial": None, "ignore_keys_for_eval": None}
-    assert len(pickled_spec(trainer, kwargs, "train")) < 200_000
-    assert len(pickled_spec(trainer, {}, "evaluate")) > 4_000_000
+    assert len(pickled_trainer(trainer, kwargs, "train")) < 200_000
+    assert len(pickled_trainer(trainer, {}, "evaluate")) > 4_000_000
     assert trainer.model is not None and trainer.callback_handler.model is trainer.model  # the driver's own
 
 
