@@ -58,6 +58,10 @@ class Strategy:
         with self.model_init_context():
             return factory()
 
+    def holds_whole_model(self, model: torch.nn.Module) -> bool:
+        """This rank built the whole model (none of it on the meta device): a resume loads it here."""
+        return not any(p.is_meta for p in model.parameters())
+
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to this rank's device and wrap it; returns the model the loop trains."""
         return model.to(self.ctx.device)

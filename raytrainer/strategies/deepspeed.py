@@ -91,6 +91,10 @@ class DeepSpeedStrategy(Strategy):
             pass
         return deepspeed.zero.Init(config_dict_or_path=config)
 
+    def holds_whole_model(self, model: torch.nn.Module) -> bool:
+        """Not when deepspeed.zero.Init partitioned it (the engine's checkpoint fills the partitions)."""
+        return super().holds_whole_model(model) and not any(hasattr(p, "ds_id") for p in model.parameters())
+
     def build_model(self, factory, fresh: bool = True) -> torch.nn.Module:
         """ZeRO-3 on several workers: ``model_init`` runs under ``zero.Init`` (``model_init_context``) where
         it builds a model from code or a config. Where it loads pretrained weights (``from_pretrained``, found

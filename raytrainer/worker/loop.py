@@ -97,7 +97,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
     trainer._align_special_tokens()  # as transformers' train(), on the model this rank trains
     if resume is not None:
         strategy.before_resume(list(resume.reader.files), resume.state.global_step)
-    if resume is not None and _whole(trainer.model):
+    if resume is not None and strategy.holds_whole_model(trainer.model):
         # a rank built on meta gets its shard from rank 0 in setup_model; a model partitioned by
         # zero.Init gets its partition from the engine's checkpoint
         resume.load_model(trainer.model)
@@ -403,11 +403,6 @@ def _checkpoint_activations(model: torch.nn.Module, args) -> None:
                                               every_n_layers=every_n_layers, offload=offload)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
-
-
-def _whole(model: torch.nn.Module) -> bool:
-    """This rank built the whole model (not on the meta device, not partitioned by deepspeed.zero.Init)."""
-    return not any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _num_items_in_batch(micro: list, args, ctx, global_count: bool, shifted: bool = False) -> int | None:

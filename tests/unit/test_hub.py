@@ -374,8 +374,8 @@ def test_the_workers_trainer_never_holds_the_hub_token(tmp_path, monkeypatch, ma
     class Captured(Exception):
         pass
 
-    def capture(trainer, spec, method, kwargs, registry):
-        raise Captured(spec)
+    def capture(trainer, spec, method, registry):
+        raise Captured(spec.trainer)
 
     monkeypatch.setattr(launch, "launch", capture)
     trainer = _trainer(make_args, make_classifier, make_examples, num_workers=2, hub_token=TOKEN,
