@@ -109,7 +109,7 @@ def test_a_passive_log_level_gives_the_main_worker_the_drivers_transformers_verb
     log_level_replica (warning)."""
     import cloudpickle
 
-    from raytrainer.driver.spec import pickled_trainer
+    from raytrainer.driver import spec as run_spec
     from raytrainer.worker.logs import rank_logging
 
     trainer = Trainer(model=_tiny_gpt2(), args=make_args())
@@ -117,13 +117,13 @@ def test_a_passive_log_level_gives_the_main_worker_the_drivers_transformers_verb
     channels = {}
     try:
         hf_logging.set_verbosity_info()  # the script, on the driver
-        shipped = pickled_trainer(trainer, {})
+        shipped = run_spec.build(trainer, "train", {})  # the call's spec carries the verbosity
         hf_logging.set_verbosity_warning()  # a fresh worker process: transformers' default verbosity
         for rank in (0, 1):
-            worker = cloudpickle.loads(shipped)
+            worker = cloudpickle.loads(shipped.trainer)
             worker.args._set_process(2, rank, rank, 0, torch.device("cpu"))
             channels[rank] = _Channel()
-            with rank_logging(worker.args, rank, channels[rank]):
+            with rank_logging(worker.args, rank, channels[rank], shipped.transformers_log_level):
                 hf_logging.get_logger("transformers.trainer").info("***** Running training *****")
             assert hf_logging.get_verbosity() == logging.WARNING  # restored after the call
     finally:
