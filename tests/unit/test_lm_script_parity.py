@@ -95,7 +95,7 @@ class _Channel:
         self.texts: list[str] = []
 
     def send(self, kind, payload, urgent=False):
-        self.texts.append(payload["text"])
+        self.texts.append(payload.text)
 
     def flush(self):
         pass
