@@ -162,9 +162,14 @@ class RayChannel:
     def __init__(self):
         self.actor = Channel.remote()
 
-    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> None:
-        """Post a command; its spec goes to the object store once (the command carries its reference)."""
-        ray.get(self.actor.submit.remote(Command(command_id, method, [ray.put(spec)]), expected))
+    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> int:
+        """Post a command; its spec goes to the object store once (the command carries its reference).
+        Returns the command's size, pickled (a few hundred bytes: the spec goes by reference)."""
+        import cloudpickle
+
+        command = Command(command_id, method, [ray.put(spec)])
+        ray.get(self.actor.submit.remote(command, expected))
+        return len(cloudpickle.dumps(command))
 
     def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
         return ray.get(self.actor.wait_results.remote(command_id, timeout))

@@ -141,8 +141,8 @@ class WorkerGroup:
         started = time.time()
         self.busy = True
         try:
-            self.channel.submit(command, Method(method), spec, self.args.num_workers)
-            logger.debug("run spec: %d bytes in the object store", len(spec.trainer))
+            size = self.channel.submit(command, Method(method), spec, self.args.num_workers)
+            logger.debug("run spec: %d bytes in the object store; command: %d bytes", len(spec.trainer), size)
             results = self._wait(command)
         except KeyboardInterrupt:
             logger.warning("interrupted: aborting %s on the workers", method)

@@ -25,6 +25,7 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
         group = None
     if group is None:
         group = WorkerGroup(args, backend=backend)
+        group.start(datasets)  # refused here, before the Trainer holds it, when the cluster cannot hold it
         if not datasets:
             attach(trainer, group)
     try:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import cloudpickle
 
-from raytrainer.driver.preflight import ship_dynamic_modules
+from raytrainer.driver.spec import ship_dynamic_modules
 from raytrainer.search.common import (
     BestRun,
     TrialReporter,

@@ -62,12 +62,13 @@ class FakeChannel:
         self.killed = False
 
     # -- the driver's side ------------------------------------------------------------------------
-    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> None:
+    def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> int:
         with self._cond:
             self.command = Command(command_id, method, [spec])
             self.expected, self.results = expected, {}
             self.decisions, self.stop = {}, False
             self._cond.notify_all()
+        return 0
 
     def wait_results(self, command_id: int, timeout: float):
         with self._cond:
