@@ -18,7 +18,6 @@ logger = logging.getLogger("raytrainer.trainer")
 
 
 class DataLoadersMixin:
-    # -- data ----------------------------------------------------------------------------------------
     def _collator_for(self, dataset):
         """The data collator, wrapped to drop columns forward() does not take (remove_unused_columns)."""
         if not self.args.remove_unused_columns:

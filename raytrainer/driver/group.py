@@ -201,18 +201,15 @@ def _make_room(args, backend, exclude: WorkerGroup) -> None:
     """Idle groups of other Trainers hold their workers' resources; when the cluster lacks the CPUs or GPUs
     a new group needs, close idle ones, least recently used first, until it has them (a closed Trainer's
     next call starts a group again). Groups running a command or lent to a search trial stay."""
-    def short() -> bool:
-        return backend.short_of_resources(args)
-
     idle = sorted((g for g in _LIVE if g is not exclude and g.alive and not g.busy and not g.lent),
                   key=lambda g: g.last_used)
-    while idle and short():
+    while idle and backend.short_of_resources(args):
         group = idle.pop(0)
         logger.info("closing the idle %s (%d workers) to make room for %d workers", group.name,
                     group.args.num_workers, args.num_workers)
         group.close()
         for _ in range(50):  # Ray releases the placement group's resources asynchronously
-            if not short():
+            if not backend.short_of_resources(args):
                 break
             time.sleep(0.1)
 
