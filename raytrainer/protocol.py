@@ -24,6 +24,7 @@ class Method(str, enum.Enum):
     TRAIN = "train"
     EVALUATE = "evaluate"
     PREDICT = "predict"
+    CALL = "call"  # another method or attribute of a hosted trainer (raytrainer/hosted.py)
 
 
 class Kind(str, enum.Enum):
@@ -49,8 +50,8 @@ class Command:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a command runs (driver/spec.py builds it): the pickled Trainer -- the user's state only --, the
-    call's arguments, and what the driver learnt for the ranks: the rows of a Ray Dataset training set and
+    """What a command runs (driver/spec.py builds it): the pickled Trainer -- the user's state only -- (for a
+    hosted trainer, its ``Recipe``: raytrainer/hosted.py), the call's arguments, and what the driver learnt for the ranks: the rows of a Ray Dataset training set and
     transformers' log level in the script."""
 
     trainer: bytes
@@ -149,7 +150,8 @@ class Message(NamedTuple):
 
 #: Every message of the protocol (the channel's methods carry them); docs/architecture.md shows this table.
 MESSAGES: tuple[Message, ...] = (
-    Message("Command", Command, "driver", "every rank", "one per Trainer call (train, evaluate, predict)"),
+    Message("Command", Command, "driver", "every rank", "one per Trainer call (train, evaluate, predict; "
+            "for a hosted trainer any other method or attribute too)"),
     Message("Spec", Spec, "driver (into the object store once)", "every rank (fetches it)",
             "with each command"),
     Message("Attempt", Attempt, "channel", "rank 0 (broadcast to every rank); the driver as an event",

@@ -31,8 +31,8 @@ class DriverDisplay:
 
     def __init__(self, trainer):
         callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
-        self.handler = CallbackHandler(callbacks, trainer.model, trainer.processing_class, None, None,
-                                       flow=False)
+        model = trainer._display_model if hasattr(type(trainer), "_display_model") else trainer.model
+        self.handler = CallbackHandler(callbacks, model, trainer.processing_class, None, None, flow=False)
         self.args = trainer.args
         self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
         self.control = TrainerControl()

@@ -30,8 +30,10 @@ def worker_main(config: dict) -> None:
     """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
     import ray
 
+    from raytrainer.hosted import Recipe
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
+    from raytrainer.worker.hosted import run_hosted
     from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
 
@@ -49,7 +51,9 @@ def worker_main(config: dict) -> None:
                               transformers_log_level=spec.transformers_log_level)
         TIMES["spec"] = time.time()
         try:
-            result = run_rank(trainer, session, command.method.value, spec.kwargs)
+            # a Recipe: a transformers.Trainer subclass run by transformers' own loop (raytrainer/hosted.py)
+            run = run_hosted if isinstance(trainer, Recipe) else run_rank
+            result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
             if not failures.retryable(exc):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)

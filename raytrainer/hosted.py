@@ -1,0 +1,312 @@
+"""Any subclass of `transformers.Trainer` on Ray workers, with transformers' own loop on each rank.
+
+TRL's trainers, sentence-transformers' and a user's own subclass override the Trainer's private methods and
+call ``self.accelerator`` throughout; they run as they are only where transformers' loop runs. So this path
+does not translate them into raytrainer's loop: each rank of a worker group builds the trainer itself, in
+the environment ``torchrun`` gives (Ray Train sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` and starts the process group, which accelerate's
+``PartialState`` then uses), and calls its methods. The driver keeps the user's arguments and the services
+around the loop: the worker group (started once, kept warm across calls), one progress bar and the routed
+logs of every rank, the final ``TrainerState``, the errors.
+
+``on_ray(cls)`` makes the twin of a trainer class and ``config_on_ray(cls)`` the twin of its arguments class
+(``RayArgumentsMixin`` added: ``num_workers``, ``use_gpu``, ``resources_per_worker``, ...).
+``raytrainer.trl`` holds the twins of every trainer and config TRL exports under TRL's names. With
+``num_workers=0`` (or arguments without the Ray fields) the twin *is* the original trainer, built in this
+process from the original arguments class: nothing of raytrainer is in the way.
+
+With ``num_workers >= 1`` the twin built on the driver holds only what the constructor was given: a model
+named by a path or hub id, or made by ``model_init``, is loaded on the workers only. A method the driver
+does not hold itself (``save_model``, ``push_to_hub``, ``create_model_card``, ``log``...) runs on every rank
+of the group, as it would under ``accelerate launch``, and returns rank 0's answer; an attribute the driver
+does not hold (``hub_model_id``, ``model``...) is rank 0's value, pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import logging
+import os
+import uuid
+from typing import Any
+
+import cloudpickle
+
+from raytrainer.args import RayArgumentsMixin
+
+logger = logging.getLogger(__name__)
+
+#: What the driver's twin holds itself; every other attribute is looked up on rank 0's trainer.
+_DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler", "accelerator", "train", "evaluate", "predict",
+                          "close", "end", "is_world_process_zero", "is_local_process_zero"})
+
+
+def config_on_ray(config_cls: type) -> type:
+    """``config_cls`` (a `transformers.TrainingArguments` subclass) with raytrainer's Ray fields, same
+    name. Its instances go to ``on_ray`` twins; on the ranks they become ``config_cls`` instances again."""
+    if issubclass(config_cls, RayArgumentsMixin):
+        return config_cls
+    namespace = {"__module__": config_cls.__module__, "__qualname__": config_cls.__qualname__,
+                 "__annotations__": {}, "__doc__": config_cls.__doc__}
+    twin = type(config_cls.__name__, (RayArgumentsMixin, config_cls), namespace)
+    return dataclasses.dataclass(repr=False)(twin)
+
+
+def on_ray(trainer_cls: type) -> type:
+    """The twin of ``trainer_cls`` (a `transformers.Trainer` subclass): same constructor; with Ray fields
+    in its ``args`` and ``num_workers >= 1`` its calls run on Ray workers (see the module's docstring)."""
+    import transformers
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"on_ray({trainer_cls!r}): expected a subclass of transformers.Trainer")
+    namespace = {"__module__": trainer_cls.__module__, "__qualname__": trainer_cls.__qualname__,
+                 "__doc__": trainer_cls.__doc__, "hosted_class": trainer_cls}
+    return type(trainer_cls.__name__, (HostedTrainer,), namespace)
+
+
+def base_config_class(args) -> type:
+    """The arguments class the ranks build: the first class after ``RayArgumentsMixin`` in the MRO that is
+    not itself a subclass of it (``trl.SFTConfig`` for ``raytrainer.trl.SFTConfig``)."""
+    return next(c for c in type(args).__mro__
+                if c is not RayArgumentsMixin and not issubclass(c, RayArgumentsMixin)
+                and dataclasses.is_dataclass(c))
+
+
+def plain_config(args, **overrides):
+    """``args`` as an instance of its base class (no Ray fields): transformers' own process view, set up by
+    accelerate from the environment it runs in."""
+    import warnings
+
+    cls = base_config_class(args)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init}
+    values.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them
+        return cls(**values)
+
+
+def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments):
+    if "args" in bound.arguments and "args" in signature.parameters:
+        return bound.arguments["args"]
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            return bound.arguments.get(name, {}).get("args")
+    return None
+
+
+class HostedTrainer:
+    """The driver's side of a ``transformers.Trainer`` subclass run on Ray workers (``on_ray``)."""
+
+    hosted_class: type  # set on each twin
+
+    def __new__(cls, *args, **kwargs):
+        base = cls.hosted_class
+        signature = inspect.signature(base.__init__)
+        bound = signature.bind(None, *args, **kwargs)
+        targs = _find_args(signature, bound)
+        if not isinstance(targs, RayArgumentsMixin) or targs.num_workers == 0:
+            if isinstance(targs, RayArgumentsMixin):  # the original class, built as it is, in this process
+                args, kwargs = _replace_args(signature, args, kwargs, plain_config(targs))
+            return base(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        from accelerate import PartialState
+
+        from raytrainer.callbacks import CallbackHandler, PrinterCallback, ProgressCallback, TrainerState
+
+        signature = inspect.signature(self.hosted_class.__init__)
+        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
+        check(self.hosted_class, targs)
+        vars(self).update(
+            args=targs,
+            state=TrainerState(),
+            # the driver's display (progress bar or printer): rank 0's callback events are replayed into it
+            callback_handler=CallbackHandler([PrinterCallback() if targs.disable_tqdm else ProgressCallback()],
+                                             flow=False),
+            # on the driver: one process; print() and the main-process checks are the driver's
+            accelerator=PartialState(cpu=True),
+            _recipe=Recipe.make(self.hosted_class, args, kwargs),
+        )
+
+    # -- what scripts call ----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        from raytrainer.callbacks import state_from_dict
+
+        kwargs = dict(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                      ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        vars(self).pop("_model", None)
+        result = self._run("train", kwargs)
+        self.state = state_from_dict(result.state)
+        return result.output
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
+        kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                      **kwargs)
+        return self._run("evaluate", kwargs).output
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
+        kwargs = dict(test_dataset=test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                      **kwargs)
+        return self._run("predict", kwargs).output
+
+    def is_world_process_zero(self) -> bool:
+        return True  # the driver speaks for the run, as rank 0 does under torchrun
+
+    def is_local_process_zero(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """End the worker group (and the trainer each rank holds); a later call starts a new one."""
+        group = vars(self).pop("_group", None)
+        if group is not None:
+            group.close()
+
+    def end(self) -> None:
+        """transformers' ``end()``: the trackers finish and the processes part -- here, the group closes."""
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in _DRIVER_SIDE or "_recipe" not in vars(self):
+            raise AttributeError(name)
+        found = inspect.getattr_static(self.hosted_class, name, None)
+        if callable(found) or isinstance(found, (staticmethod, classmethod)):
+            return _RankMethod(self, name)
+        return self._run("call", {"name": name, "call": False}).output
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} on {self.args.num_workers} Ray workers>"
+
+    # -- the group ------------------------------------------------------------------------------------
+    def _run(self, method: str, kwargs: dict):
+        """``method`` on every rank of this trainer's group: rank 0's ``RankResult``."""
+        from raytrainer.driver.launch import launch
+        from raytrainer.driver.registry import CheckpointRegistry
+        from raytrainer.protocol import Spec
+        from raytrainer.worker.logs import driver_transformers_level
+
+        spec = Spec(self._recipe.pickled, kwargs, None, driver_transformers_level())
+        return launch(self, spec, method, CheckpointRegistry(self.args))
+
+    @property
+    def model(self):
+        """Rank 0's trained model, on first use after each ``train()``: the ranks save it (``save_model``, a
+        collective under FSDP and ZeRO-3) into ``<output_dir>/.raytrainer/model`` and the driver loads it
+        with ``from_pretrained``. Weights never travel through the event channel."""
+        if "_model" not in vars(self):
+            folder = os.path.join(os.path.abspath(self.args.output_dir), ".raytrainer", "model")
+            self._run("call", {"name": "save_model", "call": True, "args": (folder,), "kwargs": {}})
+            model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
+            if not hasattr(model_cls, "from_pretrained"):
+                raise AttributeError(
+                    f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
+                    f"from_pretrained to load it here); its weights are in {folder}")
+            self._model = model_cls.from_pretrained(folder)
+        return self._model
+
+    # what launch() and the driver's display read of a trainer
+    _display_model = None  # the display's callbacks get no model: it stays on the workers
+    processing_class = None
+    train_dataset = None
+
+
+class _RankMethod:
+    """A trainer method run on every rank (rank 0's answer): ``trainer.save_model(...)`` on the driver."""
+
+    def __init__(self, trainer: HostedTrainer, name: str):
+        self.trainer, self.name = trainer, name
+
+    def __call__(self, *args, **kwargs):
+        return self.trainer._run("call", {"name": self.name, "call": True, "args": args,
+                                          "kwargs": kwargs}).output
+
+    def __repr__(self) -> str:
+        return f"<{self.name} of {self.trainer!r}, run on every rank>"
+
+
+@dataclasses.dataclass
+class Recipe:
+    """How each rank builds the trainer: the class and the constructor's arguments, pickled once on the
+    driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls."""
+
+    key: str
+    cwd: str
+    payload: bytes
+    use_gpu: bool
+
+    _numbers = itertools.count()
+
+    @classmethod
+    def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
+        payload = _pickled(trainer_cls, args, kwargs)
+        targs = _find_args(inspect.signature(trainer_cls.__init__),
+                           inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
+        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu))
+
+    @property
+    def pickled(self) -> bytes:
+        return cloudpickle.dumps(self)
+
+    def unpack(self) -> tuple[type, tuple, dict, Any]:
+        """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
+        fields: transformers' own process view, which accelerate sets up from this rank's environment), and
+        that instance."""
+        trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
+        signature = inspect.signature(trainer_cls.__init__)
+        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
+        overrides = {} if self.use_gpu else {"use_cpu": True}  # a CPU worker, whatever CUDA this node has
+        plain = plain_config(targs, **overrides)
+        args, kwargs = _replace_args(signature, args, kwargs, plain)
+        return trainer_cls, args, kwargs, plain
+
+
+def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:
+    """The constructor's arguments with ``args=`` replaced by ``new``."""
+    names = [n for n in signature.parameters if n != "self"]
+    if "args" in names and names.index("args") < len(args):
+        args = list(args)
+        args[names.index("args")] = new
+        return tuple(args), kwargs
+    return args, {**kwargs, "args": new}
+
+
+def check(trainer_cls: type, targs) -> None:
+    """What the driver refuses before any worker starts: a ``report_to`` tracker whose package is missing
+    (named, with the install command)."""
+    from raytrainer.integrations import get_reporting_integration_callbacks
+
+    get_reporting_integration_callbacks(targs.report_to)
+
+
+def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
+    """The constructor's class and arguments for the workers; on failure, the error names the argument."""
+    from raytrainer.driver.spec import ship_dynamic_modules
+
+    ship_dynamic_modules()
+    try:
+        return cloudpickle.dumps((trainer_cls, args, kwargs))
+    except Exception as exc:
+        named = [*((f"argument {i}", v) for i, v in enumerate(args)), *((f"{k}=", v) for k, v in kwargs.items())]
+        culprit = next((label for label, value in named if not _picklable(value)), "the constructor's arguments")
+        raise ValueError(
+            f"{trainer_cls.__name__}(...): {culprit} cannot be pickled to send it to the Ray workers "
+            f"({type(exc).__name__}: {exc}). Define functions and classes at module level, and keep locks, "
+            "open files and generators out of models, datasets and callbacks (or give the model as a path "
+            "or model_init, which the workers call)."
+        ) from exc
+
+
+def _picklable(value) -> bool:
+    try:
+        cloudpickle.dumps(value)
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,96 @@
+"""A rank's side of a hosted trainer (raytrainer/hosted.py): build the `transformers.Trainer` subclass from
+its recipe once, keep it for the group's next calls, run each call on it with transformers' own loop.
+
+Each rank runs in the driver's working directory when this node has it (a local cluster, or a node that
+shares the driver's file system), so that a relative path -- a model folder, a data file, ``output_dir`` --
+means what it means in the driver's script; elsewhere (``raytrainer submit``'s uploaded working directory)
+the rank stays where Ray put it. Display callbacks (transformers' progress bar and printer) run on the
+driver: rank 0 relays the events they need (worker/relay.py). After a lost worker Ray Train restarts the
+group and ``train`` resumes from the latest checkpoint in ``output_dir`` (transformers' checkpoints, as
+``resume_from_checkpoint=True`` would find them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+from raytrainer.protocol import RankResult
+from raytrainer.worker.logs import rank_logging
+from raytrainer.worker.session import RankSession
+
+logger = logging.getLogger(__name__)
+
+#: This worker's trainer, by recipe key: one at a time (a new trainer frees the last one's model).
+_LIVE: dict = {}
+
+
+def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankResult:
+    """``method`` of this rank's trainer for ``recipe`` (built now if this worker has not got it)."""
+    ctx, channel = session.ctx, session.channel
+    with _in_directory(recipe.cwd):
+        trainer = _LIVE.get(recipe.key)
+        if trainer is None:
+            _LIVE.clear()
+            trainer_cls, args, kwargs_init, targs = recipe.unpack()
+            with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
+                trainer = trainer_cls(*args, **kwargs_init)
+                _split_callbacks(trainer, session)
+            _LIVE[recipe.key] = trainer
+        with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
+            attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
+            session.attempt = attempt.number
+            if method == "train" and attempt.number > 0:
+                kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
+            if method == "call":
+                found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
+                output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
+            else:
+                output = getattr(trainer, method)(**kwargs)
+    if not ctx.is_world_zero:
+        return RankResult(trainer.state.global_step)
+    from raytrainer.callbacks import state_to_dict
+
+    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state))
+
+
+def _split_callbacks(trainer, session: RankSession) -> None:
+    """transformers' progress bar and printer run on the driver; rank 0 relays what they need."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from raytrainer.worker.relay import RelayCallback
+
+    for cls in (ProgressCallback, PrinterCallback):
+        trainer.remove_callback(cls)
+    if session.ctx.is_world_zero:
+        trainer.add_callback(RelayCallback(session.channel))
+
+
+def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:
+    """A restarted group (a worker was lost) resumes from the latest checkpoint of ``output_dir``."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    latest = None
+    if ctx.is_world_zero and os.path.isdir(trainer.args.output_dir):
+        latest = get_last_checkpoint(trainer.args.output_dir)
+    latest = ctx.broadcast_object(latest)
+    if latest is None:
+        return kwargs
+    if ctx.is_world_zero:
+        logger.warning("restart %d: resuming from %s", attempt, latest)
+    return {**kwargs, "resume_from_checkpoint": latest}
+
+
+@contextlib.contextmanager
+def _in_directory(path: str):
+    here = os.getcwd()
+    moved = os.path.isdir(path) and path != here
+    if moved:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        if moved:
+            os.chdir(here)
