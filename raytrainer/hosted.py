@@ -24,23 +24,22 @@ does not hold (``hub_model_id``, ``model``...) is rank 0's value, pickled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-import itertools
 import logging
 import os
-import uuid
 from typing import Any
 
-import cloudpickle
-
 from raytrainer.args import RayArgumentsMixin
+from raytrainer.hosted_recipe import Recipe, _find_args, _replace_args, plain_config
 
 logger = logging.getLogger(__name__)
 
 #: What the driver's twin holds itself; every other attribute is looked up on rank 0's trainer.
-_DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler", "accelerator", "train", "evaluate", "predict",
-                          "close", "end", "is_world_process_zero", "is_local_process_zero"})
+_DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler", "accelerator", "train",
+                          "evaluate", "predict", "close", "end", "is_world_process_zero",
+                          "is_local_process_zero"})
 
 
 def config_on_ray(config_cls: type) -> type:
@@ -66,36 +65,6 @@ def on_ray(trainer_cls: type) -> type:
     return type(trainer_cls.__name__, (HostedTrainer,), namespace)
 
 
-def base_config_class(args) -> type:
-    """The arguments class the ranks build: the first class after ``RayArgumentsMixin`` in the MRO that is
-    not itself a subclass of it (``trl.SFTConfig`` for ``raytrainer.trl.SFTConfig``)."""
-    return next(c for c in type(args).__mro__
-                if c is not RayArgumentsMixin and not issubclass(c, RayArgumentsMixin)
-                and dataclasses.is_dataclass(c))
-
-
-def plain_config(args, **overrides):
-    """``args`` as an instance of its base class (no Ray fields): transformers' own process view, set up by
-    accelerate from the environment it runs in."""
-    import warnings
-
-    cls = base_config_class(args)
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init}
-    values.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them
-        return cls(**values)
-
-
-def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments):
-    if "args" in bound.arguments and "args" in signature.parameters:
-        return bound.arguments["args"]
-    for name, param in signature.parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            return bound.arguments.get(name, {}).get("args")
-    return None
-
-
 class HostedTrainer:
     """The driver's side of a ``transformers.Trainer`` subclass run on Ray workers (``on_ray``)."""
 
@@ -113,21 +82,21 @@ class HostedTrainer:
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        from accelerate import PartialState
-
         from raytrainer.callbacks import CallbackHandler, PrinterCallback, ProgressCallback, TrainerState
+        from raytrainer.driver.spec import ship_dynamic_modules
 
         signature = inspect.signature(self.hosted_class.__init__)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         check(self.hosted_class, targs)
+        ship_dynamic_modules()  # a trust_remote_code model's classes travel by value
+        display = PrinterCallback() if targs.disable_tqdm else ProgressCallback()
         vars(self).update(
             args=targs,
             state=TrainerState(),
             # the driver's display (progress bar or printer): rank 0's callback events are replayed into it
-            callback_handler=CallbackHandler([PrinterCallback() if targs.disable_tqdm else ProgressCallback()],
-                                             flow=False),
+            callback_handler=CallbackHandler([display], flow=False),
             # on the driver: one process; print() and the main-process checks are the driver's
-            accelerator=PartialState(cpu=True),
+            accelerator=DriverAccelerator(targs.num_workers),
             _recipe=Recipe.make(self.hosted_class, args, kwargs),
         )
 
@@ -218,6 +187,29 @@ class HostedTrainer:
     train_dataset = None
 
 
+class DriverAccelerator:
+    """``trainer.accelerator`` on the driver, which speaks for the run as its main process does: what scripts
+    call on it after ``train()`` (``print``, the main-process checks, ``wait_for_everyone``)."""
+
+    is_main_process = is_local_main_process = True
+    process_index = local_process_index = 0
+
+    def __init__(self, num_processes: int):
+        self.num_processes = num_processes
+
+    def print(self, *args, **kwargs) -> None:
+        print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """Nothing to wait for: each call on the workers has ended when it returns here."""
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        yield
+
+    local_main_process_first = main_process_first
+
+
 class _RankMethod:
     """A trainer method run on every rank (rank 0's answer): ``trainer.save_model(...)`` on the driver."""
 
@@ -232,81 +224,9 @@ class _RankMethod:
         return f"<{self.name} of {self.trainer!r}, run on every rank>"
 
 
-@dataclasses.dataclass
-class Recipe:
-    """How each rank builds the trainer: the class and the constructor's arguments, pickled once on the
-    driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls."""
-
-    key: str
-    cwd: str
-    payload: bytes
-    use_gpu: bool
-
-    _numbers = itertools.count()
-
-    @classmethod
-    def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
-        payload = _pickled(trainer_cls, args, kwargs)
-        targs = _find_args(inspect.signature(trainer_cls.__init__),
-                           inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
-        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu))
-
-    @property
-    def pickled(self) -> bytes:
-        return cloudpickle.dumps(self)
-
-    def unpack(self) -> tuple[type, tuple, dict, Any]:
-        """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
-        fields: transformers' own process view, which accelerate sets up from this rank's environment), and
-        that instance."""
-        trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
-        signature = inspect.signature(trainer_cls.__init__)
-        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
-        overrides = {} if self.use_gpu else {"use_cpu": True}  # a CPU worker, whatever CUDA this node has
-        plain = plain_config(targs, **overrides)
-        args, kwargs = _replace_args(signature, args, kwargs, plain)
-        return trainer_cls, args, kwargs, plain
-
-
-def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:
-    """The constructor's arguments with ``args=`` replaced by ``new``."""
-    names = [n for n in signature.parameters if n != "self"]
-    if "args" in names and names.index("args") < len(args):
-        args = list(args)
-        args[names.index("args")] = new
-        return tuple(args), kwargs
-    return args, {**kwargs, "args": new}
-
-
 def check(trainer_cls: type, targs) -> None:
     """What the driver refuses before any worker starts: a ``report_to`` tracker whose package is missing
     (named, with the install command)."""
     from raytrainer.integrations import get_reporting_integration_callbacks
 
     get_reporting_integration_callbacks(targs.report_to)
-
-
-def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
-    """The constructor's class and arguments for the workers; on failure, the error names the argument."""
-    from raytrainer.driver.spec import ship_dynamic_modules
-
-    ship_dynamic_modules()
-    try:
-        return cloudpickle.dumps((trainer_cls, args, kwargs))
-    except Exception as exc:
-        named = [*((f"argument {i}", v) for i, v in enumerate(args)), *((f"{k}=", v) for k, v in kwargs.items())]
-        culprit = next((label for label, value in named if not _picklable(value)), "the constructor's arguments")
-        raise ValueError(
-            f"{trainer_cls.__name__}(...): {culprit} cannot be pickled to send it to the Ray workers "
-            f"({type(exc).__name__}: {exc}). Define functions and classes at module level, and keep locks, "
-            "open files and generators out of models, datasets and callbacks (or give the model as a path "
-            "or model_init, which the workers call)."
-        ) from exc
-
-
-def _picklable(value) -> bool:
-    try:
-        cloudpickle.dumps(value)
-        return True
-    except Exception:
-        return False

@@ -51,8 +51,8 @@ class Command:
 @dataclass(frozen=True)
 class Spec:
     """What a command runs (driver/spec.py builds it): the pickled Trainer -- the user's state only -- (for a
-    hosted trainer, its ``Recipe``: raytrainer/hosted.py), the call's arguments, and what the driver learnt for the ranks: the rows of a Ray Dataset training set and
-    transformers' log level in the script."""
+    hosted trainer, its ``Recipe``: raytrainer/hosted.py), the call's arguments, and what the driver learnt
+    for the ranks: the rows of a Ray Dataset training set and transformers' log level in the script."""
 
     trainer: bytes
     kwargs: dict

@@ -30,7 +30,7 @@ def worker_main(config: dict) -> None:
     """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
     import ray
 
-    from raytrainer.hosted import Recipe
+    from raytrainer.hosted_recipe import Recipe
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.hosted import run_hosted

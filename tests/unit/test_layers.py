@@ -12,13 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "raytrainer"
 LAYERS = (
     ("foundation", {"protocol", "deps", "failures", "rank_context", "saving", "logging_utils", "storage",
                     "dcp_storage", "storage_check", "trainer_utils", "callbacks", "meta_model", "plot"}),
-    ("arguments", {"arg_types", "args", "accelerate_config", "hf_argparser"}),
+    ("arguments", {"arg_types", "args", "accelerate_config", "hf_argparser", "hosted_recipe"}),
     ("engine", {"strategies", "checkpoint", "data", "optim", "final_weights", "rank_accelerator",
                 "integrations"}),
     ("worker", {"worker"}),
     ("driver", {"driver", "hub"}),
     ("search", {"search"}),
-    ("api", {"trainer", "trainer_data", "seq2seq", "cli", "__main__", "__init__"}),
+    ("api", {"trainer", "trainer_data", "seq2seq", "cli", "__main__", "__init__", "hosted", "trl"}),
 )
 
 #: the imports that run back up the layers, each with its reason (docs/architecture.md repeats them)

@@ -1,0 +1,118 @@
+"""How each rank of a hosted trainer's group builds it (raytrainer/hosted.py): the ``Recipe`` the driver
+pickles once -- the trainer class and its constructor's arguments -- and the arguments turned back into
+their original class on the rank (no Ray fields: transformers' own process view, which accelerate sets up
+from the rank's torchrun-like environment)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import os
+import uuid
+from typing import Any
+
+import cloudpickle
+
+from raytrainer.args import RayArgumentsMixin
+
+
+def base_config_class(args) -> type:
+    """The arguments class the ranks build: the first class after ``RayArgumentsMixin`` in the MRO that is
+    not itself a subclass of it (``trl.SFTConfig`` for ``raytrainer.trl.SFTConfig``)."""
+    return next(c for c in type(args).__mro__
+                if c is not RayArgumentsMixin and not issubclass(c, RayArgumentsMixin)
+                and dataclasses.is_dataclass(c))
+
+
+def plain_config(args, **overrides):
+    """``args`` as an instance of its base class (no Ray fields): transformers' own process view, set up by
+    accelerate from the environment it runs in."""
+    import warnings
+
+    cls = base_config_class(args)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init}
+    values.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them
+        return cls(**values)
+
+
+def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments):
+    if "args" in bound.arguments and "args" in signature.parameters:
+        return bound.arguments["args"]
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            return bound.arguments.get(name, {}).get("args")
+    return None
+
+
+@dataclasses.dataclass
+class Recipe:
+    """How each rank builds the trainer: the class and the constructor's arguments, pickled once on the
+    driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls."""
+
+    key: str
+    cwd: str
+    payload: bytes
+    use_gpu: bool
+
+    _numbers = itertools.count()
+
+    @classmethod
+    def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
+        payload = _pickled(trainer_cls, args, kwargs)
+        targs = _find_args(inspect.signature(trainer_cls.__init__),
+                           inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
+        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu))
+
+    @property
+    def pickled(self) -> bytes:
+        return cloudpickle.dumps(self)
+
+    def unpack(self) -> tuple[type, tuple, dict, Any]:
+        """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
+        fields: transformers' own process view, which accelerate sets up from this rank's environment), and
+        that instance."""
+        trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
+        signature = inspect.signature(trainer_cls.__init__)
+        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
+        overrides = {} if self.use_gpu else {"use_cpu": True}  # a CPU worker, whatever CUDA this node has
+        plain = plain_config(targs, **overrides)
+        args, kwargs = _replace_args(signature, args, kwargs, plain)
+        return trainer_cls, args, kwargs, plain
+
+
+def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:
+    """The constructor's arguments with ``args=`` replaced by ``new``."""
+    names = [n for n in signature.parameters if n != "self"]
+    if "args" in names and names.index("args") < len(args):
+        args = list(args)
+        args[names.index("args")] = new
+        return tuple(args), kwargs
+    return args, {**kwargs, "args": new}
+
+
+def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
+    """The constructor's class and arguments for the workers; on failure, the error names the argument."""
+    try:
+        return cloudpickle.dumps((trainer_cls, args, kwargs))
+    except Exception as exc:
+        named = [*((f"argument {i}", v) for i, v in enumerate(args)),
+                 *((f"{k}=", v) for k, v in kwargs.items())]
+        culprit = next((label for label, value in named if not _picklable(value)),
+                       "the constructor's arguments")
+        raise ValueError(
+            f"{trainer_cls.__name__}(...): {culprit} cannot be pickled to send it to the Ray workers "
+            f"({type(exc).__name__}: {exc}). Define functions and classes at module level, and keep locks, "
+            "open files and generators out of models, datasets and callbacks (or give the model as a path "
+            "or model_init, which the workers call)."
+        ) from exc
+
+
+def _picklable(value) -> bool:
+    try:
+        cloudpickle.dumps(value)
+        return True
+    except Exception:
+        return False
