@@ -142,6 +142,9 @@ class RayArgumentsMixin:
     # -- construction ------------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
+        # The values as given: a hosted trainer's ranks build the original arguments class from them
+        # (raytrainer/hosted_recipe.py), since its __post_init__ may refuse what it derived itself.
+        self.__dict__["_given"] = _snapshot(self)
         # The process view first: transformers' __post_init__ reads self.device.
         self._world_size = max(1, self.num_workers) if _is_int(self.num_workers) else 1
         self._process_index = self._local_process_index = self._node_rank = 0
@@ -165,6 +168,20 @@ class RayArgumentsMixin:
         if self.lr_scheduler_kwargs is None:
             self.lr_scheduler_kwargs = {}
         self._check_combinations()
+        self.__dict__["_derived"] = _snapshot(self)
+
+    def given_values(self) -> dict[str, Any]:
+        """Each field as the constructor was given it, or as it was set after construction: what builds
+        these arguments again (``__post_init__`` derives the rest once more)."""
+        given, derived = self.__dict__.get("_given", {}), self.__dict__.get("_derived", {})
+        values = {}
+        for f in fields(self):
+            if not f.init:
+                continue
+            now = getattr(self, f.name)
+            unchanged = f.name in given and f.name in derived and _same(now, derived[f.name])
+            values[f.name] = given[f.name] if unchanged else now
+        return values
 
     def _apply_accelerate_config(self) -> None:
         from raytrainer.accelerate_config import values_from_accelerate_config
@@ -495,6 +512,18 @@ def _same(a, b) -> bool:
         return bool(a == b)
     except Exception:  # e.g. objects whose == is elementwise
         return a is b
+
+
+def _snapshot(args) -> dict[str, Any]:
+    values = {}
+    for f in fields(args):
+        if f.init:
+            value = getattr(args, f.name)
+            try:
+                values[f.name] = copy.deepcopy(value)
+            except Exception:  # a filesystem object, say: kept as it is
+                values[f.name] = value
+    return values
 
 
 def _initialized_distributed():

@@ -226,7 +226,13 @@ class _RankMethod:
 
 def check(trainer_cls: type, targs) -> None:
     """What the driver refuses before any worker starts: a ``report_to`` tracker whose package is missing
-    (named, with the install command)."""
+    (named, with the install command), and GRPO's vLLM server mode."""
     from raytrainer.integrations import get_reporting_integration_callbacks
 
     get_reporting_integration_callbacks(targs.report_to)
+    if getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", None) == "server":
+        raise ValueError(
+            "use_vllm=True with vllm_mode='server': the vLLM server is a process of its own on GPUs outside "
+            "the Ray workers (`trl vllm-serve`), which raytrainer neither starts nor places; generate with "
+            "transformers on each worker (use_vllm=False) or with vLLM inside each worker "
+            "(vllm_mode='colocate', on GPU workers)")

@@ -31,7 +31,8 @@ def plain_config(args, **overrides):
     import warnings
 
     cls = base_config_class(args)
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init}
+    given = args.given_values()
+    values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.init}
     values.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them

@@ -1,0 +1,53 @@
+"""A tiny causal LM with its tokenizer, saved as a model folder, and a local text data set: what TRL's
+scripts load by path (``--model_name_or_path``, ``--dataset_name``), made here from a config (no download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+
+def write_tiny_lm(folder: str) -> str:
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[EOS]"] + [f"w{i}" for i in range(60)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                        eos_token="[EOS]")
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(words), n_positions=64,
+                        bos_token_id=2, eos_token_id=2, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_text_data(folder: str, rows: int = 256) -> str:
+    """Counting sequences ("w7 w8 w9 ..."): a pattern the tiny model learns within a few steps."""
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(0)
+    for split, n in (("train", rows), ("test", 32)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                start = rng.randrange(60)
+                f.write(json.dumps({"text": " ".join(f"w{(start + k) % 60}" for k in range(12))}) + "\n")
+    return folder
+
+
+def trl_script_on_ray(name: str, folder: str) -> str:
+    """TRL's own ``trl/scripts/<name>.py`` from the installed package, with only its imports changed:
+    ``from trl import`` becomes ``from raytrainer.trl import``."""
+    import trl.scripts
+
+    source = open(os.path.join(os.path.dirname(trl.scripts.__file__), f"{name}.py")).read()
+    assert "from trl import" in source
+    path = os.path.join(folder, f"{name}_on_ray.py")
+    with open(path, "w") as f:
+        f.write(source.replace("from trl import", "from raytrainer.trl import"))
+    return path
