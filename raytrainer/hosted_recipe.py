@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -57,6 +58,9 @@ class Recipe:
     cwd: str
     payload: bytes
     use_gpu: bool
+    #: the driver's import path outside its Python installation (the script's folder, what the script
+    #: added): the rank imports the user's own modules from the same places, as under torchrun
+    paths: tuple = ()
 
     _numbers = itertools.count()
 
@@ -65,7 +69,8 @@ class Recipe:
         payload = _pickled(trainer_cls, args, kwargs)
         targs = _find_args(inspect.signature(trainer_cls.__init__),
                            inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
-        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu))
+        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu),
+                   tuple(_user_paths()))
 
     @property
     def pickled(self) -> bytes:
@@ -82,6 +87,16 @@ class Recipe:
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain
+
+
+def _user_paths() -> list[str]:
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths = []
+    for entry in sys.path:
+        full = os.path.realpath(entry or os.getcwd())
+        if not any(full == p or full.startswith(p + os.sep) for p in installed) and full not in paths:
+            paths.append(full)
+    return paths
 
 
 def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:

@@ -3,7 +3,8 @@ its recipe once, keep it for the group's next calls, run each call on it with tr
 
 Each rank runs in the driver's working directory when this node has it (a local cluster, or a node that
 shares the driver's file system), so that a relative path -- a model folder, a data file, ``output_dir`` --
-means what it means in the driver's script; elsewhere (``raytrainer submit``'s uploaded working directory)
+means what it means in the driver's script, and imports the user's modules from the driver's import path
+(a reward function in the script's folder); elsewhere (``raytrainer submit``'s uploaded working directory)
 the rank stays where Ray put it. Display callbacks (transformers' progress bar and printer) run on the
 driver: rank 0 relays the events they need (worker/relay.py). After a lost worker Ray Train restarts the
 group and ``train`` resumes from the latest checkpoint in ``output_dir`` (transformers' checkpoints, as
@@ -16,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.logs import rank_logging
@@ -30,7 +32,7 @@ _LIVE: dict = {}
 def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankResult:
     """``method`` of this rank's trainer for ``recipe`` (built now if this worker has not got it)."""
     ctx, channel = session.ctx, session.channel
-    with _in_directory(recipe.cwd):
+    with _as_on_the_driver(recipe):
         trainer = _LIVE.get(recipe.key)
         if trainer is None:
             _LIVE.clear()
@@ -84,13 +86,16 @@ def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _in_directory(path: str):
-    here = os.getcwd()
-    moved = os.path.isdir(path) and path != here
+def _as_on_the_driver(recipe):
+    """The driver's working directory and import path, where this node has them."""
+    here, path = os.getcwd(), list(sys.path)
+    moved = os.path.isdir(recipe.cwd) and recipe.cwd != here
     if moved:
-        os.chdir(path)
+        os.chdir(recipe.cwd)
+    sys.path[:0] = [p for p in recipe.paths if os.path.isdir(p) and p not in sys.path]
     try:
         yield
     finally:
+        sys.path[:] = path
         if moved:
             os.chdir(here)

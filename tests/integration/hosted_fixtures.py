@@ -45,9 +45,40 @@ def trl_script_on_ray(name: str, folder: str) -> str:
     ``from trl import`` becomes ``from raytrainer.trl import``."""
     import trl.scripts
 
-    source = open(os.path.join(os.path.dirname(trl.scripts.__file__), f"{name}.py")).read()
+    with open(os.path.join(os.path.dirname(trl.scripts.__file__), f"{name}.py")) as f:
+        source = f.read()
     assert "from trl import" in source
     path = os.path.join(folder, f"{name}_on_ray.py")
     with open(path, "w") as f:
         f.write(source.replace("from trl import", "from raytrainer.trl import"))
     return path
+
+
+def write_preference_data(folder: str, rows: int = 128) -> str:
+    """Prompts that start a count, a chosen completion that goes on counting, a rejected one of random words
+    (DPO's and the reward model's data; GRPO reads the prompts)."""
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(0)
+    for split, n in (("train", rows), ("test", 16)):
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for _ in range(n):
+                start = rng.randrange(60)
+                prompt = " ".join(f"w{(start + k) % 60}" for k in range(4))
+                chosen = " " + " ".join(f"w{(start + 4 + k) % 60}" for k in range(4))
+                rejected = " " + " ".join(f"w{rng.randrange(60)}" for _ in range(4))
+                f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return folder
+
+
+REWARD_MODULE = '''
+def counts_on(completions, prompts, **kwargs):
+    """1 per word of the completion that goes on with the prompt's count (w7 w8 -> w9 w10 ...)."""
+    scores = []
+    for prompt, completion in zip(prompts, completions):
+        last, score = int(prompt.split()[-1][1:]), 0.0
+        for word in completion.split():
+            last = (last + 1) % 60
+            score += word == f"w{last}"
+        scores.append(score)
+    return scores
+'''
