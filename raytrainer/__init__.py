@@ -30,6 +30,8 @@ _EXPORTS = {
     "Seq2SeqTrainer": "raytrainer.seq2seq",
     "Seq2SeqTrainingArguments": "raytrainer.seq2seq",
     "Trainer": "raytrainer.trainer",
+    "config_on_ray": "raytrainer.hosted",
+    "on_ray": "raytrainer.hosted",
     "EvalPrediction": "raytrainer.trainer_utils",
     "PredictionOutput": "raytrainer.trainer_utils",
     "TrainOutput": "raytrainer.trainer_utils",

@@ -136,3 +136,127 @@ def test_grpo_with_a_vllm_server_is_refused_on_the_driver(tmp_path):
                       use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"vllm_mode='server'.*use_vllm=False"):
         GRPOTrainer(model="tiny-model", reward_funcs=[len], args=args, train_dataset=[])
+
+
+class WeightedLossTrainer:
+    """transformers' documented example of a custom ``compute_loss`` (class weights), made a subclass of
+    ``transformers.Trainer`` below (kept importable by reference for the workers)."""
+
+
+def _weighted_loss_trainer():
+    import torch
+    import transformers
+
+    class CustomTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            logits = outputs.get("logits")
+            loss_fct = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0], device=model.device))
+            loss = loss_fct(logits.view(-1, self.model.config.num_labels), labels.view(-1))
+            return (loss, outputs) if return_outputs else loss
+
+    return CustomTrainer
+
+
+def _classifier():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=63, n_positions=64,
+                                     num_labels=3, pad_token_id=0)
+    return transformers.GPT2ForSequenceClassification(config)
+
+
+def _labelled(n: int):
+    import torch
+
+    rows = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(3, 63, (8,), generator=g)
+        rows.append({"input_ids": ids, "labels": int(ids[0]) % 3})
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_a_users_compute_loss_subclass_on_two_workers_matches_one_process(tmp_path):
+    import transformers
+
+    import raytrainer
+
+    Trainer = raytrainer.on_ray(_weighted_loss_trainer())
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    runs = {}
+    for name, workers, batch, seed in (("one-3", 0, 4, 3), ("one-4", 0, 4, 4), ("two", 2, 2, 3)):
+        args = Args(output_dir=str(tmp_path / name), num_workers=workers, per_device_train_batch_size=batch,
+                    max_steps=8, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                    use_cpu=True, seed=seed, disable_tqdm=True)
+        trainer = Trainer(model=_classifier(), args=args, train_dataset=_labelled(64))
+        assert isinstance(trainer, transformers.Trainer) == (workers == 0)  # 0: transformers' own, here
+        runs[name] = (trainer.train(), trainer)
+    output, trainer = runs["two"]
+    # The same global batch (4 x 1, 2 x 2), within the noise of two data orders in one process.
+    assert output.global_step == 8
+    one = [runs[name][0].training_loss for name in ("one-3", "one-4")]
+    noise = max(one) - min(one)
+    print(f"compute_loss subclass: train loss, 2 workers {output.training_loss:.4f}; one process {one}")
+    assert abs(output.training_loss - statistics.fmean(one)) <= max(2 * noise, 0.01)
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 8
+
+    # The group stays warm: evaluate and predict run on the trainer each rank holds.
+    group = vars(trainer)["_group"]
+    metrics = trainer.evaluate(_labelled(16))
+    assert metrics["epoch"] == trainer.state.epoch and metrics["eval_loss"] > 0
+    predictions = trainer.predict(_labelled(16))
+    assert predictions.predictions.shape == (16, 3)
+    assert vars(trainer)["_group"] is group
+    # What a script reads on the driver after train(): the model, saved files, an attribute of rank 0's.
+    import torch
+
+    fetched = trainer.model  # the trained weights: not the initial ones
+    initial = _classifier()
+    assert type(fetched) is type(initial)
+    assert not torch.allclose(fetched.score.weight, initial.score.weight)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").exists()
+    assert trainer.is_in_train is False
+    trainer.end()
+    assert "_group" not in vars(trainer)
+
+
+@pytest.mark.timeout(300)
+def test_sentence_transformers_trainer_on_two_workers_matches_one_process(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.losses import CosineSimilarityLoss
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import raytrainer
+
+    model_dir = write_tiny_lm(str(tmp_path / "tiny-model"))
+    Trainer = raytrainer.on_ray(st.SentenceTransformerTrainer)
+    Args = raytrainer.config_on_ray(st.SentenceTransformerTrainingArguments)
+    # A per-pair loss: sharding the global batch over ranks leaves the objective as it is.
+    pairs = datasets.Dataset.from_dict({
+        "sentence1": [f"w{i % 50} w{i % 50 + 1} w{i % 50 + 2}" for i in range(96)],
+        "sentence2": [f"w{i % 50 + 1} w{i % 50 + 2}" if i % 2 else f"w{(7 * i) % 60}" for i in range(96)],
+        "score": [1.0 if i % 2 else 0.0 for i in range(96)],
+    })
+    runs = {}
+    for name, workers, batch, seed in (("one-0", 0, 8, 0), ("one-1", 0, 8, 1), ("two", 2, 4, 0)):
+        model = st.SentenceTransformer(modules=[Transformer(model_dir), Pooling(32, pooling_mode="mean")],
+                                       device="cpu")
+        args = Args(output_dir=str(tmp_path / name), num_workers=workers, per_device_train_batch_size=batch,
+                    max_steps=10, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none",
+                    use_cpu=True, seed=seed, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=pairs, loss=CosineSimilarityLoss(model))
+        runs[name] = trainer.train().training_loss
+        curve = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if workers:
+            trainer.end()
+    one, two = [runs["one-0"], runs["one-1"]], runs["two"]
+    print(f"sentence-transformers: train loss, 2 workers {two:.4f}; one process {one}; last run {curve}")
+    assert len(curve) == 10 and statistics.fmean(curve[-3:]) < statistics.fmean(curve[:3])  # it learns
+    assert abs(two - statistics.fmean(one)) <= max(2 * (max(one) - min(one)), 0.01)
