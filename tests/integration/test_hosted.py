@@ -260,3 +260,37 @@ def test_sentence_transformers_trainer_on_two_workers_matches_one_process(tmp_pa
     print(f"sentence-transformers: train loss, 2 workers {two:.4f}; one process {one}; last run {curve}")
     assert len(curve) == 10 and statistics.fmean(curve[-3:]) < statistics.fmean(curve[:3])  # it learns
     assert abs(two - statistics.fmean(one)) <= max(2 * (max(one) - min(one)), 0.01)
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_checkpoint(tmp_path):
+    """max_failures=1: rank 1's process dies at step 5; Ray Train starts new workers, each builds the trainer
+    again and resumes from the latest checkpoint in output_dir; the loss curve and the final weights are
+    those of an uninterrupted run."""
+    import torch
+    import transformers
+    from models import DieOnceOnRank
+
+    import raytrainer
+
+    Trainer = raytrainer.on_ray(_weighted_loss_trainer())
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+
+    def run(name, callbacks):
+        args = Args(output_dir=str(tmp_path / name), num_workers=2, max_failures=1, max_steps=8,
+                    per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, save_steps=2,
+                    report_to="none", use_cpu=True, seed=3, disable_tqdm=True)
+        trainer = Trainer(model=_classifier(), args=args, train_dataset=_labelled(64), callbacks=callbacks)
+        trainer.train()
+        curve = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.end()
+        return curve, weights
+
+    curve, weights = run("uninterrupted", [])
+    resumed_curve, resumed_weights = run("interrupted", [DieOnceOnRank(step=5, rank=1)])
+    assert (tmp_path / "interrupted" / "died").exists()  # the worker did die
+    assert sorted(resumed_curve) == list(range(1, 9))
+    assert [resumed_curve[s] for s in range(5, 9)] == pytest.approx([curve[s] for s in range(5, 9)], abs=1e-5)
+    for name, tensor in weights.items():
+        assert torch.allclose(resumed_weights[name], tensor, atol=1e-5), name

@@ -1,0 +1,85 @@
+"""raytrainer.hosted and raytrainer.trl without Ray: the twins, the arguments the ranks rebuild, the refusals."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import transformers
+
+import raytrainer
+from raytrainer.hosted_recipe import Recipe, plain_config
+
+
+def test_with_no_workers_the_twin_is_transformers_own_trainer(tmp_path):
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=0, report_to="none", use_cpu=True)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    trainer = raytrainer.on_ray(transformers.Trainer)(model=model, args=args)
+    assert type(trainer) is transformers.Trainer
+    assert type(trainer.args) is transformers.TrainingArguments  # the original class, no Ray fields
+    assert trainer.args.output_dir == str(tmp_path)
+
+
+def test_twins_of_trl_keep_trls_names_and_other_names_are_trls_own():
+    trl = pytest.importorskip("trl")
+    from raytrainer import trl as rtrl
+
+    assert rtrl.SFTTrainer.__name__ == "SFTTrainer" and rtrl.SFTTrainer.hosted_class is trl.SFTTrainer
+    assert issubclass(rtrl.DPOConfig, trl.DPOConfig) and issubclass(rtrl.DPOConfig, raytrainer.RayArgumentsMixin)
+    assert rtrl.TrlParser is trl.TrlParser and rtrl.get_peft_config is trl.get_peft_config
+    import pickle
+
+    assert pickle.loads(pickle.dumps(rtrl.SFTConfig)) is rtrl.SFTConfig  # by reference, for the workers
+    with pytest.raises(AttributeError):
+        rtrl.NoSuchTrainer  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["SFTConfig", "DPOConfig", "RewardConfig", "GRPOConfig"])
+def test_the_ranks_rebuild_the_original_config_from_the_values_given(name, tmp_path):
+    trl = pytest.importorskip("trl")
+    from raytrainer import trl as rtrl
+
+    kwargs = dict(output_dir=str(tmp_path), learning_rate=3e-4, max_steps=7, report_to="none", use_cpu=True)
+    if name == "GRPOConfig":
+        kwargs.update(per_device_train_batch_size=2, num_generations=2)
+    ours = getattr(rtrl, name)(num_workers=2, **kwargs)
+    ours.model_init_kwargs = {"dtype": "float32"}  # set after construction, as TRL's scripts do
+    rebuilt = plain_config(ours)
+    expected = getattr(trl, name)(**kwargs)
+    assert type(rebuilt) is getattr(trl, name)
+    assert rebuilt.model_init_kwargs == {"dtype": "float32"}
+    for field in ("learning_rate", "max_steps", "lr_scheduler_type", "bf16", "output_dir"):
+        assert getattr(rebuilt, field) == getattr(expected, field), field
+    if name == "GRPOConfig":  # derived once, in __post_init__, not given twice
+        assert rebuilt.generation_batch_size == expected.generation_batch_size
+
+
+def test_a_constructor_argument_that_cannot_be_pickled_is_named_on_the_driver(tmp_path):
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match=r"callbacks= cannot be pickled.*module level"):
+        raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args, callbacks=[lock])
+
+
+def test_a_report_to_package_that_is_missing_is_refused_before_anything_starts(tmp_path):
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="clearml", use_cpu=True)
+    with pytest.raises(ValueError, match="clearml"):
+        raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
+
+
+def test_the_recipe_carries_the_drivers_directory_and_the_constructor_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir="relative", num_workers=2, report_to="none", use_cpu=True)
+    recipe = Recipe.make(transformers.Trainer, (), {"args": args, "model_init": _model})
+    assert recipe.cwd == str(tmp_path)
+    cls, a, kw, plain = recipe.unpack()
+    assert cls is transformers.Trainer and kw["model_init"] is _model and plain.use_cpu
+    assert type(plain) is transformers.TrainingArguments and plain.output_dir == "relative"
+
+
+def _model():
+    return None
