@@ -515,9 +515,11 @@ def _same(a, b) -> bool:
 
 
 def _snapshot(args) -> dict[str, Any]:
+    """The fields' values, copied; never a credential (a token, the storage filesystem): the arguments are
+    saved with each checkpoint (training_args.bin), and these fields are withheld from it."""
     values = {}
     for f in fields(args):
-        if f.init:
+        if f.init and not (f.name.endswith("_token") or f.name == "storage_filesystem"):
             value = getattr(args, f.name)
             try:
                 values[f.name] = copy.deepcopy(value)

@@ -1,0 +1,144 @@
+"""TRL SFT on 2 CPU workers: raytrainer (``raytrainer.trl.SFTTrainer``, ``num_workers=2``) against the same
+script under ``accelerate launch --num_processes 2`` (TRL's ``SFTTrainer`` as it is), side by side, ABAB.
+
+Per run, from a callback on every rank (written to ``<output_dir>/timing-rank<r>.json``):
+
+  first step     seconds from the launch command (``BENCH_T0``) to the end of optimizer step 1: for
+                 raytrainer a cold Ray start, the workers' start and imports, building the trainer on each
+                 rank; for accelerate launch the processes' start, imports, building the trainer
+  steady         optimizer steps per second from step ``--warmup`` to the last step (the slower rank)
+  peak memory    each rank process's peak resident memory (``ru_maxrss``), the larger of the two
+
+The model is a GPT-2 of 4 layers x 256 wide (12.8 M parameters) built from a config, the data 4,096 rows
+of generated text: big enough that a step is compute, not overhead. Prints a Markdown table and writes the
+raw numbers as JSON. Not a test: nothing asserts.
+
+    python bench/bench_trl_sft.py --rounds 2 --out bench/results/trl-sft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(argv: list[str]) -> None:
+    """The training script both sides run (``--ray`` picks raytrainer's twins)."""
+    import transformers
+    from datasets import load_dataset
+
+    ray = "--ray" in argv
+    steps = int(argv[argv.index("--max_steps") + 1])
+    out = argv[argv.index("--output_dir") + 1]
+    if ray:
+        from raytrainer.trl import SFTConfig, SFTTrainer
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+    class Timing(transformers.TrainerCallback):
+        def __init__(self, warmup: int):
+            self.warmup, self.times = warmup, {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (1, self.warmup, state.max_steps):
+                self.times[state.global_step] = time.time()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            record = {"t0": float(os.environ["BENCH_T0"]), "steps": self.times, "warmup": self.warmup,
+                      "max_steps": state.max_steps,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            with open(os.path.join(args.output_dir, f"timing-rank{args.process_index}.json"), "w") as f:
+                json.dump(record, f)
+
+    extra = {"num_workers": 2} if ray else {}
+    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-3,
+                     max_length=128, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
+                     disable_tqdm=True, dataloader_num_workers=0, seed=0, **extra)
+    data = load_dataset("json", data_files=os.path.join(argv[argv.index("--data") + 1], "train.jsonl"))
+    trainer = SFTTrainer(model=argv[argv.index("--model") + 1], args=args, train_dataset=data["train"],
+                         callbacks=[Timing(warmup=10)])
+    trainer.train()
+    if ray:
+        trainer.end()
+
+
+def make_inputs(folder: str) -> tuple[str, str]:
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
+    import torch
+    from hosted_fixtures import write_text_data, write_tiny_lm
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = write_tiny_lm(os.path.join(folder, "model"))
+    torch.manual_seed(0)  # a bigger model with the same tokenizer
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=63, n_positions=128, bos_token_id=2,
+                        eos_token_id=2, pad_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(model)
+    data = write_text_data(os.path.join(folder, "data"), rows=4096)
+    return model, data
+
+
+def run_side(side: str, folder: str, model: str, data: str, steps: int) -> dict:
+    out = os.path.join(folder, f"out-{side}-{time.time_ns()}")
+    os.makedirs(out)
+    script = [os.path.abspath(__file__), "--child", "--model", model, "--data", data, "--output_dir", out,
+              "--max_steps", str(steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
+    if side == "raytrainer":
+        command = [sys.executable, *script, "--ray"]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script]
+    subprocess.run(command, env=env, check=True, cwd=folder, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    ranks = []
+    for r in (0, 1):
+        with open(os.path.join(out, f"timing-rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    shutil.rmtree(out, ignore_errors=True)
+    first = max(rk["steps"]["1"] - rk["t0"] for rk in ranks)
+    steady = min((rk["max_steps"] - rk["warmup"]) / (rk["steps"][str(rk["max_steps"])]
+                                                     - rk["steps"][str(rk["warmup"])]) for rk in ranks)
+    return {"first_step_s": first, "steady_steps_per_s": steady,
+            "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    folder = tempfile.mkdtemp(prefix="bench-trl-")
+    model, data = make_inputs(folder)
+    runs = {"raytrainer": [], "accelerate": []}
+    for _ in range(opts.rounds):
+        for side in ("accelerate", "raytrainer"):
+            runs[side].append(run_side(side, folder, model, data, opts.steps))
+            print(side, runs[side][-1], flush=True)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
+    print("\n| measure | accelerate launch | raytrainer | ratio |\n|---|---:|---:|---:|")
+    for key, label in (("steady_steps_per_s", "steady steps/s"), ("first_step_s", "time to first step (s)"),
+                       ("peak_rss_mb", "peak memory per worker (MB)")):
+        a, r = med["accelerate"][key], med["raytrainer"][key]
+        print(f"| {label} | {a:.2f} | {r:.2f} | {r / a:.2f}x |")
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump({"runs": runs, "median": med, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        child(sys.argv)
+    else:
+        main()
