@@ -14,6 +14,7 @@ of generated text: big enough that a step is compute, not overhead. Prints a Mar
 raw numbers as JSON. Not a test: nothing asserts.
 
     python bench/bench_trl_sft.py --rounds 2 --out bench/results/trl-sft.json
+    python bench/bench_trl_sft.py --rounds 2 --cluster   # Ray already running, as on a cluster
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ def child(argv: list[str]) -> None:
         from trl import SFTConfig, SFTTrainer
 
     class Timing(transformers.TrainerCallback):
-        def __init__(self, warmup: int):
-            self.warmup, self.times = warmup, {}
+        def __init__(self, warmup: int, t0: float):
+            self.warmup, self.t0, self.times = warmup, t0, {}  # t0 travels with the callback
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step in (1, self.warmup, state.max_steps):
                 self.times[state.global_step] = time.time()
 
         def on_train_end(self, args, state, control, **kwargs):
-            record = {"t0": float(os.environ["BENCH_T0"]), "steps": self.times, "warmup": self.warmup,
+            record = {"t0": self.t0, "steps": self.times, "warmup": self.warmup,
                       "max_steps": state.max_steps,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(os.path.join(args.output_dir, f"timing-rank{args.process_index}.json"), "w") as f:
@@ -66,7 +67,7 @@ def child(argv: list[str]) -> None:
                      disable_tqdm=True, dataloader_num_workers=0, seed=0, **extra)
     data = load_dataset("json", data_files=os.path.join(argv[argv.index("--data") + 1], "train.jsonl"))
     trainer = SFTTrainer(model=argv[argv.index("--model") + 1], args=args, train_dataset=data["train"],
-                         callbacks=[Timing(warmup=10)])
+                         callbacks=[Timing(warmup=10, t0=float(os.environ["BENCH_T0"]))])
     trainer.train()
     if ray:
         trainer.end()
@@ -96,7 +97,9 @@ def run_side(side: str, folder: str, model: str, data: str, steps: int) -> dict:
     if side == "raytrainer":
         command = [sys.executable, *script, "--ray"]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+        # accelerate's multi-process launcher (torchrun underneath); with use_cpu each process is a CPU rank
+        # (MULTI_CPU, gloo). `--cpu --num_processes 2` would start one process: it needs MPI for more.
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *script]
     subprocess.run(command, env=env, check=True, cwd=folder, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
@@ -117,7 +120,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cluster", action="store_true",
+                        help="start a Ray cluster first (`ray start --head`) and run raytrainer's side on "
+                             "it, as a Ray user does: the Ray start leaves its time to the first step")
     opts = parser.parse_args()
+    if opts.cluster:
+        subprocess.run(["ray", "start", "--head", "--num-cpus", "4", "--include-dashboard", "false"],
+                       check=True, stdout=subprocess.DEVNULL)
+        os.environ["RAY_ADDRESS"] = "auto"
+    try:
+        _compare(opts)
+    finally:
+        if opts.cluster:
+            subprocess.run(["ray", "stop"], check=False, stdout=subprocess.DEVNULL)
+
+
+def _compare(opts) -> None:
     folder = tempfile.mkdtemp(prefix="bench-trl-")
     model, data = make_inputs(folder)
     runs = {"raytrainer": [], "accelerate": []}
@@ -133,7 +151,8 @@ def main() -> None:
         print(f"| {label} | {a:.2f} | {r:.2f} | {r / a:.2f}x |")
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump({"runs": runs, "median": med, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+            json.dump({"runs": runs, "median": med, "date": time.strftime("%Y-%m-%d"),
+                       "ray": "a running cluster" if opts.cluster else "started by the script"}, f, indent=2)
     shutil.rmtree(folder, ignore_errors=True)
 
 
