@@ -421,6 +421,27 @@ def loads_its_own_way(model) -> bool:
                for name in ("load_state_dict", "_load_from_state_dict"))
 
 
+#: PEFT's adapter file (``PeftModel.save_pretrained``): a checkpoint of a PeftModel holds only the adapter
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def load_checkpoint_model(model: torch.nn.Module, reader: CheckpointReader) -> None:
+    """The checkpoint's model into ``model``: for a PEFT model, the adapter file into its adapters (the frozen
+    base stays as ``model_init`` built it, as transformers' Trainer loads an adapter checkpoint); otherwise
+    the consolidated weights."""
+    if ADAPTER_WEIGHTS in reader.files and hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        adapter = reader.tensors(ADAPTER_WEIGHTS)
+        result = set_peft_model_state_dict(model, adapter)
+        if getattr(result, "unexpected_keys", None):
+            raise CheckpointError(
+                f"{reader.uri} does not fit the model: adapter tensor {result.unexpected_keys[0]!r} has no "
+                "place in it (the checkpoint is from another LoRA configuration: target_modules or r).")
+        return
+    load_weights_into(model, model_weights(reader), reader.uri)
+
+
 def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
     """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
     if not loads_its_own_way(model):

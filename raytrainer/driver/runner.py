@@ -16,8 +16,7 @@ from raytrainer.checkpoint import (
     CheckpointReader,
     DamagedCheckpointError,
     committed_checkpoints,
-    load_weights_into,
-    model_weights,
+    load_checkpoint_model,
     resolve_resume,
     step_of,
 )
@@ -118,7 +117,7 @@ def _load_best_model(trainer) -> None:
 
 
 def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
-    load_weights_into(model, model_weights(reader), reader.uri)
+    load_checkpoint_model(model, reader)
 
 
 def _absorb(trainer, method: str, result: RankResult):

@@ -31,8 +31,7 @@ from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, 
 from raytrainer.checkpoint import (
     CheckpointReader,
     digest_files,
-    load_weights_into,
-    model_weights,
+    load_checkpoint_model,
     write_manifest,
 )
 from raytrainer.protocol import CheckpointCommitted
@@ -243,7 +242,7 @@ class Resume:
         self.state = state_from_dict(self.reader.json(TRAINER_STATE_NAME))
 
     def load_model(self, model: torch.nn.Module) -> None:
-        load_weights_into(model, model_weights(self.reader), self.reader.uri)
+        load_checkpoint_model(model, self.reader)
 
     def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler, ctx) -> None:
         """Each optimizer-side piece the checkpoint holds; the optimizer from the strategy's own folder where

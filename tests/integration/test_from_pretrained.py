@@ -65,3 +65,41 @@ def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, s
         assert len(adapters) == 4 and all(v.abs().max() > 0 for v in adapters)
     else:
         assert sorted(moved) == sorted(saved)
+
+
+@pytest.mark.timeout(420)
+def test_lora_under_fsdp_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_path):
+    """PEFT's LoRA on a frozen, FSDP-sharded base, 2 workers: each checkpoint's model is the adapter (PEFT's
+    files, loadable with PeftModel.from_pretrained), and a run resumed from the step-4 checkpoint ends with
+    the same weights as the uninterrupted run, bit for bit."""
+    path = save_tiny_llama(tmp_path / "pretrained")
+
+    def run(out, resume=None):
+        args = TrainingArguments(output_dir=str(out), num_workers=2, per_device_train_batch_size=4,
+                                 max_steps=8, learning_rate=5e-2, optim="adamw_torch", logging_steps=2,
+                                 save_steps=4, disable_tqdm=True, report_to="none",
+                                 fsdp="full_shard auto_wrap", seed=5)
+        trainer = Trainer(model_init=FromPretrained(path, lora=True), args=args,
+                          train_dataset=counting_data(64))
+        trainer.train(resume_from_checkpoint=resume)
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.close()
+        return weights
+
+    full = run(tmp_path / "full")
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files, files
+    assert "model.safetensors" not in files and not any(f.startswith("pytorch_model") for f in files), files
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k for k in adapter)  # the adapter only: no base weight in it
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(checkpoint))
+
+    resumed = run(tmp_path / "resumed", resume=str(checkpoint))
+    assert resumed.keys() == full.keys()
+    for name, tensor in full.items():
+        assert torch.equal(resumed[name], tensor), name
