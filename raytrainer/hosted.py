@@ -161,8 +161,9 @@ class HostedTrainer:
         from raytrainer.driver.registry import CheckpointRegistry
         from raytrainer.protocol import Spec
         from raytrainer.worker.logs import driver_transformers_level
+        from raytrainer.worker.place import driver_place
 
-        spec = Spec(self._recipe.pickled, kwargs, None, driver_transformers_level())
+        spec = Spec(self._recipe.pickled, kwargs, None, driver_transformers_level(), *driver_place())
         return launch(self, spec, method, CheckpointRegistry(self.args))
 
     @property

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import os
-import sys
 import uuid
 from typing import Any
 
@@ -55,12 +53,8 @@ class Recipe:
     driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls."""
 
     key: str
-    cwd: str
     payload: bytes
     use_gpu: bool
-    #: the driver's import path outside its Python installation (the script's folder, what the script
-    #: added): the rank imports the user's own modules from the same places, as under torchrun
-    paths: tuple = ()
 
     _numbers = itertools.count()
 
@@ -69,8 +63,7 @@ class Recipe:
         payload = _pickled(trainer_cls, args, kwargs)
         targs = _find_args(inspect.signature(trainer_cls.__init__),
                            inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
-        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", os.getcwd(), payload, bool(targs.use_gpu),
-                   tuple(_user_paths()))
+        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
 
     @property
     def pickled(self) -> bytes:
@@ -87,16 +80,6 @@ class Recipe:
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain
-
-
-def _user_paths() -> list[str]:
-    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    paths = []
-    for entry in sys.path:
-        full = os.path.realpath(entry or os.getcwd())
-        if not any(full == p or full.startswith(p + os.sep) for p in installed) and full not in paths:
-            paths.append(full)
-    return paths
 
 
 def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:

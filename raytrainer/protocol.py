@@ -58,6 +58,10 @@ class Spec:
     kwargs: dict
     ray_data_rows: int | None = None
     transformers_log_level: int | None = None
+    #: the driver's working directory and import path: each rank runs the command there, where its node has
+    #: them, so that relative paths and the user's modules mean what they mean on the driver
+    cwd: str | None = None
+    paths: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from raytrainer import data as rdata
 from raytrainer import meta_model
 from raytrainer.protocol import Spec
 from raytrainer.worker.logs import driver_transformers_level
+from raytrainer.worker.place import driver_place
 
 
 def build(trainer, method: str, kwargs: dict) -> Spec:
@@ -24,7 +25,8 @@ def build(trainer, method: str, kwargs: dict) -> Spec:
         rows = trainer.train_dataset.count()  # sizes the epoch on every rank without a recount
     kwargs = {key: _materialized(value) if key in ("eval_dataset", "test_dataset") else value
               for key, value in kwargs.items()}
-    return Spec(pickled_trainer(trainer, kwargs, method), kwargs, rows, driver_transformers_level())
+    return Spec(pickled_trainer(trainer, kwargs, method), kwargs, rows, driver_transformers_level(),
+                *driver_place())
 
 
 def _materialized(dataset):

@@ -34,6 +34,7 @@ def worker_main(config: dict) -> None:
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.hosted import run_hosted
+    from raytrainer.worker.place import as_on_the_driver
     from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
 
@@ -53,7 +54,8 @@ def worker_main(config: dict) -> None:
         try:
             # a Recipe: a transformers.Trainer subclass run by transformers' own loop (raytrainer/hosted.py)
             run = run_hosted if isinstance(trainer, Recipe) else run_rank
-            result = run(trainer, session, command.method.value, spec.kwargs)
+            with as_on_the_driver(spec.cwd, spec.paths):  # relative paths mean what they mean there
+                result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
             if not failures.retryable(exc):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)

@@ -1,11 +1,9 @@
 """A rank's side of a hosted trainer (raytrainer/hosted.py): build the `transformers.Trainer` subclass from
 its recipe once, keep it for the group's next calls, run each call on it with transformers' own loop.
 
-Each rank runs in the driver's working directory when this node has it (a local cluster, or a node that
-shares the driver's file system), so that a relative path -- a model folder, a data file, ``output_dir`` --
-means what it means in the driver's script, and imports the user's modules from the driver's import path
-(a reward function in the script's folder); elsewhere (``raytrainer submit``'s uploaded working directory)
-the rank stays where Ray put it. Display callbacks (transformers' progress bar and printer) run on the
+Each rank runs in the driver's working directory and imports from its import path (worker/place.py), so a
+model folder, a data file, ``output_dir`` or a reward module beside the script mean what they mean there.
+Display callbacks (transformers' progress bar and printer) run on the
 driver: rank 0 relays the events they need (worker/relay.py). After a lost worker Ray Train restarts the
 group and ``train`` resumes from the latest checkpoint in ``output_dir`` (transformers' checkpoints, as
 ``resume_from_checkpoint=True`` would find them).
@@ -13,11 +11,9 @@ group and ``train`` resumes from the latest checkpoint in ``output_dir`` (transf
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import sys
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.logs import rank_logging
@@ -32,25 +28,24 @@ _LIVE: dict = {}
 def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankResult:
     """``method`` of this rank's trainer for ``recipe`` (built now if this worker has not got it)."""
     ctx, channel = session.ctx, session.channel
-    with _as_on_the_driver(recipe):
-        trainer = _LIVE.get(recipe.key)
-        if trainer is None:
-            _LIVE.clear()
-            trainer_cls, args, kwargs_init, targs = recipe.unpack()
-            with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
-                trainer = trainer_cls(*args, **kwargs_init)
-                _split_callbacks(trainer, session)
-            _LIVE[recipe.key] = trainer
-        with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
-            attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
-            session.attempt = attempt.number
-            if method == "train" and attempt.number > 0:
-                kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
-            if method == "call":
-                found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
-                output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
-            else:
-                output = getattr(trainer, method)(**kwargs)
+    trainer = _LIVE.get(recipe.key)
+    if trainer is None:
+        _LIVE.clear()
+        trainer_cls, args, kwargs_init, targs = recipe.unpack()
+        with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
+            trainer = trainer_cls(*args, **kwargs_init)
+            _split_callbacks(trainer, session)
+        _LIVE[recipe.key] = trainer
+    with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
+        attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
+        session.attempt = attempt.number
+        if method == "train" and attempt.number > 0:
+            kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
+        if method == "call":
+            found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
+            output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
+        else:
+            output = getattr(trainer, method)(**kwargs)
     if not ctx.is_world_zero:
         return RankResult(trainer.state.global_step)
     from raytrainer.callbacks import state_to_dict
@@ -83,19 +78,3 @@ def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:
     if ctx.is_world_zero:
         logger.warning("restart %d: resuming from %s", attempt, latest)
     return {**kwargs, "resume_from_checkpoint": latest}
-
-
-@contextlib.contextmanager
-def _as_on_the_driver(recipe):
-    """The driver's working directory and import path, where this node has them."""
-    here, path = os.getcwd(), list(sys.path)
-    moved = os.path.isdir(recipe.cwd) and recipe.cwd != here
-    if moved:
-        os.chdir(recipe.cwd)
-    sys.path[:0] = [p for p in recipe.paths if os.path.isdir(p) and p not in sys.path]
-    try:
-        yield
-    finally:
-        sys.path[:] = path
-        if moved:
-            os.chdir(here)

@@ -103,3 +103,17 @@ def test_lora_under_fsdp_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_pa
     assert resumed.keys() == full.keys()
     for name, tensor in full.items():
         assert torch.equal(resumed[name], tensor), name
+
+
+@pytest.mark.timeout(300)
+def test_a_relative_model_path_in_model_init_means_the_drivers_folder_on_the_workers(tmp_path, monkeypatch):
+    """``from_pretrained("model")`` in model_init: with 2 workers it loads the folder of the driver's working
+    directory (the workers run there), as with num_workers=0 -- not a Hub id it cannot reach."""
+    monkeypatch.chdir(tmp_path)
+    save_tiny_llama(tmp_path / "model")
+    args = TrainingArguments(output_dir="out", num_workers=2, per_device_train_batch_size=4, max_steps=2,
+                             save_strategy="no", disable_tqdm=True, report_to="none")
+    trainer = Trainer(model_init=FromPretrained("model"), args=args, train_dataset=counting_data(16))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    trainer.close()

@@ -1,4 +1,4 @@
-"""raytrainer.hosted and raytrainer.trl without Ray: the twins, the arguments the ranks rebuild, the refusals."""
+"""raytrainer.hosted and raytrainer.trl without Ray: the twins, the arguments the ranks rebuild, refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from raytrainer.hosted_recipe import Recipe, plain_config
 def test_with_no_workers_the_twin_is_transformers_own_trainer(tmp_path):
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
     args = Args(output_dir=str(tmp_path), num_workers=0, report_to="none", use_cpu=True)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)
+    model = transformers.GPT2LMHeadModel(config)
     trainer = raytrainer.on_ray(transformers.Trainer)(model=model, args=args)
     assert type(trainer) is transformers.Trainer
     assert type(trainer.args) is transformers.TrainingArguments  # the original class, no Ray fields
@@ -26,7 +27,8 @@ def test_twins_of_trl_keep_trls_names_and_other_names_are_trls_own():
     from raytrainer import trl as rtrl
 
     assert rtrl.SFTTrainer.__name__ == "SFTTrainer" and rtrl.SFTTrainer.hosted_class is trl.SFTTrainer
-    assert issubclass(rtrl.DPOConfig, trl.DPOConfig) and issubclass(rtrl.DPOConfig, raytrainer.RayArgumentsMixin)
+    assert issubclass(rtrl.DPOConfig, trl.DPOConfig)
+    assert issubclass(rtrl.DPOConfig, raytrainer.RayArgumentsMixin)
     assert rtrl.TrlParser is trl.TrlParser and rtrl.get_peft_config is trl.get_peft_config
     import pickle
 
@@ -70,15 +72,33 @@ def test_a_report_to_package_that_is_missing_is_refused_before_anything_starts(t
         raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
 
 
-def test_the_recipe_carries_the_drivers_directory_and_the_constructor_once(tmp_path, monkeypatch):
+def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_path, monkeypatch):
+    from raytrainer.worker.place import as_on_the_driver, driver_place
+
     monkeypatch.chdir(tmp_path)
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
     args = Args(output_dir="relative", num_workers=2, report_to="none", use_cpu=True)
     recipe = Recipe.make(transformers.Trainer, (), {"args": args, "model_init": _model})
-    assert recipe.cwd == str(tmp_path)
-    cls, a, kw, plain = recipe.unpack()
+    cls, _, kw, plain = recipe.unpack()
     assert cls is transformers.Trainer and kw["model_init"] is _model and plain.use_cpu
     assert type(plain) is transformers.TrainingArguments and plain.output_dir == "relative"
+    cwd, paths = driver_place()
+    assert cwd == str(tmp_path) and all(isinstance(p, str) for p in paths)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "reward_here.py").write_text("VALUE = 7\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with as_on_the_driver(str(tmp_path), (str(tmp_path / "mine"),)):
+        import os
+
+        import reward_here
+
+        assert os.getcwd() == str(tmp_path) and reward_here.VALUE == 7
+    import os
+    import sys
+
+    assert os.getcwd() == str(elsewhere) and str(tmp_path / "mine") not in sys.path
 
 
 def _model():
