@@ -30,13 +30,22 @@ def write_tiny_lm(folder: str) -> str:
 
 def write_text_data(folder: str, rows: int = 256) -> str:
     """Counting sequences ("w7 w8 w9 ..."): a pattern the tiny model learns within a few steps."""
+
+    def row(rng: random.Random) -> dict:
+        start = rng.randrange(60)
+        return {"text": " ".join(f"w{(start + k) % 60}" for k in range(12))}
+
+    return _write_splits(folder, {"train": rows, "test": 32}, row)
+
+
+def _write_splits(folder: str, sizes: dict[str, int], row) -> str:
+    """``<split>.jsonl`` files of ``row(rng)`` dicts, one generator seeded 0 for all of them in turn."""
     os.makedirs(folder, exist_ok=True)
     rng = random.Random(0)
-    for split, n in (("train", rows), ("test", 32)):
+    for split, n in sizes.items():
         with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
             for _ in range(n):
-                start = rng.randrange(60)
-                f.write(json.dumps({"text": " ".join(f"w{(start + k) % 60}" for k in range(12))}) + "\n")
+                f.write(json.dumps(row(rng)) + "\n")
     return folder
 
 
@@ -57,17 +66,15 @@ def trl_script_on_ray(name: str, folder: str) -> str:
 def write_preference_data(folder: str, rows: int = 128) -> str:
     """Prompts that start a count, a chosen completion that goes on counting, a rejected one of random words
     (DPO's and the reward model's data; GRPO reads the prompts)."""
-    os.makedirs(folder, exist_ok=True)
-    rng = random.Random(0)
-    for split, n in (("train", rows), ("test", 16)):
-        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
-            for _ in range(n):
-                start = rng.randrange(60)
-                prompt = " ".join(f"w{(start + k) % 60}" for k in range(4))
-                chosen = " " + " ".join(f"w{(start + 4 + k) % 60}" for k in range(4))
-                rejected = " " + " ".join(f"w{rng.randrange(60)}" for _ in range(4))
-                f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
-    return folder
+
+    def row(rng: random.Random) -> dict:
+        start = rng.randrange(60)
+        prompt = " ".join(f"w{(start + k) % 60}" for k in range(4))
+        chosen = " " + " ".join(f"w{(start + 4 + k) % 60}" for k in range(4))
+        rejected = " " + " ".join(f"w{rng.randrange(60)}" for _ in range(4))
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+    return _write_splits(folder, {"train": rows, "test": 16}, row)
 
 
 REWARD_MODULE = '''
