@@ -176,7 +176,8 @@ class HostedTrainer:
             self._run("call", {"name": "save_model", "call": True, "args": (folder,), "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
             if not hasattr(model_cls, "from_pretrained"):
-                raise AttributeError(
+                # not AttributeError: Python would hand that to __getattr__, which would hide this message
+                raise RuntimeError(
                     f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
                     f"from_pretrained to load it here); its weights are in {folder}")
             self._model = model_cls.from_pretrained(folder)
