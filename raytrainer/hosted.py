@@ -104,12 +104,27 @@ class HostedTrainer:
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         from raytrainer.callbacks import state_from_dict
 
-        kwargs = dict(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+        kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         vars(self).pop("_model", None)
         result = self._run("train", kwargs)
         self.state = state_from_dict(result.state)
         return result.output
+
+    def _resume_target(self, resume_from_checkpoint):
+        """The checkpoint to resume from, checked here before any worker trains: for True the latest one
+        committed to the run's storage (else, as transformers would, the latest in a local ``output_dir``);
+        a given folder or URI must be a whole checkpoint. The ranks read it in place or copy it first."""
+        from raytrainer.checkpoint import committed_checkpoints, resolve_resume
+        from raytrainer.storage import Storage
+
+        storage = Storage.for_run(self.args)
+        if resume_from_checkpoint is True and not committed_checkpoints(storage, warn=False):
+            from transformers.trainer_utils import get_last_checkpoint
+
+            if os.path.isdir(self.args.output_dir) and (last := get_last_checkpoint(self.args.output_dir)):
+                return last
+        return resolve_resume(storage, resume_from_checkpoint)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,

@@ -69,17 +69,17 @@ class Recipe:
     def pickled(self) -> bytes:
         return cloudpickle.dumps(self)
 
-    def unpack(self) -> tuple[type, tuple, dict, Any]:
+    def unpack(self) -> tuple[type, tuple, dict, Any, Any]:
         """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
-        fields: transformers' own process view, which accelerate sets up from this rank's environment), and
-        that instance."""
+        fields: transformers' own process view, which accelerate sets up from this rank's environment), that
+        instance, and the arguments as given (with the Ray fields: ``storage_path``...)."""
         trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
         signature = inspect.signature(trainer_cls.__init__)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         overrides = {} if self.use_gpu else {"use_cpu": True}  # a CPU worker, whatever CUDA this node has
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
-        return trainer_cls, args, kwargs, plain
+        return trainer_cls, args, kwargs, plain, targs
 
 
 def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:

@@ -33,6 +33,7 @@ class Kind(str, enum.Enum):
     LOG = "log"  # LogLine
     CALLBACK = "callback"  # CallbackEvent
     CHECKPOINT = "checkpoint"  # CheckpointCommitted
+    CHECKPOINT_PART = "checkpoint_part"  # CheckpointPart
     PACE = "pace"  # Pace
     ATTEMPT = "attempt"  # Attempt
 
@@ -104,6 +105,20 @@ class CheckpointCommitted:
 
 
 @dataclass(frozen=True)
+class CheckpointPart:
+    """One rank's share of a hosted trainer's checkpoint ``name`` is in storage: its files (name -> size and
+    sha256), and how many parts the checkpoint has; the driver commits it when all have come
+    (worker/hosted_commit.py). Rank 0's part carries the best checkpoint's name and metric."""
+
+    name: str
+    step: int
+    files: dict
+    parts: int
+    best_model_checkpoint: str | None = None
+    best_metric: float | None = None
+
+
+@dataclass(frozen=True)
 class Pace:
     """Each rank's seconds per step since the last logging step (a world-size list) and its node."""
 
@@ -165,6 +180,9 @@ MESSAGES: tuple[Message, ...] = (
             "prediction-step events throttled to a few a second)"),
     Message("Event(CHECKPOINT)", CheckpointCommitted, "rank 0", "driver", "when every rank's share of a "
             "checkpoint is in storage"),
+    Message("Event(CHECKPOINT_PART)", CheckpointPart, "each rank holding files of a hosted trainer's "
+            "checkpoint", "driver (writes the manifest when every part has come)", "when its files are "
+            "hashed and in storage"),
     Message("Event(PACE)", Pace, "rank 0", "driver", "at each logging step (straggler warnings)"),
     Message("stop request", None, "driver", "rank 0 (polled between steps)", "when a driver-side callback "
             "set should_training_stop"),

@@ -69,6 +69,7 @@ class Pump(threading.Thread):
             Kind.LOG: emit_worker_record,
             Kind.CALLBACK: self.display.replay,
             Kind.CHECKPOINT: self.registry.add,
+            Kind.CHECKPOINT_PART: self.registry.add_part,
             Kind.PACE: self.display.stragglers.observe,
             Kind.ATTEMPT: self._new_attempt,
         }

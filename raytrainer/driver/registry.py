@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
-from raytrainer.checkpoint import committed_checkpoints
-from raytrainer.protocol import CheckpointCommitted
+from raytrainer.checkpoint import committed_checkpoints, write_manifest
+from raytrainer.protocol import CheckpointCommitted, CheckpointPart
 from raytrainer.storage import Storage, uri_basename
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,21 @@ class CheckpointRegistry:
         self.best: str | None = None
         self.listeners: list = []  # called with each committed checkpoint's info (e.g. the hub pusher)
         self.pinned: set[str] = set()  # checkpoint names rotation keeps for now (a push is reading them)
+        self._parts: dict[str, list[CheckpointPart]] = {}  # a hosted trainer's checkpoints, being committed
+
+    def add_part(self, part: CheckpointPart) -> None:
+        """One rank's share of a hosted trainer's checkpoint is in storage; with the last share the driver
+        writes the manifest (the commit) and records the checkpoint as ``add`` does."""
+        parts = self._parts.setdefault(part.name, [])
+        parts.append(part)
+        if len(parts) < part.parts:
+            return
+        del self._parts[part.name]
+        write_manifest(self.storage, part.name, [p.files for p in parts], part.step)
+        best = next((p for p in parts if p.best_model_checkpoint), None)
+        self.add(CheckpointCommitted(
+            part.name, part.step, self.storage.uri_of(part.name),
+            self.storage.uri_of(best.best_model_checkpoint) if best else None, best and best.best_metric))
 
     def add(self, info: CheckpointCommitted) -> None:
         """A checkpoint was committed (called with rank 0's report, in commit order)."""

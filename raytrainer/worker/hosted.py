@@ -4,9 +4,9 @@ its recipe once, keep it for the group's next calls, run each call on it with tr
 Each rank runs in the driver's working directory and imports from its import path (worker/place.py), so a
 model folder, a data file, ``output_dir`` or a reward module beside the script mean what they mean there.
 Display callbacks (transformers' progress bar and printer) run on the
-driver: rank 0 relays the events they need (worker/relay.py). After a lost worker Ray Train restarts the
-group and ``train`` resumes from the latest checkpoint in ``output_dir`` (transformers' checkpoints, as
-``resume_from_checkpoint=True`` would find them).
+driver: rank 0 relays the events they need (worker/relay.py). Each checkpoint transformers saves is
+committed to the run's storage (worker/hosted_commit.py). After a lost worker Ray Train restarts the group
+and ``train`` resumes from the latest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -31,16 +31,21 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankR
     trainer = _LIVE.get(recipe.key)
     if trainer is None:
         _LIVE.clear()
-        trainer_cls, args, kwargs_init, targs = recipe.unpack()
+        trainer_cls, args, kwargs_init, targs, given = recipe.unpack()
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
             trainer = trainer_cls(*args, **kwargs_init)
-            _split_callbacks(trainer, session)
+            _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
         attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
         session.attempt = attempt.number
         if method == "train" and attempt.number > 0:
             kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
+        if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
+            from raytrainer.worker.hosted_commit import localize
+
+            kwargs = {**kwargs, "resume_from_checkpoint": localize(kwargs["resume_from_checkpoint"],
+                                                                    trainer.args, ctx)}
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
             output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
@@ -53,25 +58,31 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankR
     return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state))
 
 
-def _split_callbacks(trainer, session: RankSession) -> None:
-    """transformers' progress bar and printer run on the driver; rank 0 relays what they need."""
+def _split_callbacks(trainer, session: RankSession, given) -> None:
+    """transformers' progress bar and printer run on the driver; rank 0 relays what they need. Every
+    checkpoint is committed to the run's storage (``given``: the arguments with their Ray fields)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.relay import RelayCallback
 
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
+    trainer.add_callback(CommitCallback(session.ctx, session.channel, given))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))
 
 
 def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:
-    """A restarted group (a worker was lost) resumes from the latest checkpoint of ``output_dir``."""
-    from transformers.trainer_utils import get_last_checkpoint
+    """A restarted group (a worker was lost) resumes from the latest committed checkpoint in storage."""
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.worker.hosted_commit import CommitCallback
 
     latest = None
-    if ctx.is_world_zero and os.path.isdir(trainer.args.output_dir):
-        latest = get_last_checkpoint(trainer.args.output_dir)
+    if ctx.is_world_zero:
+        storage = next(c for c in trainer.callback_handler.callbacks if isinstance(c, CommitCallback)).storage
+        found = committed_checkpoints(storage)
+        latest = storage.uri_of(os.path.basename(found[-1][1])) if found else None
     latest = ctx.broadcast_object(latest)
     if latest is None:
         return kwargs

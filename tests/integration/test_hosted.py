@@ -262,11 +262,13 @@ def test_sentence_transformers_trainer_on_two_workers_matches_one_process(tmp_pa
     assert abs(two - statistics.fmean(one)) <= max(2 * (max(one) - min(one)), 0.01)
 
 
-@pytest.mark.timeout(420)
-def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_checkpoint(tmp_path):
+@pytest.mark.timeout(600)
+def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_committed_checkpoint(tmp_path,
+                                                                                                s3_bucket):
     """max_failures=1: rank 1's process dies at step 5; Ray Train starts new workers, each builds the trainer
-    again and resumes from the latest checkpoint in output_dir; the loss curve and the final weights are
-    those of an uninterrupted run."""
+    again and resumes from the latest checkpoint committed to storage_path (S3); the loss curve and the final
+    weights are those of an uninterrupted run. The driver wrote each manifest and rotated the bucket's
+    checkpoints; a later trainer resumes from the bucket with resume_from_checkpoint=True."""
     import torch
     import transformers
     from models import DieOnceOnRank
@@ -275,22 +277,48 @@ def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_chec
 
     Trainer = raytrainer.on_ray(_weighted_loss_trainer())
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    storage = f"{s3_bucket.uri}/run"
 
-    def run(name, callbacks):
-        args = Args(output_dir=str(tmp_path / name), num_workers=2, max_failures=1, max_steps=8,
+    def run(name, callbacks, max_steps=8, resume=None, **fields):
+        args = Args(output_dir=str(tmp_path / name), num_workers=2, max_failures=1, max_steps=max_steps,
                     per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, save_steps=2,
-                    report_to="none", use_cpu=True, seed=3, disable_tqdm=True)
+                    report_to="none", use_cpu=True, seed=3, disable_tqdm=True, lr_scheduler_type="constant",
+                    **fields)
         trainer = Trainer(model=_classifier(), args=args, train_dataset=_labelled(64), callbacks=callbacks)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         curve = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         trainer.end()
         return curve, weights
 
-    curve, weights = run("uninterrupted", [])
-    resumed_curve, resumed_weights = run("interrupted", [DieOnceOnRank(step=5, rank=1)])
+    curve, weights = run("uninterrupted", [], max_steps=10)
+    resumed_curve, resumed_weights = run("interrupted", [DieOnceOnRank(step=5, rank=1)], storage_path=storage,
+                                         save_total_limit=2)
     assert (tmp_path / "interrupted" / "died").exists()  # the worker did die
+    # ... and the new workers read the last checkpoint committed before it died (checkpoint-4, or checkpoint-2
+    # while checkpoint-4 was still uploading) from the bucket, not from the folder transformers wrote
+    copies = sorted(p.name for p in (tmp_path / "interrupted" / ".raytrainer" / "resume").iterdir())
+    assert copies in (["checkpoint-2"], ["checkpoint-4"]), copies
+    assert (tmp_path / "interrupted" / ".raytrainer" / "resume" / copies[0] / "trainer_state.json").exists()
     assert sorted(resumed_curve) == list(range(1, 9))
     assert [resumed_curve[s] for s in range(5, 9)] == pytest.approx([curve[s] for s in range(5, 9)], abs=1e-5)
-    for name, tensor in weights.items():
+    uninterrupted_8 = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "uninterrupted" / "checkpoint-8")
+    for name, tensor in uninterrupted_8.state_dict().items():
         assert torch.allclose(resumed_weights[name], tensor, atol=1e-5), name
+
+    # In the bucket: the two newest checkpoints (save_total_limit=2, the driver rotated), each committed with
+    # every rank's files (manifest checked against the objects and their sha256).
+    committed = s3_bucket.committed("run")
+    assert sorted(committed) == ["checkpoint-6", "checkpoint-8"]
+    files = committed["checkpoint-8"]["files"]
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
+            "rng_state_1.pth"} <= set(files)
+    assert committed["checkpoint-8"]["global_step"] == 8
+
+    # A new trainer, another output_dir: resume_from_checkpoint=True finds checkpoint-8 in the bucket.
+    later_curve, later_weights = run("later", [], max_steps=10, resume=True, storage_path=storage)
+    assert sorted(later_curve) == list(range(1, 11))
+    assert [later_curve[s] for s in (9, 10)] == pytest.approx([curve[s] for s in (9, 10)], abs=1e-5)
+    for name, tensor in weights.items():
+        assert torch.allclose(later_weights[name], tensor, atol=1e-5), name

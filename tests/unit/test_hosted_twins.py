@@ -79,9 +79,10 @@ def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
     args = Args(output_dir="relative", num_workers=2, report_to="none", use_cpu=True)
     recipe = Recipe.make(transformers.Trainer, (), {"args": args, "model_init": _model})
-    cls, _, kw, plain = recipe.unpack()
+    cls, _, kw, plain, given = recipe.unpack()
     assert cls is transformers.Trainer and kw["model_init"] is _model and plain.use_cpu
     assert type(plain) is transformers.TrainingArguments and plain.output_dir == "relative"
+    assert given.num_workers == 2 and given.storage_path == "relative"  # the Ray fields
     cwd, paths = driver_place()
     assert cwd == str(tmp_path) and all(isinstance(p, str) for p in paths)
     (tmp_path / "mine").mkdir()

@@ -1,0 +1,132 @@
+"""Checkpoints of a hosted trainer (raytrainer/hosted.py) committed to the run's storage, as raytrainer's own
+Trainer commits its own.
+
+transformers' loop writes ``<output_dir>/checkpoint-<step>`` on each rank as it always does (weights,
+optimizer, scheduler, ``trainer_state.json`` from rank 0; ``rng_state_<rank>.pth`` and a strategy's shards
+from every rank; each on its own node's disk). At ``on_save`` every rank waits for the others (one barrier),
+the lowest local rank of each node lists that node's copy of the folder, and each file goes to the first
+rank that has it: on a shared file system rank 0 takes them all, on local disks each node takes what its
+ranks wrote. Each such rank then hashes its files and, when the storage is not ``output_dir`` itself
+(``storage_path``: ``s3://``, another folder), copies them there -- on a thread of its own, so training goes
+on -- and sends the driver its part. The driver writes ``manifest.json`` when every part has arrived (the
+commit) and rotates (driver/registry.py).
+
+Before transformers' next save (which may rotate the local folders away) and at the end of training, each rank
+waits for its thread. A resume reads a committed checkpoint: in place when it is a folder this node sees, else
+each node's local rank 0 copies it into ``<output_dir>/.raytrainer/resume/`` first (``localize``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from raytrainer.checkpoint import digest_files
+from raytrainer.protocol import CheckpointPart, Kind
+from raytrainer.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def _listing(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    out = []
+    for root, _dirs, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(out)
+
+
+def assign(listings: list[list[str] | None]) -> list[list[str]]:
+    """Each file to the first rank whose listing has it (rank order): ``listings[r]`` is None for a rank that
+    did not list (not its node's lowest local rank)."""
+    owner: dict[str, int] = {}
+    for rank, names in enumerate(listings):
+        for name in names or ():
+            owner.setdefault(name, rank)
+    shares: list[list[str]] = [[] for _ in listings]
+    for name, rank in sorted(owner.items()):
+        shares[rank].append(name)
+    return shares
+
+
+class CommitCallback(TrainerCallback):
+    """On every rank of a hosted trainer: each checkpoint transformers saves becomes a committed one."""
+
+    def __init__(self, ctx, channel, args):
+        self.ctx, self.channel = ctx, channel
+        self.storage = Storage.for_run(args)
+        self.in_place = self.storage.is_local and self.storage.root == os.path.abspath(args.output_dir)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def on_save(self, args, state, control, **kwargs):
+        self.wait()
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = os.path.join(args.output_dir, name)
+        self.ctx.barrier()  # every rank's files of this save are written
+        listing = _listing(folder) if self.ctx.is_local_zero else None
+        listings = self.ctx.gather_object(listing)
+        shares = self.ctx.broadcast_object(assign(listings) if self.ctx.is_world_zero else None)
+        mine = shares[self.ctx.rank]
+        if not mine:
+            return
+        best = state.best_model_checkpoint if self.ctx.is_world_zero else None
+        parts = sum(1 for share in shares if share)
+        info = dict(name=name, step=state.global_step, parts=parts, best_metric=state.best_metric,
+                    best_model_checkpoint=os.path.basename(best) if best else None)
+        self._thread = threading.Thread(target=self._commit, args=(folder, mine, info), daemon=True,
+                                        name=f"raytrainer-commit-{name}")
+        self._thread.start()
+
+    def _commit(self, folder: str, names: list[str], info: dict) -> None:
+        try:
+            files = digest_files(folder, names)
+            if not self.in_place:
+                for rel in names:
+                    self.storage.upload_file(os.path.join(folder, rel), self.storage.path(info["name"], rel))
+            self.channel.send(Kind.CHECKPOINT_PART, CheckpointPart(files=files, **info), urgent=True)
+        except BaseException as exc:  # raised on the training thread at the next wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """The last checkpoint's files are hashed and in storage (its part sent to the driver)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"committing a checkpoint to {self.storage.uri} failed: {error}") from error
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:  # transformers' save may rotate the folder this thread reads
+            self.wait()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self.wait()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait()
+
+
+def localize(uri: str | None, args, ctx) -> str | None:
+    """``uri`` (a committed checkpoint, or one transformers wrote) as a folder this rank can read: as it
+    is when this node sees it, else copied by the node's local rank 0 into
+    ``<output_dir>/.raytrainer/resume/``."""
+    if uri is None:
+        return None
+    if "://" not in uri and os.path.isdir(uri):
+        return uri
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", name)
+    if ctx.is_local_zero:
+        storage = Storage.from_uri(uri, getattr(args, "storage_filesystem", None))
+        storage.download_dir(storage.root, dest)
+        logger.info("copied %s to %s to resume from it", uri, dest)
+    ctx.barrier()
+    return dest
