@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 #: What the driver's twin holds itself; every other attribute is looked up on rank 0's trainer.
 _DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler", "accelerator", "train",
                           "evaluate", "predict", "close", "end", "is_world_process_zero",
-                          "is_local_process_zero"})
+                          "is_local_process_zero", "model_init", "optimizer", "lr_scheduler",
+                          "hyperparameter_search", "call_model_init"})
 
 
 def config_on_ray(config_cls: type) -> type:
@@ -86,7 +87,8 @@ class HostedTrainer:
         from raytrainer.driver.spec import ship_dynamic_modules
 
         signature = inspect.signature(self.hosted_class.__init__)
-        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
+        bound = signature.bind(None, *args, **kwargs)
+        targs = _find_args(signature, bound)
         check(self.hosted_class, targs)
         ship_dynamic_modules()  # a trust_remote_code model's classes travel by value
         display = PrinterCallback() if targs.disable_tqdm else ProgressCallback()
@@ -98,6 +100,11 @@ class HostedTrainer:
             # on the driver: one process; print() and the main-process checks are the driver's
             accelerator=DriverAccelerator(targs.num_workers),
             _recipe=Recipe.make(self.hosted_class, args, kwargs),
+            _constructor=(args, kwargs),  # the user's objects, as given (a search's trials replace args=)
+            # what a search reads here (each trial's ranks build their own model and optimizer)
+            model_init=bound.arguments.get("model_init"),
+            optimizer=(bound.arguments.get("optimizers") or (None, None))[0],
+            lr_scheduler=(bound.arguments.get("optimizers") or (None, None))[1],
         )
 
     # -- what scripts call ----------------------------------------------------------------------------
@@ -107,7 +114,8 @@ class HostedTrainer:
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         vars(self).pop("_model", None)
-        result = self._run("train", kwargs)
+        stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
+        result = self._run("train", {**kwargs, "stop_from_driver": stops})
         self.state = state_from_dict(result.state)
         return result.output
 
@@ -135,6 +143,42 @@ class HostedTrainer:
         kwargs = dict(test_dataset=test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
                       **kwargs)
         return self._run("predict", kwargs).output
+
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
+                              direction="minimize", backend=None, hp_name=None, **kwargs):
+        """transformers' search over ``model_init`` trials: each trial is this trainer, with the trial's
+        arguments, on the search's pooled Ray workers (raytrainer/search); the ranks build the trial's model
+        with ``model_init(trial)``, and the driver's pruner or scheduler stops them."""
+        from raytrainer.search import hyperparameter_search
+
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend,
+                                     hp_name, **kwargs)
+
+    def call_model_init(self, trial=None):
+        """transformers' ``call_model_init``, on the driver (a search asks it for the suggestions that
+        ``model_init`` makes, on the meta device)."""
+        n_args = len(inspect.signature(self.model_init).parameters)
+        if n_args > 1:
+            raise RuntimeError("model_init should have 0 or 1 argument.")
+        model = self.model_init(trial) if n_args == 1 else self.model_init()
+        if model is None:
+            raise RuntimeError("model_init should not return None.")
+        return model
+
+    def for_trial(self, args, callbacks: list):
+        """A copy of this trainer for one search trial: the trial's arguments (and its own output_dir), the
+        driver's callbacks plus ``callbacks``, a state of its own; no worker group (the search lends one)."""
+        from raytrainer.callbacks import CallbackHandler, TrainerState
+
+        trial = object.__new__(type(self))
+        signature = inspect.signature(self.hosted_class.__init__)
+        recipe_args, recipe_kwargs = _replace_args(signature, *self._constructor, args)
+        vars(trial).update({k: v for k, v in vars(self).items() if k not in ("_group", "_model")})
+        vars(trial).update(
+            args=args, state=TrainerState(),
+            callback_handler=CallbackHandler([*self.callback_handler.callbacks, *callbacks], flow=False),
+            _recipe=Recipe.make(self.hosted_class, recipe_args, recipe_kwargs))
+        return trial
 
     def is_world_process_zero(self) -> bool:
         return True  # the driver speaks for the run, as rank 0 does under torchrun

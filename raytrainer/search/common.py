@@ -108,10 +108,13 @@ def check_search(trainer, direction) -> None:
 
 def check_picklable(trainer, **extra) -> None:
     """Everything a trial ships to Ray must pickle; the error names the first object that does not."""
-    objects = {"model_init": trainer.model_init, "compute_metrics": trainer.compute_metrics,
-               "train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
-               "data_collator": trainer.data_collator, "compute_loss_func": trainer.compute_loss_func,
-               "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics, **extra}
+    objects = {}
+    if not is_hosted(trainer):  # a hosted trainer's recipe pickled its constructor's objects already
+        objects = {"model_init": trainer.model_init, "compute_metrics": trainer.compute_metrics,
+                   "train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
+                   "data_collator": trainer.data_collator, "compute_loss_func": trainer.compute_loss_func,
+                   "preprocess_logits_for_metrics": trainer.preprocess_logits_for_metrics}
+    objects.update(extra)
     for cb in trainer.callback_handler.callbacks:
         if not is_tracker(cb):  # a tracker stays in this process: each trial builds its own (for_trial)
             objects[f"callback {type(cb).__name__}"] = cb
@@ -329,8 +332,11 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     evaluate() when training never evaluated."""
     arg_values, _ = split_hyperparameters(trainer, params, warn=False)
     args = trial_args(trainer.args, arg_values, trial_id)
-    on_workers = bool(args.num_workers)  # the workers build the model (model_init with worker_trial)
     reporter = reporter or TrialReporter(compute_objective, report)
+    if is_hosted(trainer):
+        return run_hosted_trial(trainer, trial, trial_id, params, args, reporter, resume_from_checkpoint,
+                                pool)
+    on_workers = bool(args.num_workers)  # the workers build the model (model_init with worker_trial)
     t = trial_trainer(trainer, args, None if on_workers else build_model(trainer, trial, args.seed), reporter)
     t._search_trial = (str(trial_id), _plain(params))  # the run's state.trial_name / trial_params
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
@@ -354,14 +360,45 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
             pool.take_back(t)
         else:
             t.close()
+    return summarize(trial_id, params, args, reporter, t.state)
+
+
+def run_hosted_trial(trainer, trial, trial_id: str, params: dict[str, Any], args, reporter: TrialReporter,
+                     resume_from_checkpoint: str | None, pool) -> TrialSummary:
+    """One trial of a hosted trainer (raytrainer/hosted.py): its copy with the trial's arguments trains on a
+    pooled group, transformers' loop on each rank building the model with ``model_init(trial)``; the
+    driver's ``reporter`` prunes it. A trial that never evaluated evaluates its trained model where it is."""
+    t = trainer.for_trial(args, [reporter])
+    logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
+    if pool is not None:
+        pool.lend(t)
+    try:
+        t.train(resume_from_checkpoint=resume_from_checkpoint, trial=worker_trial(trial, trainer))
+        if not reporter.evaluations and not reporter.pruned:
+            t.evaluate()
+    finally:
+        if pool is not None:
+            pool.take_back(t)
+        else:
+            t.close()
+    return summarize(trial_id, params, args, reporter, t.state)
+
+
+def summarize(trial_id, params: dict[str, Any], args, reporter: TrialReporter, state) -> TrialSummary:
+    """The trial's summary (saved in its output_dir): its evaluations, objective, committed checkpoints."""
     last = reporter.evaluations[-1] if reporter.evaluations else None
     summary = TrialSummary(
         trial_id=str(trial_id), output_dir=args.output_dir, hyperparameters=_plain(params),
         objective=last["objective"] if last else None, evaluations=reporter.evaluations,
-        global_step=t.state.global_step, pruned=reporter.pruned)
-    fill_checkpoints(summary, args, t.state.best_model_checkpoint)
+        global_step=state.global_step, pruned=reporter.pruned)
+    fill_checkpoints(summary, args, state.best_model_checkpoint)
     summary.save()
     return summary
+
+
+def is_hosted(trainer) -> bool:
+    """A hosted trainer's driver side (raytrainer/hosted.py): its constructor's objects already pickled."""
+    return hasattr(type(trainer), "hosted_class")
 
 
 def fill_checkpoints(summary: TrialSummary, args, best: str | None = None) -> None:

@@ -41,6 +41,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankR
         session.attempt = attempt.number
         if method == "train" and attempt.number > 0:
             kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
+        if method == "train":
+            _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
         if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
             from raytrainer.worker.hosted_commit import localize
 
@@ -71,6 +73,16 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     trainer.add_callback(CommitCallback(session.ctx, session.channel, given))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))
+
+
+def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
+    """While a driver-side callback may stop the run (a search trial's pruner), every rank follows its
+    decisions (worker/stop.py); one stop callback per call, for this attempt."""
+    from raytrainer.worker.stop import HostedStopCallback
+
+    trainer.remove_callback(HostedStopCallback)
+    if stops:
+        trainer.add_callback(HostedStopCallback(session.channel, session.ctx, session.attempt))
 
 
 def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:

@@ -322,3 +322,57 @@ def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_comm
     assert [later_curve[s] for s in (9, 10)] == pytest.approx([curve[s] for s in (9, 10)], abs=1e-5)
     for name, tensor in weights.items():
         assert torch.allclose(later_weights[name], tensor, atol=1e-5), name
+
+
+@pytest.mark.timeout(600)
+def test_a_search_over_hosted_model_init_trials_runs_on_pooled_workers_and_prunes_from_the_driver(tmp_path):
+    """Optuna over a transformers.Trainer subclass on 2 workers: each trial's ranks build the model with
+    model_init(trial) (its n_embd), train with the trial's learning rate and commit checkpoints in the
+    trial's folder; the driver's pruner stops trial 1 at its first evaluation, on every rank."""
+    optuna = pytest.importorskip("optuna")
+    import transformers
+
+    import raytrainer
+
+    def model_init(trial):
+        import torch
+
+        torch.manual_seed(0)
+        width = trial.params["n_embd"] if trial is not None else 32
+        config = transformers.GPT2Config(n_layer=1, n_embd=width, n_head=2, vocab_size=63, n_positions=64,
+                                         num_labels=3, pad_token_id=0)
+        return transformers.GPT2ForSequenceClassification(config)
+
+    class PruneTrialOne(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 1
+
+    def hp_space(trial):
+        return {"learning_rate": trial.suggest_categorical("learning_rate", [1e-2, 3e-3]),
+                "n_embd": trial.suggest_categorical("n_embd", [16, 32])}
+
+    Trainer = raytrainer.on_ray(_weighted_loss_trainer())
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=2, max_steps=6,
+                eval_strategy="steps", eval_steps=2, save_steps=6, logging_steps=1, report_to="none",
+                use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=_labelled(64),
+                      eval_dataset=_labelled(16))
+    best = trainer.hyperparameter_search(hp_space=hp_space, n_trials=2, direction="minimize",
+                                         backend="optuna", pruner=PruneTrialOne(),
+                                         sampler=optuna.samplers.RandomSampler(seed=0))
+    assert best.run_id == "0" and set(best.hyperparameters) == {"learning_rate", "n_embd"}
+    done = raytrainer.search.TrialSummary.load(str(tmp_path / "run-0"))
+    assert done.global_step == 6 and not done.pruned and [e["step"] for e in done.evaluations] == [2, 4, 6]
+    assert best.objective == pytest.approx(done.evaluations[-1]["metrics"]["eval_loss"])
+    pruned = raytrainer.search.TrialSummary.load(str(tmp_path / "run-1"))
+    assert pruned.pruned and pruned.global_step == 2 and len(pruned.evaluations) == 1  # stopped on every rank
+    # trial 0's ranks built its model (its width) and committed its checkpoint where the trial writes
+    checkpoint = tmp_path / "run-0" / "checkpoint-6"
+    with open(checkpoint / "config.json") as f:
+        assert json.load(f)["n_embd"] == best.hyperparameters["n_embd"]
+    assert (checkpoint / "manifest.json").exists() and done.checkpoints == [str(checkpoint)]
+    with open(checkpoint / "trainer_state.json") as f:
+        logged = json.load(f)["log_history"]
+    rates = {h["learning_rate"] for h in logged if "learning_rate" in h}
+    assert rates == {best.hyperparameters["learning_rate"]}  # the trial's (a constant schedule)
