@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 _DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler", "accelerator", "train",
                           "evaluate", "predict", "close", "end", "is_world_process_zero",
                           "is_local_process_zero", "model_init", "optimizer", "lr_scheduler",
-                          "hyperparameter_search", "call_model_init"})
+                          "hyperparameter_search", "call_model_init", "push_to_hub", "hub_model_id",
+                          "control", "processing_class", "_hub"})
 
 
 def config_on_ray(config_cls: type) -> type:
@@ -83,7 +84,13 @@ class HostedTrainer:
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        from raytrainer.callbacks import CallbackHandler, PrinterCallback, ProgressCallback, TrainerState
+        from raytrainer.callbacks import (
+            CallbackHandler,
+            PrinterCallback,
+            ProgressCallback,
+            TrainerControl,
+            TrainerState,
+        )
         from raytrainer.driver.spec import ship_dynamic_modules
 
         signature = inspect.signature(self.hosted_class.__init__)
@@ -95,6 +102,7 @@ class HostedTrainer:
         vars(self).update(
             args=targs,
             state=TrainerState(),
+            control=TrainerControl(),
             # the driver's display (progress bar or printer): rank 0's callback events are replayed into it
             callback_handler=CallbackHandler([display], flow=False),
             # on the driver: one process; print() and the main-process checks are the driver's
@@ -105,6 +113,9 @@ class HostedTrainer:
             model_init=bound.arguments.get("model_init"),
             optimizer=(bound.arguments.get("optimizers") or (None, None))[0],
             lr_scheduler=(bound.arguments.get("optimizers") or (None, None))[1],
+            # the driver pushes: checkpoints as they are committed, the saved model on push_to_hub()
+            _hub=None,
+            processing_class=bound.arguments.get("processing_class"),
         )
 
     # -- what scripts call ----------------------------------------------------------------------------
@@ -113,11 +124,43 @@ class HostedTrainer:
 
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        from raytrainer import hub
+        from raytrainer.driver.registry import CheckpointRegistry
+
         vars(self).pop("_model", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
-        result = self._run("train", {**kwargs, "stop_from_driver": stops})
+        registry = CheckpointRegistry(self.args)
+        pusher = hub.for_training(self, registry)  # checked before any worker starts
+        try:
+            result = self._run("train", {**kwargs, "stop_from_driver": stops}, registry)
+        finally:
+            hub.finish_training(pusher, registry)  # pending pushes end before train() returns
         self.state = state_from_dict(result.state)
         return result.output
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **kwargs):
+        """transformers' ``push_to_hub``, pushed from the driver with the token it holds: the ranks save the
+        model and the trainer's own model card (TRL's for TRL's trainers) into ``output_dir``, and the
+        driver uploads that folder (raytrainer/hub)."""
+        from raytrainer import hub
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None:
+            model_name = (self.args.hub_model_id or os.path.abspath(self.args.output_dir)).rstrip("/")
+            model_name = model_name.split("/")[-1]
+        pusher = hub.pusher_for_call(self, token, private, revision)
+        _RankMethod(self, "save_model")(_internal_call=True)
+        _RankMethod(self, "create_model_card")(model_name=model_name, **kwargs)
+        return hub.upload_output_dir(pusher, self.args, commit_message, revision, blocking)
+
+    @property
+    def hub_model_id(self) -> str | None:
+        """The repository pushes go to (transformers' attribute, set once the driver's pusher exists)."""
+        target = self._hub.target if self._hub is not None else None
+        return getattr(target, "repo_id", None) or self.args.hub_model_id
 
     def _resume_target(self, resume_from_checkpoint):
         """The checkpoint to resume from, checked here before any worker trains: for True the latest one
@@ -173,7 +216,7 @@ class HostedTrainer:
         trial = object.__new__(type(self))
         signature = inspect.signature(self.hosted_class.__init__)
         recipe_args, recipe_kwargs = _replace_args(signature, *self._constructor, args)
-        vars(trial).update({k: v for k, v in vars(self).items() if k not in ("_group", "_model")})
+        vars(trial).update({k: v for k, v in vars(self).items() if k not in ("_group", "_model", "_hub")})
         vars(trial).update(
             args=args, state=TrainerState(),
             callback_handler=CallbackHandler([*self.callback_handler.callbacks, *callbacks], flow=False),
@@ -214,8 +257,9 @@ class HostedTrainer:
         return f"<{type(self).__name__} on {self.args.num_workers} Ray workers>"
 
     # -- the group ------------------------------------------------------------------------------------
-    def _run(self, method: str, kwargs: dict):
-        """``method`` on every rank of this trainer's group: rank 0's ``RankResult``."""
+    def _run(self, method: str, kwargs: dict, registry=None):
+        """``method`` on every rank of this trainer's group: rank 0's ``RankResult``; committed checkpoints
+        go to ``registry``."""
         from raytrainer.driver.launch import launch
         from raytrainer.driver.registry import CheckpointRegistry
         from raytrainer.protocol import Spec
@@ -223,7 +267,7 @@ class HostedTrainer:
         from raytrainer.worker.place import driver_place
 
         spec = Spec(self._recipe.pickled, kwargs, None, driver_transformers_level(), *driver_place())
-        return launch(self, spec, method, CheckpointRegistry(self.args))
+        return launch(self, spec, method, registry or CheckpointRegistry(self.args))
 
     @property
     def model(self):

@@ -60,9 +60,12 @@ class Recipe:
 
     @classmethod
     def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
-        payload = _pickled(trainer_cls, args, kwargs)
+        from raytrainer.hub import token_withheld
+
         targs = _find_args(inspect.signature(trainer_cls.__init__),
                            inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
+        with token_withheld(targs):  # the hub token stays on the driver, which pushes
+            payload = _pickled(trainer_cls, args, kwargs)
         return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
 
     @property
@@ -76,7 +79,9 @@ class Recipe:
         trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
         signature = inspect.signature(trainer_cls.__init__)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
-        overrides = {} if self.use_gpu else {"use_cpu": True}  # a CPU worker, whatever CUDA this node has
+        overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
+        if not self.use_gpu:
+            overrides["use_cpu"] = True  # a CPU worker, whatever CUDA this node has
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain, targs

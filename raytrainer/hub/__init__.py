@@ -82,16 +82,7 @@ def push_to_hub(trainer, commit_message: str | None = "End of training", blockin
     model_name = kwargs.pop("model_name", None)
     if model_name is None:
         model_name = (args.hub_model_id or os.path.abspath(args.output_dir)).rstrip("/").split("/")[-1]
-    if token is not None or private is not None:  # a one-off target with the caller's token / privacy
-        target = target_for(args, token)
-        if private is not None and isinstance(target, HuggingFaceTarget):
-            target.private = private
-        target.create(revision or args.hub_revision)
-        pusher = HubPusher(target, args, trainer)
-        if trainer._hub is not None:
-            trainer._hub.wait()
-    else:
-        pusher = pusher_for(trainer)
+    pusher = pusher_for_call(trainer, token, private, revision)
     trainer.save_model(_internal_call=True)
     model_tags = getattr(trainer.model, "model_tags", None)  # as transformers' push_to_hub adds them
     if model_tags is not None:
@@ -99,7 +90,26 @@ def push_to_hub(trainer, commit_message: str | None = "End of training", blockin
         tags = kwargs["tags"] = [tags] if isinstance(tags, str) else tags
         tags.extend(t for t in model_tags if t not in tags)
     create_model_card(trainer, model_name=model_name, **kwargs)
-    pusher.wait()  # the current push finishes first
+    return upload_output_dir(pusher, args, commit_message, revision, blocking)
+
+
+def pusher_for_call(trainer, token: str | None, private: bool | None, revision: str | None) -> HubPusher:
+    """The Trainer's pusher, or a one-off one with the caller's token / privacy."""
+    if token is None and private is None:
+        return pusher_for(trainer)
+    target = target_for(trainer.args, token)
+    if private is not None and isinstance(target, HuggingFaceTarget):
+        target.private = private
+    target.create(revision or trainer.args.hub_revision)
+    if trainer._hub is not None:
+        trainer._hub.wait()
+    return HubPusher(target, trainer.args, trainer)
+
+
+def upload_output_dir(pusher: HubPusher, args, commit_message: str | None, revision: str | None,
+                      blocking: bool):
+    """Push ``output_dir`` (the saved model and its card) after the pushes already under way."""
+    pusher.wait()
     future = pusher.submit("the model in " + args.output_dir, pusher.target.upload, args.output_dir, "",
                            commit_message or "End of training", revision or args.hub_revision,
                            IGNORE_PATTERNS, force=True)

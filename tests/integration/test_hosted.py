@@ -86,8 +86,11 @@ def test_a_trl_script_on_two_workers_trains_as_in_one_process_and_resumes(name, 
         one.append(statistics.fmean(losses(f"one-{seed}/checkpoint-12").values()))
     noise = max(one) - min(one)
 
+    # The LoRA run also pushes, from the driver: each committed checkpoint, then the script's push_to_hub
+    # (a file:// repository: the live Hub is out of reach here).
+    push = ["--push_to_hub", "--hub_model_id", f"file://{workdir}/hub", "--hub_strategy", "every_save"]
     run_script(script, *flags, "--output_dir", "two", "--seed", "1", "--per_device_train_batch_size", "2",
-               "--num_workers", "2", monkeypatch=monkeypatch)
+               "--num_workers", "2", *(push if kind == "peft" else []), monkeypatch=monkeypatch)
     curve = losses("two/checkpoint-12")
     assert sorted(curve) == list(range(1, 13))
     first = statistics.fmean(curve[s] for s in (1, 2, 3))
@@ -99,6 +102,15 @@ def test_a_trl_script_on_two_workers_trains_as_in_one_process_and_resumes(name, 
     if kind == "peft":
         assert os.path.exists("two/adapter_model.safetensors") and not os.path.exists("two/model.safetensors")
         assert model.peft_config["default"].r == 8
+        pushed = workdir / "hub" / "main"
+        assert (pushed / "adapter_model.safetensors").exists() and (pushed / "adapter_config.json").exists()
+        assert not (pushed / "model.safetensors").exists()  # the adapter only
+        assert "sft" in (pushed / "README.md").read_text().lower()  # TRL's own model card, made on rank 0
+        with open(workdir / "hub" / "commits.json") as f:
+            messages = [c["message"] for c in json.load(f)]
+        # step 12's push is skipped if step 6's were still under way (transformers' rule for every_save)
+        assert messages[0] == "Training in progress, step 6" and messages[-1] == "End of training", messages
+        assert set(messages[1:-1]) <= {"Training in progress, step 12"}, messages
 
     # Resumed from the step-6 checkpoint, on two workers: the same loss curve on.
     run_script(script, *flags, "--output_dir", "resumed", "--seed", "1", "--per_device_train_batch_size", "2",
