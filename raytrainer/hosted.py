@@ -261,12 +261,15 @@ class HostedTrainer:
         """``method`` on every rank of this trainer's group: rank 0's ``RankResult``; committed checkpoints
         go to ``registry``."""
         from raytrainer.driver.launch import launch
+        from raytrainer.driver.ray_runtime import ensure_ray
         from raytrainer.driver.registry import CheckpointRegistry
         from raytrainer.protocol import Spec
         from raytrainer.worker.logs import driver_transformers_level
         from raytrainer.worker.place import driver_place
 
-        spec = Spec(self._recipe.pickled, kwargs, None, driver_transformers_level(), *driver_place())
+        ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
+        recipe, payload = self._recipe.for_command()
+        spec = Spec(recipe, kwargs, None, driver_transformers_level(), *driver_place(), payload=payload)
         return launch(self, spec, method, registry or CheckpointRegistry(self.args))
 
     @property

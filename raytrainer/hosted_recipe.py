@@ -50,11 +50,16 @@ def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments):
 @dataclasses.dataclass
 class Recipe:
     """How each rank builds the trainer: the class and the constructor's arguments, pickled once on the
-    driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls."""
+    driver (``payload``); ``key`` names this trainer, so a rank builds it once and keeps it across calls.
+
+    The payload goes into Ray's object store once per trainer (``for_command``); each command carries this
+    recipe without it (a few hundred bytes) and the payload's reference, which a rank fetches only when it
+    builds the trainer: at the first command, and on the new workers after a restart."""
 
     key: str
-    payload: bytes
+    payload: bytes | None
     use_gpu: bool
+    ref: list | None = dataclasses.field(default=None, repr=False)  # [ObjectRef] of the payload
 
     _numbers = itertools.count()
 
@@ -68,9 +73,21 @@ class Recipe:
             payload = _pickled(trainer_cls, args, kwargs)
         return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
 
-    @property
-    def pickled(self) -> bytes:
-        return cloudpickle.dumps(self)
+    def for_command(self) -> tuple[bytes, list]:
+        """This recipe without its payload, pickled, and ``[reference]`` of the payload, put into the object
+        store at the first command (the driver's recipe holds it, so it lives as long as the trainer). The
+        reference travels in the ``Spec``, where Ray's serializer tracks it, never inside pickled bytes."""
+        import ray
+
+        if self.ref is None:
+            self.ref = [ray.put(self.payload)]
+        return cloudpickle.dumps(dataclasses.replace(self, payload=None, ref=None)), self.ref
+
+    def fetched(self, ref: list) -> Recipe:
+        """The recipe with its payload, fetched from the object store (a rank about to build the trainer)."""
+        import ray
+
+        return self if self.payload is not None else dataclasses.replace(self, payload=ray.get(ref[0]))
 
     def unpack(self) -> tuple[type, tuple, dict, Any, Any]:
         """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray

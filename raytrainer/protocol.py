@@ -63,6 +63,9 @@ class Spec:
     #: them, so that relative paths and the user's modules mean what they mean on the driver
     cwd: str | None = None
     paths: tuple = ()
+    #: a hosted trainer's recipe payload (its constructor's arguments): ``[object-store reference]``, put
+    #: there once per trainer; a rank fetches it only when it builds the trainer
+    payload: list = ()
 
 
 @dataclass(frozen=True)

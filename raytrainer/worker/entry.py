@@ -10,6 +10,7 @@ it, so a command gives the same result whatever ran before it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import random
@@ -53,7 +54,8 @@ def worker_main(config: dict) -> None:
         TIMES["spec"] = time.time()
         try:
             # a Recipe: a transformers.Trainer subclass run by transformers' own loop (raytrainer/hosted.py)
-            run = run_hosted if isinstance(trainer, Recipe) else run_rank
+            hosted = isinstance(trainer, Recipe)
+            run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
             with as_on_the_driver(spec.cwd, spec.paths):  # relative paths mean what they mean there
                 result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:

@@ -25,13 +25,14 @@ logger = logging.getLogger(__name__)
 _LIVE: dict = {}
 
 
-def run_hosted(recipe, session: RankSession, method: str, kwargs: dict) -> RankResult:
-    """``method`` of this rank's trainer for ``recipe`` (built now if this worker has not got it)."""
+def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload: list = ()) -> RankResult:
+    """``method`` of this rank's trainer for ``recipe`` (built now, from the ``payload`` fetched from the
+    object store, if this worker has not got it)."""
     ctx, channel = session.ctx, session.channel
     trainer = _LIVE.get(recipe.key)
     if trainer is None:
         _LIVE.clear()
-        trainer_cls, args, kwargs_init, targs, given = recipe.unpack()
+        trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack()
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
             trainer = trainer_cls(*args, **kwargs_init)
             _split_callbacks(trainer, session, given)
