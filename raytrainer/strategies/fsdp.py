@@ -110,8 +110,9 @@ class FSDPStrategy(Strategy):
         - Each rank initialises its own shard (the default for a fresh run): every rank builds the model on
           the meta device (no storage), ``setup_model`` shards it, allocates each rank's shard and runs the
           model's own initialisation on the shards -- transformers' ``initialize_weights`` (``_init_weights``,
-          which transformers itself relies on for every weight a checkpoint lacks), or the root module's own
-          ``reset_parameters()``. A rank holds its shard, never the model.
+          which transformers itself relies on for every weight a checkpoint lacks), the root module's own
+          ``reset_parameters()``, or else each module's own ``reset_parameters()`` where every parameter and
+          buffer has one. A rank holds its shard, never the model.
         - Else rank 0 builds the real model and broadcasts it into every rank's shard, the other ranks
           building a weightless skeleton (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained``
           inside ``model_init`` (which refuses the meta device), a model neither way can initialise, a resumed
@@ -296,7 +297,8 @@ def _skeleton(factory, rank: int) -> torch.nn.Module:
 
 def _initialiser(model: torch.nn.Module):
     """How ``model`` initialises every parameter and buffer it holds, on whatever storage they have (its
-    shards), or None: transformers' ``initialize_weights`` or the root module's own ``reset_parameters``.
+    shards), or None: transformers' ``initialize_weights``, the root module's own ``reset_parameters``, or
+    each module's own (``_each_module_resets``).
     Taken from the model as built, before ``fully_shard`` changes its class."""
     hf = (getattr(model, name, None) for name in ("initialize_weights", "_init_weights"))
     if all(callable(method) for method in hf):
@@ -316,7 +318,38 @@ def _initialiser(model: torch.nn.Module):
     if any("reset_parameters" in vars(cls) for cls in type(model).__mro__[:-1]
            if cls is type(model) or cls.__module__.split(".")[0] != "torch"):
         return model.reset_parameters
-    return None
+    return _each_module_resets(model)
+
+
+def _each_module_resets(model: torch.nn.Module):
+    """torch's convention, as torchtitan and Lightning Fabric use it: each module that holds parameters or
+    buffers initialises them with its own ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``,
+    ``nn.LayerNorm``, a user's module that defines one). The initialiser runs them all, in module order;
+    None (rank 0's build, with a warning naming what) where a parameter or buffer belongs to a module
+    without one: after ``to_empty`` its values would be whatever the memory held."""
+    resets, orphans = [], []
+    for name, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if not own:
+            continue
+        if callable(getattr(module, "reset_parameters", None)):
+            resets.append(module.reset_parameters)
+        else:
+            orphans += [f"{name}.{n}" if name else n for n, _ in own]
+    if orphans:
+        logger.warning(
+            "FSDP: %s has parameters or buffers that no module's reset_parameters() initialises (%s); rank 0 "
+            "builds the model and broadcasts it into each rank's shard. Give their module a "
+            "reset_parameters() (or the model a root one) to initialise each shard on its rank",
+            type(model).__name__, ", ".join(orphans[:5]) + (", ..." if len(orphans) > 5 else ""))
+        return None
+    if not resets:
+        return None
+
+    def initialise():
+        for reset in resets:
+            reset()
+    return initialise
 
 
 def _checkpoint_activations(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:

@@ -252,15 +252,63 @@ class WideStack(torch.nn.Module):
 
 def build_wide_stack() -> WideStack:
     """model_init: records this process's resident memory, and resets its peak, before building."""
+    return _measured(WideStack)
+
+
+def _measured(build):
+    """``build()``, with this process's resident memory before it and its peak during it recorded."""
     import torch.distributed.fsdp  # imports are not the model: loaded before the baseline
     import torch.distributed.tensor  # noqa: F401
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     os.environ["TESTS_RSS_AT_MODEL_INIT_KIB"] = str(_status_kib("VmRSS"))  # this worker process's
-    model = WideStack()
+    model = build()
     os.environ["TESTS_PEAK_AFTER_MODEL_INIT_KIB"] = str(_status_kib("VmHWM"))  # construction's peak
     return model
+
+
+class PlainStack(torch.nn.Module):
+    """A plain torch model with no root ``reset_parameters()`` and no transformers initialisation: FSDP
+    initialises each rank's shard with each module's own (``nn.Linear``'s, ``nn.LayerNorm``'s)."""
+
+    def __init__(self, width: int = 256, layers: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 2)
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def build_plain_stack() -> PlainStack:
+    return _measured(PlainStack)
+
+
+class ReportPlainInit(TrainerCallback):
+    """On every rank before the first step: how this rank's shard of a PlainStack was initialised -- the
+    largest |weight| of its Linear shards over nn.Linear's bound 1/sqrt(in_features), their spread, whether
+    the LayerNorm's shard is ones, and a checksum of its first layer's shard (ranks must differ)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import math
+
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        ratio = max(float(local(m.weight).abs().max()) * math.sqrt(m.in_features) for m in linears)
+        spread = min(float(local(m.weight).std()) * math.sqrt(m.in_features) for m in linears)
+        norm = next(m for m in model.modules() if isinstance(m, torch.nn.LayerNorm))
+        ones = bool(torch.all(local(norm.weight) == 1))
+        log.error("rank %d: bound_ratio=%.4f spread=%.4f norm_ones=%s first=%.6f", args.process_index, ratio,
+                  spread, ones, float(local(linears[0].weight).sum()))
 
 
 def wide_data(n: int, width: int = 2048) -> list[dict]:

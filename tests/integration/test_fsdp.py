@@ -104,6 +104,36 @@ def test_fsdp_model_init_initialises_each_rank_shard_of_a_transformers_model(tmp
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.timeout(300)
+def test_fsdp_initialises_each_rank_shard_of_a_plain_torch_model_with_each_modules_reset_parameters(tmp_path,
+                                                                                                  capfd):
+    """A plain torch model (Linear layers, a LayerNorm; no root reset_parameters, no transformers init) from
+    model_init: every rank builds it on the meta device and initialises its own shard with each module's
+    reset_parameters(), so each holds half the parameters before the first step, within nn.Linear's bounds,
+    the two ranks' shards drawn apart; no fall-back to rank 0's build, and it trains."""
+    import re
+
+    from models import ReportParameterMemory, ReportPlainInit, build_plain_stack, wide_data
+
+    args = _args(tmp_path, fsdp="full_shard", fsdp_config={}, max_steps=6, logging_steps=1,
+                 per_device_train_batch_size=4, learning_rate=3e-3, save_strategy="no")
+    trainer = Trainer(model_init=build_plain_stack, args=args, train_dataset=wide_data(48, width=256),
+                      callbacks=[ReportParameterMemory(), ReportPlainInit()])
+    trainer.train()
+    console = "".join(capfd.readouterr())
+    held = {int(r): (int(h), int(f)) for r, h, f in re.findall(r"rank (\d): held=(\d+) full=(\d+)", console)}
+    init = {int(r): (float(b), float(s), o, float(c)) for r, b, s, o, c in re.findall(
+        r"rank (\d): bound_ratio=([\d.]+) spread=([\d.]+) norm_ones=(\w+) first=(-?[\d.]+)", console)}
+    assert sorted(held) == sorted(init) == [0, 1], console[-3000:]
+    for rank, (ratio, spread, ones, _) in init.items():
+        assert abs(held[rank][0] - held[rank][1] / 2) < 0.01 * held[rank][1]  # its shard, never the model
+        assert ratio <= 1.0 and spread > 0.4 and ones == "True", init  # U(-1/sqrt(in), 1/sqrt(in)): 0.577
+    assert init[0][3] != init[1][3]  # each rank drew its own shard
+    assert "rank 0 builds the model" not in console and "initialising each rank's shard" not in console
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses), losses
+
+
 @pytest.mark.full  # the full tier: CI initialises shards in the test above
 @pytest.mark.timeout(300)
 def test_fsdp_falls_back_to_rank_0_when_a_shard_cannot_be_initialised(tmp_path, capfd):
