@@ -12,7 +12,8 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
 - Precision: fp16 / bf16 are the engine's (the module itself is cast); raytrainer's autocast is off and
   floating inputs are cast to the engine's dtype, as HF does.
 - Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
-  ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0). A ZeRO
+  ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0); for a PEFT
+  model, its adapter files and the engine's state of the adapter only, no frozen base weight. A ZeRO
   checkpoint resumes on the same number of workers as written; on another number rank 0 first converts it
   with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder.
   DeepSpeed's loaders run under ``deepspeed_load.weights_only_loads``: nothing in the files is executed.
@@ -221,7 +222,10 @@ class DeepSpeedStrategy(Strategy):
         return super().full_state_dict(model)
 
     def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
-        model.save_checkpoint(folder, tag=tag_of(step), save_latest=False)
+        # A PEFT model's frozen base is model_init's to build, not the checkpoint's (as transformers.Trainer
+        # saves it): otherwise every checkpoint would hold the whole base model, its ZeRO partitions.
+        model.save_checkpoint(folder, tag=tag_of(step), save_latest=False,
+                              exclude_frozen_parameters=_is_peft(model))
         return tag_of(step)
 
     def before_resume(self, files: list[str], step: int) -> None:
@@ -273,7 +277,8 @@ class DeepSpeedStrategy(Strategy):
             storage.download_dir(dest, local)
             with weights_only_loads():
                 path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True,
+                                                load_module_strict=not _is_peft(model))
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {reader.uri}")
         ctx.barrier()
@@ -288,7 +293,8 @@ class DeepSpeedStrategy(Strategy):
                            os.path.join(folder, tag))
         with weights_only_loads():
             path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
+                                            load_lr_scheduler_states=True,
+                                            load_module_strict=not _is_peft(model))
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load {os.path.join(folder, tag)}")
 
@@ -301,6 +307,11 @@ class DeepSpeedStrategy(Strategy):
             logger.warning("resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by %d workers "
                            "and this run has %d: rank 0 converts it to DeepSpeed's universal format first "
                            "(reads every partition once)", len(saved), world_size)
+
+
+def _is_peft(engine) -> bool:
+    """The engine trains a PEFT model: its checkpoints leave out the frozen base (see ``save_sharded``)."""
+    return hasattr(engine.module, "peft_config")
 
 
 def _partitions(files, step: int) -> list[str]:

@@ -629,6 +629,9 @@ class FromPretrained:
         self.path, self.lora = path, lora
 
     def __call__(self):
+        return self.build(r=4, lora_alpha=8)
+
+    def build(self, r: int, lora_alpha: int):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.path)
@@ -637,8 +640,21 @@ class FromPretrained:
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=["q_proj", "v_proj"])
+            model = get_peft_model(model, config)
         return model
+
+
+class LoraPerTrial(FromPretrained):
+    """model_init(trial) of a hyperparameter search: FromPretrained's LoRA with the trial's ``r`` and
+    ``lora_alpha`` (4 and 8 without a trial)."""
+
+    def __init__(self, path: str):
+        super().__init__(path, lora=True)
+
+    def __call__(self, trial=None):
+        params = trial.params if trial is not None else {}
+        return self.build(r=params.get("r", 4), lora_alpha=params.get("lora_alpha", 8))
 
 
 def pretrained_key(name: str) -> str:

@@ -17,14 +17,13 @@ from test_deepspeed import _config
 from raytrainer import Trainer, TrainingArguments
 
 
-def _args(out, strategy: str, learning_rate: float) -> TrainingArguments:
+def _args(out, strategy: str, learning_rate: float, **kw) -> TrainingArguments:
     sharding = ({"fsdp": "full_shard auto_wrap"} if strategy == "fsdp"
                 else {"deepspeed": _config(3)})
-    return TrainingArguments(
-        output_dir=str(out), num_workers=2, per_device_train_batch_size=4, max_steps=8,
-        learning_rate=learning_rate, optim="adamw_torch", logging_steps=2, save_strategy="no",
-        disable_tqdm=True, report_to="none",
-        **sharding)
+    base = dict(output_dir=str(out), num_workers=2, per_device_train_batch_size=4, max_steps=8,
+                learning_rate=learning_rate, optim="adamw_torch", logging_steps=2, save_strategy="no",
+                disable_tqdm=True, report_to="none")
+    return TrainingArguments(**{**base, **sharding, **kw})
 
 
 @pytest.mark.timeout(300)
@@ -68,17 +67,15 @@ def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, s
 
 
 @pytest.mark.timeout(420)
-def test_lora_under_fsdp_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_path):
-    """PEFT's LoRA on a frozen, FSDP-sharded base, 2 workers: each checkpoint's model is the adapter (PEFT's
-    files, loadable with PeftModel.from_pretrained), and a run resumed from the step-4 checkpoint ends with
-    the same weights as the uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_lora_under_a_sharded_strategy_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_path, strategy):
+    """PEFT's LoRA on a frozen base sharded by FSDP or partitioned by ZeRO-3, 2 workers: each checkpoint's
+    model is the adapter (PEFT's files, loadable with PeftModel.from_pretrained), and a run resumed from the
+    step-4 checkpoint ends with the same weights as the uninterrupted run, bit for bit."""
     path = save_tiny_llama(tmp_path / "pretrained")
 
     def run(out, resume=None):
-        args = TrainingArguments(output_dir=str(out), num_workers=2, per_device_train_batch_size=4,
-                                 max_steps=8, learning_rate=5e-2, optim="adamw_torch", logging_steps=2,
-                                 save_steps=4, disable_tqdm=True, report_to="none",
-                                 fsdp="full_shard auto_wrap", seed=5)
+        args = _args(out, strategy, 5e-2, save_strategy="steps", save_steps=4, seed=5)
         trainer = Trainer(model_init=FromPretrained(path, lora=True), args=args,
                           train_dataset=counting_data(64))
         trainer.train(resume_from_checkpoint=resume)
@@ -97,12 +94,41 @@ def test_lora_under_fsdp_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_pa
 
     adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k for k in adapter)  # the adapter only: no base weight in it
+    # nor in the strategy's own files (ZeRO's engine state, FSDP's optimizer shards): the adapter's numbers,
+    # Adam's 2 moments of them, ZeRO's fp32 master copy, a step counter per tensor; the base has 21x more
+    adapter_numel = sum(t.numel() for t in adapter.values())
+    assert _numbers_saved(checkpoint) <= 4 * adapter_numel + len(adapter), _numbers_saved(checkpoint)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(checkpoint))
 
     resumed = run(tmp_path / "resumed", resume=str(checkpoint))
     assert resumed.keys() == full.keys()
     for name, tensor in full.items():
         assert torch.equal(resumed[name], tensor), name
+
+
+def _numbers_saved(checkpoint) -> int:
+    """How many numbers the tensors in a checkpoint's files hold in all, RNG states aside: its safetensors,
+    its torch.save'd files (DeepSpeed's engine state) and its DCP folders (from their metadata)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    def numel(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel()
+        if isinstance(obj, dict):
+            return sum(numel(v) for v in obj.values())
+        return sum(numel(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+    total = 0
+    for path in checkpoint.rglob("*"):
+        if path.suffix == ".safetensors" and not path.name.startswith("rng_state_"):
+            total += numel(load_file(str(path)))
+        elif path.suffix == ".pt":
+            total += numel(torch.load(path, weights_only=False))
+        elif path.name == ".metadata":
+            found = dcp.FileSystemReader(str(path.parent)).read_metadata().state_dict_metadata.values()
+            total += sum(m.size.numel() for m in found if hasattr(m, "size"))
+    return total
 
 
 @pytest.mark.timeout(300)
