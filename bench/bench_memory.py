@@ -125,17 +125,14 @@ if nn is not None:
             return F.gelu(self.linear(x))
 
     class BlockStack(nn.Module):
+        """A plain torch model: no root ``reset_parameters()``, no transformers initialisation. Under FSDP
+        each rank initialises its shard with each ``nn.Linear``'s own ``reset_parameters()``."""
+
         def __init__(self, width: int, depth: int, n_classes: int = 10):
             super().__init__()
             self.inp = nn.Linear(width, width)
             self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
             self.head = nn.Linear(width, n_classes)
-
-        def reset_parameters(self):
-            """Every layer as built: FSDP initialises each rank's shard with it (built on meta everywhere)."""
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    module.reset_parameters()
 
         def forward(self, x, labels=None):
             h = self.inp(x)
