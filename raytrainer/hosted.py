@@ -245,6 +245,16 @@ class HostedTrainer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def __reduce__(self):
+        """What a copy elsewhere (a Ray Tune trial actor) starts from: no worker group, pusher or fetched
+        model of this process's, and the recipe without its object-store reference (the copy puts its own).
+        Rebuilt without ``__new__``, which would build the trainer from constructor arguments."""
+        state = {k: v for k, v in vars(self).items() if k not in ("_group", "_model")}
+        state["_hub"] = None
+        if "_recipe" in state:
+            state["_recipe"] = dataclasses.replace(state["_recipe"], ref=None)
+        return _rebuilt, (type(self), state)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in _DRIVER_SIDE or "_recipe" not in vars(self):
             raise AttributeError(name)
@@ -293,6 +303,12 @@ class HostedTrainer:
     _display_model = None  # the display's callbacks get no model: it stays on the workers
     processing_class = None
     train_dataset = None
+
+
+def _rebuilt(cls: type, state: dict) -> HostedTrainer:
+    trainer = object.__new__(cls)
+    vars(trainer).update(state)
+    return trainer
 
 
 class DriverAccelerator:

@@ -396,3 +396,46 @@ def test_a_search_over_hosted_model_init_trials_runs_on_pooled_workers_and_prune
         logged = json.load(f)["log_history"]
     rates = {h["learning_rate"] for h in logged if "learning_rate" in h}
     assert rates == {best.hyperparameters["learning_rate"]}  # the trial's (a constant schedule)
+
+
+@pytest.mark.timeout(420)
+def test_a_ray_tune_search_over_hosted_trials_trains_each_trial_with_its_hyperparameters(tmp_path):
+    """backend="ray": each Tune trial actor gets a copy of the hosted trainer (no group, no pusher, no
+    object-store reference of the driver's), and its trial trains on 2 workers with the trial's learning rate,
+    evaluates, and commits its checkpoint in its own run-<id> folder."""
+    tune = pytest.importorskip("ray.tune")
+    import transformers
+
+    import raytrainer
+
+    Trainer = raytrainer.on_ray(_weighted_loss_trainer())
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=2, max_steps=4,
+                eval_strategy="steps", eval_steps=2, save_steps=4, logging_steps=1, report_to="none",
+                use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")
+
+    def model_init():  # by value: the Tune trial actors and the workers need not import this module
+        import torch
+
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=63, n_positions=64,
+                                         num_labels=3, pad_token_id=0)
+        return transformers.GPT2ForSequenceClassification(config)
+
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=_labelled(64), eval_dataset=_labelled(16))
+    rates = [1e-2, 3e-3]
+    best = trainer.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.grid_search(rates)},
+                                         n_trials=1, backend="ray", max_concurrent_trials=1)
+    assert best.hyperparameters["learning_rate"] in rates
+    seen = []
+    for folder in sorted(tmp_path.glob("run-*")):
+        summary = raytrainer.search.TrialSummary.load(str(folder))
+        assert summary.global_step == 4 and [e["step"] for e in summary.evaluations] == [2, 4], folder
+        assert (folder / "checkpoint-4" / "manifest.json").exists()
+        with open(folder / "checkpoint-4" / "trainer_state.json") as f:
+            rates_logged = {h["learning_rate"] for h in json.load(f)["log_history"] if "learning_rate" in h}
+        assert rates_logged == {summary.hyperparameters["learning_rate"]}
+        seen.append(summary.hyperparameters["learning_rate"])
+    assert sorted(seen) == sorted(rates)
+    assert best.objective == pytest.approx(min(
+        raytrainer.search.TrialSummary.load(str(f)).objective for f in tmp_path.glob("run-*")))

@@ -104,3 +104,19 @@ def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_
 
 def _model():
     return None
+
+
+def test_a_hosted_trainer_pickles_without_this_process_s_group_pusher_and_payload_reference(tmp_path):
+    """A Ray Tune trial actor gets a copy of the hosted trainer: what only this process can hold stays."""
+    import cloudpickle
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
+    trainer = raytrainer.on_ray(transformers.Trainer)(model_init=_model, args=args)
+    vars(trainer).update(_group=threading.Lock(), _hub=threading.Lock(), _model=object())
+    trainer._recipe.ref = ["a reference this process owns"]
+    copy = cloudpickle.loads(cloudpickle.dumps(trainer))
+    assert "_group" not in vars(copy) and "_model" not in vars(copy) and copy._hub is None
+    assert copy._recipe.ref is None and copy._recipe.payload == trainer._recipe.payload
+    assert copy.args.num_workers == 2 and copy.model_init is not None
+    assert trainer._recipe.ref == ["a reference this process owns"]  # the original keeps its own
