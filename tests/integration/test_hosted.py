@@ -422,7 +422,8 @@ def test_a_ray_tune_search_over_hosted_trials_trains_each_trial_with_its_hyperpa
                                          num_labels=3, pad_token_id=0)
         return transformers.GPT2ForSequenceClassification(config)
 
-    trainer = Trainer(model_init=model_init, args=args, train_dataset=_labelled(64), eval_dataset=_labelled(16))
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=_labelled(64),
+                      eval_dataset=_labelled(16))
     rates = [1e-2, 3e-3]
     best = trainer.hyperparameter_search(hp_space=lambda _: {"learning_rate": tune.grid_search(rates)},
                                          n_trials=1, backend="ray", max_concurrent_trials=1)
