@@ -218,7 +218,7 @@ class HostedTrainer:
         recipe_args, recipe_kwargs = _replace_args(signature, *self._constructor, args)
         vars(trial).update({k: v for k, v in vars(self).items() if k not in ("_group", "_model", "_hub")})
         vars(trial).update(
-            args=args, state=TrainerState(),
+            args=args, state=TrainerState(), _hub=None,
             callback_handler=CallbackHandler([*self.callback_handler.callbacks, *callbacks], flow=False),
             _recipe=Recipe.make(self.hosted_class, recipe_args, recipe_kwargs))
         return trial
