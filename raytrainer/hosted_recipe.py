@@ -65,12 +65,13 @@ class Recipe:
 
     @classmethod
     def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
-        from raytrainer.hub import token_withheld
-
         targs = _find_args(inspect.signature(trainer_cls.__init__),
                            inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
-        with token_withheld(targs):  # the hub token stays on the driver, which pushes
+        token, targs.hub_token = targs.hub_token, None  # the hub token stays on the driver, which pushes
+        try:
             payload = _pickled(trainer_cls, args, kwargs)
+        finally:
+            targs.hub_token = token
         return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
 
     def for_command(self) -> tuple[bytes, list]:

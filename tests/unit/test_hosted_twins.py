@@ -120,3 +120,14 @@ def test_a_hosted_trainer_pickles_without_this_process_s_group_pusher_and_payloa
     assert copy._recipe.ref is None and copy._recipe.payload == trainer._recipe.payload
     assert copy.args.num_workers == 2 and copy.model_init is not None
     assert trainer._recipe.ref == ["a reference this process owns"]  # the original keeps its own
+
+
+def test_the_recipe_leaves_the_hub_token_on_the_driver(tmp_path):
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True,
+                hub_token="hf_planted_token_1234")
+    recipe = Recipe.make(transformers.Trainer, (), {"args": args, "model_init": _model})
+    assert b"hf_planted_token_1234" not in recipe.payload
+    assert args.hub_token == "hf_planted_token_1234"  # the caller's arguments, untouched
+    _, _, _, plain, given = recipe.unpack()
+    assert plain.hub_token is None and given.hub_token is None and plain.push_to_hub is False
