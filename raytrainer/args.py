@@ -545,3 +545,13 @@ def _normalized(value):
         return sorted(str(v) for v in value)
     return value
 
+
+@contextlib.contextmanager
+def token_withheld(args):
+    """``args.hub_token`` is None meanwhile: for pickling what the workers receive (the token stays on the
+    driver, which pushes; raytrainer/hub)."""
+    token, args.hub_token = args.hub_token, None
+    try:
+        yield
+    finally:
+        args.hub_token = token

@@ -13,7 +13,7 @@ from typing import Any
 
 import cloudpickle
 
-from raytrainer.args import RayArgumentsMixin
+from raytrainer.args import RayArgumentsMixin, token_withheld
 
 
 def base_config_class(args) -> type:
@@ -67,11 +67,8 @@ class Recipe:
     def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
         targs = _find_args(inspect.signature(trainer_cls.__init__),
                            inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
-        token, targs.hub_token = targs.hub_token, None  # the hub token stays on the driver, which pushes
-        try:
+        with token_withheld(targs):  # the hub token stays on the driver, which pushes
             payload = _pickled(trainer_cls, args, kwargs)
-        finally:
-            targs.hub_token = token
         return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
 
     def for_command(self) -> tuple[bytes, list]:

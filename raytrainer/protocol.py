@@ -109,12 +109,14 @@ class CheckpointCommitted:
 
 @dataclass(frozen=True)
 class CheckpointPart:
-    """One rank's share of a hosted trainer's checkpoint ``name`` is in storage: its files (name -> size and
-    sha256), and how many parts the checkpoint has; the driver commits it when all have come
-    (worker/hosted_commit.py). Rank 0's part carries the best checkpoint's name and metric."""
+    """One rank's share of a hosted trainer's checkpoint ``name`` (at ``uri``) is in storage: its files
+    (name -> size and sha256), and how many parts the checkpoint has; the driver commits it when all have
+    come (worker/hosted_commit.py), and the channel then offers it to a restart (``Attempt``). Rank 0's part
+    carries the best checkpoint's name and metric."""
 
     name: str
     step: int
+    uri: str
     files: dict
     parts: int
     best_model_checkpoint: str | None = None

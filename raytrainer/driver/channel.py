@@ -40,6 +40,7 @@ class Channel:
         self._results: dict[int, RankResult] = {}
         self._attempts = 0
         self._latest_checkpoint: str | None = None
+        self._parts: dict[str, int] = {}  # a hosted trainer's checkpoints: parts in storage so far, by URI
         self._stop = False
         self._decisions: dict[tuple[int, int], bool] = {}  # (attempt, evaluation number) -> stop
 
@@ -106,6 +107,11 @@ class Channel:
         for event in events:
             if event.kind is Kind.CHECKPOINT:
                 self._latest_checkpoint = event.payload.uri
+            elif event.kind is Kind.CHECKPOINT_PART:  # whole once every part is in storage
+                part = event.payload
+                self._parts[part.uri] = self._parts.get(part.uri, 0) + 1
+                if self._parts[part.uri] == part.parts:
+                    self._latest_checkpoint = part.uri
 
     async def begin_attempt(self) -> Attempt:
         """Called by rank 0 once per start of the current command (again after Ray Train restarted the

@@ -39,7 +39,7 @@ class CheckpointRegistry:
         write_manifest(self.storage, part.name, [p.files for p in parts], part.step)
         best = next((p for p in parts if p.best_model_checkpoint), None)
         self.add(CheckpointCommitted(
-            part.name, part.step, self.storage.uri_of(part.name),
+            part.name, part.step, part.uri,
             self.storage.uri_of(best.best_model_checkpoint) if best else None, best and best.best_metric))
 
     def add(self, info: CheckpointCommitted) -> None:

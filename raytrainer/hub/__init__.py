@@ -12,10 +12,10 @@ Trainer the workers receive, hidden in ``training_args.json`` (``to_dict``), and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
+from raytrainer.args import token_withheld
 from raytrainer.hub.pusher import HubPusher
 from raytrainer.hub.targets import FilesystemTarget, HuggingFaceTarget, target_for
 
@@ -57,16 +57,6 @@ def finish_training(pusher: HubPusher | None, registry) -> None:
     if failures:
         logger.warning("hub: %d push(es) to %s failed; the checkpoints are kept in storage:\n  %s",
                        len(failures), pusher.target.name, "\n  ".join(failures))
-
-
-@contextlib.contextmanager
-def token_withheld(args):
-    """``args.hub_token`` is None meanwhile: for pickling the Trainer that the workers receive."""
-    token, args.hub_token = args.hub_token, None
-    try:
-        yield
-    finally:
-        args.hub_token = token
 
 
 def push_to_hub(trainer, commit_message: str | None = "End of training", blocking: bool = True,

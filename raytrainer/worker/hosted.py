@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.logs import rank_logging
@@ -40,8 +39,10 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
         attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
         session.attempt = attempt.number
-        if method == "train" and attempt.number > 0:
-            kwargs = _resume_after_restart(trainer, ctx, attempt.number, kwargs)
+        if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
+            if ctx.is_world_zero:  # the latest checkpoint this command committed (driver/channel.py)
+                logger.warning("restart %d: resuming from %s", attempt.number, attempt.latest_checkpoint)
+            kwargs = {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
         if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
@@ -84,21 +85,3 @@ def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
     trainer.remove_callback(HostedStopCallback)
     if stops:
         trainer.add_callback(HostedStopCallback(session.channel, session.ctx, session.attempt))
-
-
-def _resume_after_restart(trainer, ctx, attempt: int, kwargs: dict) -> dict:
-    """A restarted group (a worker was lost) resumes from the latest committed checkpoint in storage."""
-    from raytrainer.checkpoint import committed_checkpoints
-    from raytrainer.worker.hosted_commit import CommitCallback
-
-    latest = None
-    if ctx.is_world_zero:
-        storage = next(c for c in trainer.callback_handler.callbacks if isinstance(c, CommitCallback)).storage
-        found = committed_checkpoints(storage)
-        latest = storage.uri_of(os.path.basename(found[-1][1])) if found else None
-    latest = ctx.broadcast_object(latest)
-    if latest is None:
-        return kwargs
-    if ctx.is_world_zero:
-        logger.warning("restart %d: resuming from %s", attempt, latest)
-    return {**kwargs, "resume_from_checkpoint": latest}

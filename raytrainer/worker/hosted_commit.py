@@ -28,17 +28,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from raytrainer.checkpoint import digest_files
 from raytrainer.protocol import CheckpointPart, Kind
 from raytrainer.storage import Storage
+from raytrainer.worker.checkpointing import _walk
 
 logger = logging.getLogger(__name__)
-
-
-def _listing(folder: str) -> list[str]:
-    if not os.path.isdir(folder):
-        return []
-    out = []
-    for root, _dirs, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
-    return sorted(out)
 
 
 def assign(listings: list[list[str] | None]) -> list[list[str]]:
@@ -69,7 +61,7 @@ class CommitCallback(TrainerCallback):
         name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         folder = os.path.join(args.output_dir, name)
         self.ctx.barrier()  # every rank's files of this save are written
-        listing = _listing(folder) if self.ctx.is_local_zero else None
+        listing = sorted(_walk(folder)) if self.ctx.is_local_zero else None  # [] where the node has none
         listings = self.ctx.gather_object(listing)
         shares = self.ctx.broadcast_object(assign(listings) if self.ctx.is_world_zero else None)
         mine = shares[self.ctx.rank]
@@ -77,7 +69,8 @@ class CommitCallback(TrainerCallback):
             return
         best = state.best_model_checkpoint if self.ctx.is_world_zero else None
         parts = sum(1 for share in shares if share)
-        info = dict(name=name, step=state.global_step, parts=parts, best_metric=state.best_metric,
+        info = dict(name=name, step=state.global_step, uri=self.storage.uri_of(name), parts=parts,
+                    best_metric=state.best_metric,
                     best_model_checkpoint=os.path.basename(best) if best else None)
         self._thread = threading.Thread(target=self._commit, args=(folder, mine, info), daemon=True,
                                         name=f"raytrainer-commit-{name}")

@@ -46,10 +46,10 @@ def test_the_driver_commits_when_the_last_part_has_come_and_rotates(tmp_path):
         name = f"checkpoint-{step}"
         zero = _save(tmp_path, name, {"model.safetensors": b"w" * step, "trainer_state.json": b"{}"})
         two = _save(tmp_path, name, {"rng_state_2.pth": b"r"})
-        registry.add_part(CheckpointPart(name, step, zero, parts=2, best_model_checkpoint="checkpoint-2",
-                                         best_metric=0.5))
+        registry.add_part(CheckpointPart(name, step, str(tmp_path / name), zero, parts=2,
+                                         best_model_checkpoint="checkpoint-2", best_metric=0.5))
         assert not (tmp_path / name / "manifest.json").exists()  # one part of two: not committed yet
-        registry.add_part(CheckpointPart(name, step, two, parts=2))
+        registry.add_part(CheckpointPart(name, step, str(tmp_path / name), two, parts=2))
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert sorted(manifest["files"]) == ["model.safetensors", "rng_state_2.pth", "trainer_state.json"]
         assert manifest["global_step"] == step
