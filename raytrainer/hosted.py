@@ -120,13 +120,12 @@ class HostedTrainer:
 
     # -- what scripts call ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        from raytrainer import hub
         from raytrainer.callbacks import state_from_dict
+        from raytrainer.driver.registry import CheckpointRegistry
 
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        from raytrainer import hub
-        from raytrainer.driver.registry import CheckpointRegistry
-
         vars(self).pop("_model", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
@@ -198,15 +197,11 @@ class HostedTrainer:
                                      hp_name, **kwargs)
 
     def call_model_init(self, trial=None):
-        """transformers' ``call_model_init``, on the driver (a search asks it for the suggestions that
-        ``model_init`` makes, on the meta device)."""
-        n_args = len(inspect.signature(self.model_init).parameters)
-        if n_args > 1:
-            raise RuntimeError("model_init should have 0 or 1 argument.")
-        model = self.model_init(trial) if n_args == 1 else self.model_init()
-        if model is None:
-            raise RuntimeError("model_init should not return None.")
-        return model
+        """raytrainer's own ``Trainer.call_model_init``, on the driver (a search asks it for the suggestions
+        that ``model_init`` makes, on the meta device)."""
+        from raytrainer.trainer import Trainer
+
+        return Trainer.call_model_init(self, trial)
 
     def for_trial(self, args, callbacks: list):
         """A copy of this trainer for one search trial: the trial's arguments (and its own output_dir), the
