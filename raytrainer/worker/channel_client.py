@@ -3,6 +3,7 @@ in batches, recording a deterministic failure, handing back the rank's result.""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import ray
@@ -12,7 +13,8 @@ from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, RankResult
 
 class ChannelClient:
     """A rank's end of the channel: buffers events and flushes every ``interval`` seconds or when asked;
-    every other call is one round trip to the channel actor (raytrainer.protocol lists the messages)."""
+    every other call is one round trip to the channel actor (raytrainer.protocol lists the messages). Events
+    may be sent from several threads (a hosted trainer's checkpoint commit sends from its own)."""
 
     def __init__(self, handle, rank: int, interval: float = 0.2):
         self.handle = handle
@@ -20,17 +22,20 @@ class ChannelClient:
         self.interval = interval
         self._buffer: list = []
         self._last = time.monotonic()
+        self._lock = threading.Lock()
 
     def send(self, kind: Kind, payload, urgent: bool = False) -> None:
-        self._buffer.append(Event(kind, self.rank, payload))
+        with self._lock:
+            self._buffer.append(Event(kind, self.rank, payload))
         if urgent or time.monotonic() - self._last >= self.interval:
             self.flush()
 
     def flush(self) -> None:
-        if self._buffer:
-            self.handle.put.remote(self._buffer)
-            self._buffer = []
-        self._last = time.monotonic()
+        with self._lock:  # submitted in order (``remote`` only queues the call)
+            if self._buffer:
+                self.handle.put.remote(self._buffer)
+                self._buffer = []
+            self._last = time.monotonic()
 
     def begin_attempt(self) -> Attempt:
         return ray.get(self.handle.begin_attempt.remote())
