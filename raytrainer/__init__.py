@@ -36,6 +36,7 @@ _EXPORTS = {
     "PredictionOutput": "raytrainer.trainer_utils",
     "TrainOutput": "raytrainer.trainer_utils",
     "set_seed": "raytrainer.trainer_utils",
+    "shutdown": "raytrainer.driver.group",
 }
 
 __all__ = sorted(_EXPORTS)

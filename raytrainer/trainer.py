@@ -224,8 +224,10 @@ class Trainer(DataLoadersMixin):
     def close(self) -> None:
         """End this Trainer's worker group: its Ray Train workers stop and release their resources. The
         group otherwise stays up between calls -- ``train``, ``evaluate``, ``predict`` run on the same
-        workers -- until the Trainer is garbage collected or the interpreter exits. A later call starts a
-        new group. Nothing to do with ``num_workers=0``."""
+        workers -- and passes to another Trainer of this process with the same shape while it is idle (a
+        garbage-collected Trainer leaves it idle for the next one); idle groups end after
+        ``driver.group.IDLE_TIMEOUT_S``, with ``raytrainer.shutdown()``, or at exit. A later call takes an
+        idle group again or starts a new one. Nothing to do with ``num_workers=0``."""
         group = self.__dict__.pop("_group", None)
         if group is not None:
             group.close()

@@ -7,11 +7,17 @@ reference of its spec (the pickled Trainer and the arguments); each rank answers
 -- Ray Train's controller, the worker processes, their imports, the process group -- is paid once per
 group, not once per call.
 
-A group ends with ``Trainer.close()`` (or the ``with`` block, the Trainer's garbage collection, the end of
-the interpreter), after a deterministic failure, or when a call needs another group (``group_key``: world
-size, resources, strategy, backend). Ray Train's fault tolerance is unchanged: a worker lost during a
-command restarts the group (``max_failures`` counts over the group's life) and the command runs again,
-``train`` resuming from the checkpoint it last committed.
+A group ends with ``Trainer.close()`` (or the ``with`` block, the end of the interpreter, ``shutdown()``),
+after a deterministic failure, or when a call needs another group (``group_key``: world size, resources,
+strategy, backend). Groups are shared by the Trainers of a process (``idle_group_for``): a Trainer that is
+garbage collected leaves its group idle for the next Trainer of the same shape -- a notebook's next cell, a
+second Trainer in a script -- for ``IDLE_TIMEOUT_S``; and where the cluster has no room for another group, a
+new Trainer takes an idle group another Trainer holds instead of closing it and starting its own. The warm
+workers reset their process state between commands (worker/entry.py), so a command runs as on a new group.
+
+Ray Train's fault tolerance is unchanged: a worker lost during a command restarts the group
+(``max_failures`` counts over the group's life) and the command runs again, ``train`` resuming from the
+checkpoint it last committed.
 
 Everything Ray is the group's backend (driver/ray_train.py's ``RayBackend`` by default): a test gives the
 group an in-process backend that replays recorded worker messages, and so exercises the driver's logic
@@ -33,6 +39,9 @@ from raytrainer.protocol import Method, RankResult, Spec
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the groups of this process that are running
+
+#: How long a group no Trainer holds stays up for the next Trainer of the same shape.
+IDLE_TIMEOUT_S = 600.0
 
 
 def group_key(args) -> tuple:
@@ -66,7 +75,8 @@ class WorkerGroup:
         self._ended: BaseException | None = None  # how the run ended, once it has
         self._commands = itertools.count(1)
         self.started_at: float | None = None
-        self.finalizer = None  # closes the group with the Trainer that owns it (attach)
+        self.finalizer = None  # leaves the group idle when the Trainer that holds it is collected (attach)
+        self.owner = None  # a weak reference to that Trainer
         self.busy = False  # running a command
         self.lent = False  # lent to a search trial (GroupPool)
         self.last_used = 0.0
@@ -87,14 +97,11 @@ class WorkerGroup:
     def start(self, datasets: dict | None = None) -> None:
         self.backend.prepare(self.args, datasets)
         _close_unreachable_groups()
-        root = self.ray_folder
-        for other in list(_LIVE):
-            if other is not self and not other.busy and not other.lent and other.ray_folder == root:
-                # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two
-                # live runs in one folder corrupt each other's (a checkpoint one rotated away is listed).
-                logger.info("%s: closing %s, whose Ray Train run folder is the same (%s)", self.name,
-                            other.name, root)
-                other.close()
+        # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two live
+        # runs in one folder corrupt each other's. One whose folder another live group has (a Trainer of the
+        # same output_dir, or one whose group passed to another Trainer) gets a folder of its own beside it.
+        if any(other is not self and other.ray_folder == self.ray_folder for other in _LIVE):
+            self.ray_folder = f"{self.ray_folder}-{self.name}"
         _make_room(self.args, self.backend, exclude=self)
         self.channel = self.backend.channel()
         self.started_at = time.time()
@@ -237,18 +244,80 @@ def _close_before_ray_exits() -> None:
 
 
 def attach(trainer, group: WorkerGroup) -> None:
-    """Make ``group`` the Trainer's: closed with it (``close()``, garbage collection, interpreter exit)."""
+    """Make ``group`` the Trainer's until its ``close()``, or until another Trainer of this process takes it
+    while it is idle (``idle_group_for``). When the Trainer is garbage collected the group is left idle for
+    the next one -- except a hosted trainer's, which closes: its ranks hold the trainer they built."""
     trainer.__dict__["_group"] = group
-    group.finalizer = weakref.finalize(trainer, group.close)
+    group.owner = weakref.ref(trainer)
+    if _is_hosted(trainer):
+        group.finalizer = weakref.finalize(trainer, group.close)
+    else:
+        group.finalizer = weakref.finalize(trainer, _left_idle, group)
+        group.finalizer.atexit = False  # at exit every live group closes (_close_before_ray_exits)
 
 
 def detach(trainer) -> WorkerGroup | None:
     """Take the Trainer's group away from it, alive: closing the Trainer no longer closes it."""
     group = trainer.__dict__.pop("_group", None)
-    if group is not None and group.finalizer is not None:
-        group.finalizer.detach()
-        group.finalizer = None
+    if group is not None:
+        if group.finalizer is not None:
+            group.finalizer.detach()
+        group.finalizer = group.owner = None
     return group
+
+
+def _is_hosted(trainer) -> bool:
+    return hasattr(type(trainer), "hosted_class")
+
+
+def _holder(group: WorkerGroup):
+    """The Trainer that holds ``group``, if it is alive."""
+    return group.owner() if group.owner is not None else None
+
+
+def _left_idle(group: WorkerGroup) -> None:
+    """No Trainer holds ``group`` now: it waits ``IDLE_TIMEOUT_S`` for another, then closes."""
+    group.finalizer = group.owner = None
+    group.last_used = stamp = time.time()
+    timer = threading.Timer(IDLE_TIMEOUT_S, _close_if_still_idle, (weakref.ref(group), stamp))
+    timer.daemon = True
+    timer.start()
+
+
+def _close_if_still_idle(ref, stamp: float) -> None:
+    group = ref()
+    if group is not None and group.owner is None and not group.busy and not group.lent \
+            and group.last_used == stamp:
+        logger.info("closing %s: idle for %.0fs with no Trainer", group.name, IDLE_TIMEOUT_S)
+        group.close()
+
+
+def idle_group_for(trainer, backend) -> WorkerGroup | None:
+    """A live group of this process that is idle and has the shape ``trainer``'s arguments need (the same
+    ``group_key``, the same kind of backend), taken from where it is: one no Trainer holds, most recently
+    used first; else the one another Trainer used least recently -- that Trainer's next call takes an idle
+    group again the same way, or starts one. A hosted trainer's group stays with it (its ranks hold the
+    trainer they built). ``None`` when there is none."""
+    key = group_key(trainer.args)
+    fits = [g for g in _LIVE if g.alive and not g.busy and not g.lent and g.key == key
+            and g.backend == backend and _holder(g) is not trainer]
+    free = sorted((g for g in fits if _holder(g) is None), key=lambda g: g.last_used)
+    held = sorted((g for g in fits if _holder(g) is not None and not _is_hosted(_holder(g))),
+                  key=lambda g: g.last_used)
+    if not free and not held:
+        return None
+    group = free[-1] if free else held[0]
+    if not free:
+        logger.info("%s passes from one Trainer to another (warm workers of the same shape)", group.name)
+        detach(_holder(group))
+    group.finalizer = group.owner = None
+    return group
+
+
+def shutdown() -> None:
+    """Close every worker group of this process now, idle ones included (Ray itself stays up). Groups
+    otherwise end with their Trainer's ``close()``, after ``IDLE_TIMEOUT_S`` with no Trainer, or at exit."""
+    _close_live_groups()
 
 
 class GroupPool:
@@ -278,6 +347,10 @@ class GroupPool:
         for g in unfit:  # their workers hold what the new group needs
             g.close()
         if group is None:
+            from raytrainer.driver.ray_train import RayBackend
+
+            group = idle_group_for(trainer, RayBackend())  # a warm group of this process
+        if group is None:
             # a Ray Train run folder of its own inside the search's (live runs must not share one)
             search = Storage.for_run(self.search_args)
             group = WorkerGroup(args, ray_folder=search.state(f"group-{next(self._numbers)}").root)
@@ -296,7 +369,13 @@ class GroupPool:
                 self._idle.append(group)
 
     def close(self) -> None:
+        """The search is over: its groups stay up, idle, for the next Trainer of this process (the final
+        training run with the best hyperparameters), as a collected Trainer's do."""
         with self._lock:
             groups, self._idle, self._lent = self._idle + self._lent, [], []
         for group in groups:
-            group.close()
+            group.lent = False
+            if group.alive:
+                _left_idle(group)
+            else:
+                group.close()

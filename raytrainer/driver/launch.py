@@ -14,7 +14,8 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
     """Run ``method`` on the Trainer's live worker group (started now if it has none, or none that fits the
     arguments); return rank 0's result. A Ray Data training set is given to Ray Train at the start of a
     run, so that ``train()`` runs on a group of its own, closed after it."""
-    from raytrainer.driver.group import WorkerGroup, attach
+    from raytrainer.driver.group import WorkerGroup, attach, idle_group_for
+    from raytrainer.driver.ray_train import RayBackend
 
     args = trainer.args
     datasets = _ray_datasets(trainer, spec, method)
@@ -23,6 +24,10 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
     if group is not None and (datasets or not group.usable_for(args)):
         group.close()  # its workers hold the resources the next group needs
         group = None
+    if group is None and not datasets:
+        group = idle_group_for(trainer, backend or RayBackend())  # a warm group of this process
+        if group is not None:
+            attach(trainer, group)
     if group is None:
         group = WorkerGroup(args, backend=backend)
         group.start(datasets)  # refused here, before the Trainer holds it, when the cluster cannot hold it

@@ -19,6 +19,12 @@ logger = logging.getLogger(__name__)
 class RayBackend:
     """Worker groups as Ray Train runs on the Ray cluster the arguments name (or a local instance)."""
 
+    def __eq__(self, other) -> bool:  # no state of its own: every RayBackend is the same Ray
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
     def prepare(self, args, datasets: dict | None) -> None:
         """Before a group starts: Ray up, and the cluster able to hold the group (refused or waited for)."""
         from raytrainer.driver import ray_runtime, resources

@@ -34,7 +34,7 @@ def worker_main(config: dict) -> None:
     from raytrainer.hosted_recipe import Recipe
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
-    from raytrainer.worker.hosted import run_hosted
+    from raytrainer.worker.hosted import forget_hosted, run_hosted
     from raytrainer.worker.place import as_on_the_driver
     from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
@@ -55,6 +55,8 @@ def worker_main(config: dict) -> None:
         try:
             # a Recipe: a transformers.Trainer subclass run by transformers' own loop (raytrainer/hosted.py)
             hosted = isinstance(trainer, Recipe)
+            if not hosted:
+                forget_hosted()  # the group passed from a hosted trainer's search to a plain Trainer
             run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
             with as_on_the_driver(spec.cwd, spec.paths):  # relative paths mean what they mean there
                 result = run(trainer, session, command.method.value, spec.kwargs)

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 _LIVE: dict = {}
 
 
+def forget_hosted() -> None:
+    """Free the trainer this worker keeps (a plain Trainer's command runs on the group now)."""
+    _LIVE.clear()
+
+
 def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload: list = ()) -> RankResult:
     """``method`` of this rank's trainer for ``recipe`` (built now, from the ``payload`` fetched from the
     object store, if this worker has not got it)."""

@@ -40,7 +40,11 @@ def ray_session(s3_server):
 
 @pytest.fixture(autouse=True)
 def _integration(ray_session):
+    """Each test is a script of its own: the worker groups it left idle end with it (raytrainer.shutdown)."""
     yield
+    import raytrainer
+
+    raytrainer.shutdown()
 
 
 def pytest_collection_modifyitems(items):

@@ -14,6 +14,7 @@ import torch
 from models import DieOnceInEvaluation, DropoutRegressor, Journal, RecordPid, Regressor, make_data
 from safetensors.torch import load_file
 
+import raytrainer
 from raytrainer import Trainer, TrainingArguments
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -90,6 +91,48 @@ def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_pa
     assert run_actors() <= before_actors and placement_groups() <= before_groups
 
 
+def test_a_second_trainer_runs_on_the_first_ones_group_as_on_a_fresh_group(tmp_path, ray_session):
+    """A script's second Trainer of the same shape (another model, output_dir and seed) trains and evaluates
+    on the first one's idle group -- the same two worker processes -- and ends with bitwise the weights and
+    the metrics of the same Trainer on a fresh group; ``raytrainer.shutdown()`` leaves no actor or placement
+    group."""
+    workers, run_actors, placement_groups = _state(ray_session)
+    before_actors, before_groups = run_actors(), placement_groups()
+    data, held_out = make_data(64), make_data(20, seed=4)
+    first = Trainer(model=Regressor(seed=3), args=_args(tmp_path, "first"), train_dataset=data,
+                    eval_dataset=held_out)
+    first.train()
+    pids = workers()
+    assert len(pids) == 2
+
+    def second(name: str) -> Trainer:
+        args = _args(tmp_path, name, learning_rate=0.05, seed=11)
+        return Trainer(model=DropoutRegressor(seed=5), args=args, train_dataset=data, eval_dataset=held_out)
+
+    shared = second("shared")
+    shared.train()
+    assert workers() == pids  # no new group: the first Trainer's, passed on
+    shared_metrics = shared.evaluate()
+    assert workers() == pids
+    assert "eval_loss" in first.evaluate() and workers() == pids  # taken back by the first
+
+    raytrainer.shutdown()
+    assert run_actors() <= before_actors and placement_groups() <= before_groups
+    fresh = second("fresh")
+    fresh.train()
+    assert set(workers()).isdisjoint(pids)  # a new group
+    fresh_metrics = fresh.evaluate()
+    assert (fresh_metrics["eval_loss"], fresh_metrics["epoch"]) == (shared_metrics["eval_loss"],
+                                                                    shared_metrics["epoch"])
+    shared_weights, fresh_weights = shared.model.state_dict(), fresh.model.state_dict()
+    assert shared_weights.keys() == fresh_weights.keys()
+    for key in shared_weights:
+        assert torch.equal(shared_weights[key], fresh_weights[key]), key
+    assert not torch.equal(shared_weights["net.0.weight"], first.model.state_dict()["net.0.weight"])
+    raytrainer.shutdown()
+    assert run_actors() <= before_actors and placement_groups() <= before_groups
+
+
 @pytest.mark.full  # the full tier: CI loses a worker during train (test_failures.py)
 def test_worker_lost_during_a_warm_evaluate_is_recovered(tmp_path, ray_session):
     """max_failures=1: rank 1 dies in the middle of evaluate() on the live group; Ray Train restarts the
@@ -151,7 +194,8 @@ def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_ses
     before_actors = run_actors()
     storage = f"sqlite:///{tmp_path}/pool.db"
     pooled_s = _search(tmp_path, "pool", 5, storage)
-    assert run_actors() <= before_actors  # the search closes its pool
+    raytrainer.shutdown()  # the search left its group idle for the script's next Trainer: closed now
+    assert run_actors() <= before_actors
     study = optuna.load_study(study_name="s", storage=storage)
     trials = study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE"] * 5

@@ -173,6 +173,45 @@ def test_the_group_stays_warm_across_calls_and_ends_with_close(tmp_path):
     assert not group.alive and backend.channels[0].killed and "_group" not in vars(trainer)
 
 
+def test_trainers_of_one_process_share_an_idle_group_and_shutdown_ends_it(tmp_path, monkeypatch):
+    """A second Trainer of the same shape runs on the first one's idle group (no second group starts); the
+    first takes it back for its next call; a collected Trainer leaves it idle for the next one, until
+    ``raytrainer.shutdown()``."""
+    import gc
+
+    import raytrainer
+    from raytrainer.driver import group as group_module
+
+    backend = FakeBackend({"train": _train_reply(tmp_path), "evaluate": _eval_reply()})
+    monkeypatch.setattr("raytrainer.driver.ray_train.RayBackend", lambda: backend)  # new groups: this one
+    first = _trainer(tmp_path, backend, save_strategy="no")
+    group = first.__dict__["_group"]
+    first.train()
+
+    args = TrainingArguments(output_dir=str(tmp_path / "second"), num_workers=2, report_to="none",
+                             disable_tqdm=True, per_device_eval_batch_size=4)
+    second = Trainer(model=Regression(), args=args, eval_dataset=_data(8))
+    assert second.evaluate() == {"eval_loss": 0.125}
+    assert second.__dict__["_group"] is group and "_group" not in vars(first)
+    assert first.evaluate() == {"eval_loss": 0.125}  # taken back: second is idle
+    assert first.__dict__["_group"] is group and "_group" not in vars(second)
+    # a Trainer of another shape does not take it
+    other = Trainer(model=Regression(), args=TrainingArguments(
+        output_dir=str(tmp_path / "other"), num_workers=3, report_to="none"), eval_dataset=_data(8))
+    assert group_module.idle_group_for(other, backend) is None
+
+    del first, second
+    gc.collect()
+    assert group.alive and group.owner is None  # idle, for the next Trainer of the same shape
+    third = Trainer(model=Regression(), args=args, eval_dataset=_data(8))
+    third.evaluate()
+    assert third.__dict__["_group"] is group
+    assert backend.prepared == backend.launched == 1  # one group served the three Trainers
+    assert [c.method for c in backend.commands] == [Method.TRAIN] + [Method.EVALUATE] * 3
+    raytrainer.shutdown()
+    assert not group.alive and backend.channels[0].killed
+
+
 def test_committed_checkpoints_reach_the_registry_which_rotates_them(tmp_path):
     # three real committed checkpoints in the run's folder, from a run in this process
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, save_steps=1, report_to="none",
