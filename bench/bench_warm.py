@@ -3,8 +3,10 @@
 The digits MLP (bench/_common.py), 1 epoch of training on 2 Ray workers (DDP), then, in the same process:
 
   warm      evaluate() and predict() on the Trainer's live worker group, ``--repeats`` times each
-  cold      evaluate() and predict() on a new Trainer holding the trained model: a new worker group each
-            (what every call cost before worker groups stayed up)
+  second    evaluate() and predict() on a new Trainer holding the trained model while the first one is alive
+            and idle: the group passes to it (a script's second Trainer, a notebook's next cell)
+  cold      the same after the first Trainer's close(): a new worker group each (what every call cost before
+            worker groups stayed up, and a second Trainer's first call before they were shared)
   local     transformers-style evaluation in this process (raytrainer with num_workers=0): the work itself
 
 "overhead" is a call's wall time minus its own ``*_runtime`` metric (the evaluation loop on rank 0). Prints
@@ -69,12 +71,21 @@ def main() -> None:
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
-    rows = {"warm evaluate": [], "warm predict": [], "cold evaluate": [], "cold predict": [],
-            "local evaluate": [], "local predict": []}
+    rows = {"warm evaluate": [], "warm predict": [], "second evaluate": [], "second predict": [],
+            "cold evaluate": [], "cold predict": [], "local evaluate": [], "local predict": []}
     for _ in range(a.repeats):
         rows["warm evaluate"].append(_timed(trainer.evaluate, "eval_runtime"))
         rows["warm predict"].append(_timed(lambda: trainer.predict(test), "test_runtime"))
     model = trainer.model
+    for i in range(a.repeats):  # each a new Trainer of the same shape; the first stays alive
+        second = Trainer(model=model, args=args(f"second{i}"), eval_dataset=test, data_collator=collate)
+        rows["second evaluate"].append(_timed(second.evaluate, "eval_runtime"))
+        second = Trainer(model=model, args=args(f"secondp{i}"), eval_dataset=test, data_collator=collate)
+        rows["second predict"].append(_timed(lambda s=second: s.predict(test), "test_runtime"))
+    del second
+    import raytrainer
+
+    raytrainer.shutdown()  # the group, wherever it is now
     trainer.close()
     for i in range(a.cold_repeats):
         with Trainer(model=model, args=args(f"cold{i}"), eval_dataset=test, data_collator=collate) as cold:
