@@ -226,6 +226,19 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_consolidate(args) -> int:
+    from raytrainer.consolidate import consolidate
+
+    try:
+        written = consolidate(args.checkpoint, args.out, args.max_shard_size)
+    except (ValueError, FileNotFoundError) as err:
+        raise CliError(str(err)) from None
+    out = args.out or args.checkpoint
+    for name in written:
+        print(f"{out.rstrip('/')}/{name}")
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------
 def _connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help=f"the Ray dashboard (Jobs API) URL; default $RAY_ADDRESS or "
@@ -258,13 +271,23 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: OUTPUT_DIR/plots)")
     plot.add_argument("--direction", choices=["minimize", "maximize"], default="minimize",
                       help="a search's objective direction, for the best-so-far curve (default: minimize)")
+    consolidate = sub.add_parser(
+        "consolidate", help="write a sharded checkpoint's model (FSDP's DCP shards, DeepSpeed ZeRO "
+                            "partitions) as safetensors that from_pretrained loads, tensor by tensor")
+    consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
+                             help="a checkpoint-<step> folder or .raytrainer/final-model (a path or a URI)")
+    consolidate.add_argument("out", metavar="OUT", nargs="?",
+                             help="where the files go (default: CHECKPOINT itself, when it is local)")
+    consolidate.add_argument("--max-shard-size", default="5GB",
+                             help="largest output file, as save_pretrained's max_shard_size (default: 5GB)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"submit": cmd_submit, "jobs": cmd_jobs, "plot": cmd_plot}[args.cmd](args)
+        return {"submit": cmd_submit, "jobs": cmd_jobs, "plot": cmd_plot,
+                "consolidate": cmd_consolidate}[args.cmd](args)
     except CliError as err:
         print(f"raytrainer: error: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from models import OneBiasRegressor, ReportEngine, make_data
+from safetensors.torch import load_file
 
 from raytrainer import Trainer, TrainingArguments
 
@@ -98,6 +99,16 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     assert "model.safetensors" in files and "optimizer.pt" not in files  # the engine's format instead
     partitions = sorted(f for f in files if f.startswith("global_step10/") and f.endswith("_optim_states.pt"))
     assert len(partitions) == 2, files  # one ZeRO optimizer partition per rank
+    # raytrainer consolidate: the weights from the partitions alone (DeepSpeed's converter), as saved
+    from raytrainer.consolidate import consolidate
+
+    assert consolidate(str(folder), str(tmp_path / "consolidated")) == ["model.safetensors"]
+    saved, made = load_file(folder / "model.safetensors"), load_file(tmp_path / "consolidated" /
+                                                                      "model.safetensors")
+    assert made.keys() == saved.keys()
+    for key in saved:  # the fp32 masters the partitions hold (bf16 training saved them cast)
+        tolerance = 1e-2 if bf16 else 0.0
+        assert torch.allclose(made[key].float(), saved[key].float(), atol=tolerance, rtol=0.0), key
 
     resumed = ReportEngine(
         model=OneBiasRegressor(), args=_args(tmp_path / "resumed", stage, bf16=bf16), train_dataset=data

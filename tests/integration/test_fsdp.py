@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -37,8 +38,6 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     assert losses[-1] < losses[0]
 
     # the optimizer state is saved sharded (DCP, one file per rank) beside consolidated weights
-    import json
-
     files = set(json.loads((tmp_path / "full" / "checkpoint-10" / "manifest.json").read_text())["files"])
     assert {"model.safetensors", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
             "optimizer_0/__1_0.distcp"} <= files and "optimizer.pt" not in files
@@ -102,6 +101,23 @@ def test_fsdp_model_init_initialises_each_rank_shard_of_a_transformers_model(tmp
     assert "initialising each rank's shard" not in console  # no fall-back to rank 0's build
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
+
+    # `raytrainer consolidate`: the two ranks' DCP shards of the final weights, a file of at most 100 KB at
+    # a time, into safetensors that from_pretrained loads -- equal to the trained model
+    from transformers import GPT2LMHeadModel
+
+    from raytrainer.cli import main
+
+    out = tmp_path / "consolidated"
+    final = tmp_path / ".raytrainer" / "final-model"
+    assert main(["consolidate", str(final), str(out), "--max-shard-size", "100KB"]) == 0
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+    trainer.model.config.save_pretrained(out)
+    expected = trainer.model.state_dict()
+    loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, tensor in loaded.items():
+        assert torch.equal(tensor, expected[key]), key
 
 
 @pytest.mark.timeout(300)
