@@ -37,10 +37,25 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
 
-    # the optimizer state is saved sharded (DCP, one file per rank) beside consolidated weights
+    # the model and the optimizer state are saved sharded (DCP, one file per rank each), nothing gathered:
+    # no consolidated model.safetensors or optimizer.pt; rank 0 still writes the small files
     files = set(json.loads((tmp_path / "full" / "checkpoint-10" / "manifest.json").read_text())["files"])
-    assert {"model.safetensors", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
-            "optimizer_0/__1_0.distcp"} <= files and "optimizer.pt" not in files
+    assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+            "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
+            "optimizer_0/__1_0.distcp", "trainer_state.json", "training_args.json", "scheduler.pt",
+            "rng_state_0.safetensors", "rng_state_1.safetensors"} <= files, files
+    assert "model.safetensors" not in files and "optimizer.pt" not in files, files
+    # the final checkpoint's shards, consolidated, are the trained model bitwise
+    from safetensors.torch import load_file
+
+    from raytrainer.consolidate import consolidate
+
+    assert consolidate(str(tmp_path / "full" / "checkpoint-18"), str(tmp_path / "merged")) == [
+        "model.safetensors"]
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == full.model.state_dict().keys()
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(merged[name], tensor), name
 
     # exact resume mid-epoch (step 10 = epoch 2, update 4 of 6) on 2 FSDP workers
     resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "resumed"), train_dataset=data)
@@ -57,6 +72,15 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     saved = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
     assert restored[:3] == saved[:3]  # steps 3, 6, 9 come back from the checkpoint's trainer state
     assert [s for s, _ in restored] == [3, 6, 9, 12, 15, 18]
+
+    # ... and on one worker without FSDP (a plain module filled from both ranks' shards): the same run
+    plain = Trainer(model=DropoutRegressor(), train_dataset=data,
+                    args=_args(tmp_path / "plain", num_workers=1, per_device_train_batch_size=8, fsdp="",
+                               fsdp_config=None))
+    assert plain.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-10")).global_step == 18
+    assert [(h["step"], h["loss"]) for h in plain.state.log_history if "loss" in h][:3] == saved[:3]
+    for name, tensor in single.model.state_dict().items():
+        torch.testing.assert_close(plain.model.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.full  # the full tier: CI runs examples/train_gpt2.py with an accelerate FSDP YAML
