@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -81,6 +82,44 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     assert [(h["step"], h["loss"]) for h in plain.state.log_history if "loss" in h][:3] == saved[:3]
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(plain.model.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_full_state_dict_checkpoints_are_consolidated_and_hold_what_the_sharded_ones_do(tmp_path):
+    """FULL_STATE_DICT: model.safetensors and optimizer.pt gathered on rank 0, no DCP folders; the same run
+    with SHARDED_STATE_DICT holds, consolidated from its shards, the same weights bit for bit. And
+    load_best_model_at_end brings the best sharded checkpoint's weights into the driver's model (DCP, one
+    process)."""
+    from safetensors.torch import load_file
+
+    from raytrainer.consolidate import consolidate
+
+    data, evals = make_data(48), make_data(8, seed=2)
+    runs = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        args = _args(tmp_path / kind, max_steps=10, eval_strategy="steps", eval_steps=5,
+                     load_best_model_at_end=True,
+                     fsdp_config={"transformer_layer_cls_to_wrap": ["Linear"], "state_dict_type": kind})
+        runs[kind] = Trainer(model=DropoutRegressor(), args=args, train_dataset=data, eval_dataset=evals)
+        runs[kind].train()
+    manifest = tmp_path / "FULL_STATE_DICT" / "checkpoint-10" / "manifest.json"
+    full = set(json.loads(manifest.read_text())["files"])
+    assert {"model.safetensors", "optimizer.pt"} <= full, full
+    assert not any(f.startswith(("pytorch_model_fsdp_0/", "optimizer_0/")) for f in full), full
+    consolidated = load_file(str(tmp_path / "FULL_STATE_DICT" / "checkpoint-10" / "model.safetensors"))
+    assert consolidate(str(tmp_path / "SHARDED_STATE_DICT" / "checkpoint-10"), str(tmp_path / "merged"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == consolidated.keys()
+    for name, tensor in consolidated.items():
+        assert torch.equal(merged[name], tensor), name
+
+    sharded = runs["SHARDED_STATE_DICT"]
+    best = sharded.state.best_model_checkpoint
+    assert best and os.path.exists(os.path.join(best, "pytorch_model_fsdp_0", ".metadata"))
+    assert consolidate(best, str(tmp_path / "best"))
+    expected = load_file(str(tmp_path / "best" / "model.safetensors"))
+    for name, tensor in sharded.model.state_dict().items():  # the driver's model, loaded lazily from DCP
+        assert torch.equal(tensor, expected[name]), name
 
 
 @pytest.mark.full  # the full tier: CI runs examples/train_gpt2.py with an accelerate FSDP YAML
