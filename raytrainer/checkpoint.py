@@ -369,8 +369,62 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
+#: FSDP's sharded model (SHARDED_STATE_DICT): DCP shards under the key ``model``, accelerate's folder name
+SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
+
+
+def _sharded_model(reader: CheckpointReader) -> bool:
+    return f"{SHARDED_MODEL_DIR}/.metadata" in reader.files
+
+
+def _dcp_storage_reader(reader: CheckpointReader):
+    """A DCP StorageReader of the checkpoint's sharded model, for one process (no process group): the local
+    folder, or ranged reads from a bucket."""
+    path = reader.storage.path(SHARDED_MODEL_DIR)
+    if reader.storage.is_local:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(path)
+    from raytrainer.dcp_storage import PyArrowReader
+
+    return PyArrowReader(reader.storage.fs, path, cache=None)
+
+
+def _sharded_shapes(reader: CheckpointReader) -> dict[str, tuple]:
+    """Name -> shape of the sharded model's tensors, from DCP's ``.metadata`` alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _dcp_storage_reader(reader).read_metadata()
+    return {key[len("model."):]: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata) and key.startswith("model.")}
+
+
+def load_sharded_model_into(model: torch.nn.Module, reader: CheckpointReader) -> None:
+    """The sharded model into a whole ``model`` in one process (the driver's load_best_model_at_end): DCP's
+    planner reads each tensor's bytes straight into the module's own tensors, which the whole checkpoint
+    must fill. The files are verified against the manifest first."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    for name in sorted(n for n in reader.files if n.startswith(f"{SHARDED_MODEL_DIR}/")):
+        reader.verify(name)
+    own, shapes = model.state_dict(), _sharded_shapes(reader)
+    if not loads_its_own_way(model):
+        check_fits(own, shapes, reader.uri)
+    state = {"model": {k: v for k, v in own.items() if k in shapes}}  # a tied twin stored once
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_dcp_storage_reader(reader), no_dist=True)
+    model.load_state_dict(state["model"], strict=False)
+
+
 def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """The checkpoint's consolidated weights (its safetensors files, or its DCP-sharded model put together
+    in memory: small models, tests and tools only -- a resume reads each rank's share instead)."""
     names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+    if not names and _sharded_model(reader):
+        return _sharded_weights(reader)
     if not names:
         raise CheckpointError(f"{reader.uri} holds no model weights (*.safetensors).")
     weights: dict[str, torch.Tensor] = {}
@@ -379,10 +433,30 @@ def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _sharded_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for name in sorted(n for n in reader.files if n.startswith(f"{SHARDED_MODEL_DIR}/")):
+        reader.verify(name)
+    metadata = _dcp_storage_reader(reader).read_metadata()
+    tensors = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata) and key.startswith("model.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": tensors}, storage_reader=_dcp_storage_reader(reader), no_dist=True)
+    return tensors
+
+
 def weight_shapes(reader: CheckpointReader) -> dict[str, tuple]:
     """Name -> shape of every tensor in the checkpoint's weight files, from the safetensors headers alone
     (a few kilobytes per file, whatever the model's size): what the driver checks a resume against."""
     names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+    if not names and _sharded_model(reader):  # DCP's .metadata holds every tensor's size
+        return _sharded_shapes(reader)
     shapes: dict[str, tuple] = {}
     for name in names:
         with reader.storage.fs.open_input_file(reader.storage.path(name)) as f:
@@ -438,6 +512,10 @@ def load_checkpoint_model(model: torch.nn.Module, reader: CheckpointReader) -> N
             raise CheckpointError(
                 f"{reader.uri} does not fit the model: adapter tensor {result.unexpected_keys[0]!r} has no "
                 "place in it (the checkpoint is from another LoRA configuration: target_modules or r).")
+        return
+    if _sharded_model(reader) and not any(n.endswith(".safetensors") and not n.startswith("rng_state")
+                                          for n in reader.files):
+        load_sharded_model_into(model, reader)
         return
     load_weights_into(model, model_weights(reader), reader.uri)
 

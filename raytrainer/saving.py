@@ -51,6 +51,33 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
     torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
 
 
+def save_model_metadata(model, output_dir: str, args) -> None:
+    """Everything ``save_model_files`` writes except the weights: a checkpoint whose model is held as each
+    rank's shard (FSDP's ``pytorch_model_fsdp_0/``) still has the model's ``config.json`` (architectures
+    naming the model's own class, not FSDP's subclass of it), its generation config, a custom-code
+    model's files, and the training arguments -- what ``raytrainer consolidate`` copies beside the
+    weights so the folder loads with ``from_pretrained``."""
+    os.makedirs(output_dir, exist_ok=True)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")),
+                   type(model))
+        config = copy.copy(config)
+        config.architectures = [own.__name__]
+        config.save_pretrained(output_dir)
+        if getattr(model, "_auto_class", None) is not None:  # custom code: its modules beside the config
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(model, output_dir, config=config)
+        generation = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", None)
+        if generation is not None and callable(can_generate) and can_generate():
+            generation.save_pretrained(output_dir)
+    with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
+        f.write(args.to_json_string())
+    torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
+
+
 def without_secrets(args):
     """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None), of
     a class ``pickle`` can name: the arguments' own, else the nearest base class that is (an arguments

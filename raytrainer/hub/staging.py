@@ -7,7 +7,8 @@ adapter's, and the training arguments (``training_args.bin`` as transformers, an
 transformers does. Training state -- ``optimizer.pt``, ``scheduler.pt``, ``rng_state_*``,
 ``trainer_state.json``, DCP optimizer folders, DeepSpeed ``global_step*`` folders and its ``latest`` -- is
 never read, so a model-only push of a large model's checkpoint moves the model's bytes, not the several
-times larger optimizer state.
+times larger optimizer state. An FSDP checkpoint whose model is each rank's DCP shard
+(``pytorch_model_fsdp_0/``, no consolidated weights) pushes that folder as it is.
 
 Files are streamed from the storage filesystem to the staging folder (``pyarrow.fs.copy_files``, in
 chunks): a file never sits whole in the driver's memory. Only a sharded model's index is read whole.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 
+from raytrainer.checkpoint import SHARDED_MODEL_DIR
 from raytrainer.storage import Storage
 
 # transformers' CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_NAME and PEFT's
@@ -37,6 +39,10 @@ def model_files(storage: Storage) -> list[str]:
         if index in present:
             weight_map = json.loads(storage.read_bytes(storage.path(index)))["weight_map"]
             wanted += [index, *sorted(set(weight_map.values()))]
+    if not any(name in present for name in ("model.safetensors", "pytorch_model.bin", *INDEX_FILES)):
+        # FSDP's SHARDED_STATE_DICT checkpoint: the model is its DCP shards, pushed as they are (accelerate's
+        # pytorch_model_fsdp_0/; `raytrainer consolidate` makes safetensors of them)
+        wanted += sorted(rel for rel in present if rel.startswith(f"{SHARDED_MODEL_DIR}/"))
     return [rel for rel in dict.fromkeys(wanted) if rel in present]
 
 

@@ -134,9 +134,14 @@ class Strategy:
     #: state is consolidated into optimizer.pt.
     sharded_state_dir: str | None = None
 
-    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
+    def saves_model_sharded(self, model) -> bool:
+        """Checkpoints hold ``model`` as each rank's shard in ``save_sharded``'s folders (no consolidated
+        weights, nothing gathered on rank 0)."""
+        return False
+
+    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str | list[str]:
         """Write this rank's part of the training state under ``folder`` (a collective); returns the
-        subfolder written."""
+        subfolder(s) written."""
         raise NotImplementedError
 
     def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:

@@ -1,12 +1,45 @@
-"""Sharded optimizer state through ``torch.distributed.checkpoint`` (DCP), in the folder layout accelerate
-uses for FSDP (``optimizer_0/``): every rank writes its own shards, and loading reshards them onto any
-number of ranks and any layout (FSDP on 2 workers -> FSDP or DDP on 1)."""
+"""Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP), in the folder layout
+accelerate uses for FSDP (``pytorch_model_fsdp_0/`` for the model, ``optimizer_0/`` for the optimizer): every
+rank writes its own shards, and loading reshards them onto any number of ranks and any layout (FSDP on 2
+workers -> FSDP or DDP on 1, or a plain module on the driver)."""
 
 from __future__ import annotations
 
 import os
 
+from raytrainer.checkpoint import SHARDED_MODEL_DIR
+
 OPTIMIZER_DIR = "optimizer_0"
+#: accelerate's (and transformers.Trainer's) folder for an FSDP model saved with SHARDED_STATE_DICT
+MODEL_DIR = SHARDED_MODEL_DIR
+
+
+def save_model(model, folder: str) -> str:
+    """This rank's shard of the model into ``folder/pytorch_model_fsdp_0`` (a collective), under the key
+    ``model`` as accelerate writes it; nothing is gathered."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, MODEL_DIR))
+    return MODEL_DIR
+
+
+def holds_sharded_model(files) -> bool:
+    return f"{MODEL_DIR}/.metadata" in files
+
+
+def load_model(model, reader, ctx) -> None:
+    """The checkpoint's ``pytorch_model_fsdp_0/`` into ``model`` (FSDP-sharded, DDP-wrapped or plain), as a
+    collective when a process group is up: each rank fills what it holds -- its own shards under FSDP, the
+    whole tensors otherwise -- reading only those bytes (see ``load_optimizer``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    loaded = {"model": get_model_state_dict(model)}  # the layout to fill: DTensor shards under FSDP
+    with reader.dcp_reader(MODEL_DIR, ctx) as storage_reader:
+        dcp.load(loaded, storage_reader=storage_reader, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, loaded["model"])
 
 
 def save_optimizer(model, optimizer, folder: str) -> str:

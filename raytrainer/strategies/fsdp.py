@@ -11,10 +11,13 @@ Chosen the HF way, with ``fsdp="full_shard auto_wrap offload"``-style options an
 
 The module is sharded in place (its class becomes an ``FSDPModule``); evaluation runs through it, so every
 rank takes part in each forward -- raytrainer's evaluation sharding gives every rank the same number of
-batches for that reason. Consolidated weights (for the driver, ``save_model`` and every checkpoint's
-``model.safetensors``) come from ``torch.distributed.checkpoint.state_dict`` with ``full_state_dict=True``.
-The optimizer state goes into checkpoints sharded, through DCP (``fsdp_config["state_dict_type"]``
-``SHARDED_STATE_DICT``, the default), or consolidated (``FULL_STATE_DICT``).
+batches for that reason. Checkpoints (``fsdp_config["state_dict_type"]``): ``SHARDED_STATE_DICT``, the
+default, holds the model and the optimizer state as each rank's shards, written by every rank through DCP
+into ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (accelerate's layout) -- nothing is gathered; a resume
+reads each rank's share, resharded to any world size (``raytrainer consolidate`` makes safetensors of it).
+``FULL_STATE_DICT`` gathers both on rank 0 into ``model.safetensors`` and ``optimizer.pt``, as does
+``save_model`` (consolidated weights from ``torch.distributed.checkpoint.state_dict`` with
+``full_state_dict=True``); so does ``save_only_model``, and a PEFT model's checkpoint holds its adapter files.
 """
 
 from __future__ import annotations
@@ -73,10 +76,17 @@ class FSDPStrategy(Strategy):
             if root is not None:
                 root.reshard()
 
-    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
-        from raytrainer.strategies.dcp import save_optimizer
+    def saves_model_sharded(self, model) -> bool:
+        """SHARDED_STATE_DICT: a checkpoint holds the model as each rank's shard (``pytorch_model_fsdp_0/``),
+        nothing gathered -- except a PEFT model's, which stays PEFT's consolidated adapter files (a few MB,
+        what ``PeftModel.from_pretrained`` and a hub push take)."""
+        return self.sharded_state_dir is not None and not hasattr(self.unwrap(model), "peft_config")
 
-        return save_optimizer(model, optimizer, folder)
+    def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> list[str]:
+        from raytrainer.strategies.dcp import save_model, save_optimizer
+
+        written = [save_model(model, folder)] if self.saves_model_sharded(model) else []
+        return [*written, save_optimizer(model, optimizer, folder)]
 
     def _mesh(self, options: set[str]):
         from torch.distributed.device_mesh import init_device_mesh

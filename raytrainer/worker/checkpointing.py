@@ -4,7 +4,10 @@ A save is two phases, so the training loop only waits for an in-memory copy of t
 
 1. ``CheckpointWriter.save`` (all ranks, blocking): each rank snapshots its part in memory -- rank 0 the
    weights and every piece of ``raytrainer.worker.pieces`` (optimizer, scheduler, scaler, trainer state);
-   every rank its RNG state (a piece each rank writes). A background
+   every rank its RNG state (a piece each rank writes). A strategy with a folder of its own
+   (``save_sharded``) has every rank write its shards there first -- under FSDP's SHARDED_STATE_DICT the
+   model's too (``pytorch_model_fsdp_0/``), when rank 0 gathers no weights and writes only the model's
+   small files (config, generation config, arguments). A background
    thread then serialises the snapshot (safetensors, torch.save, JSON) straight into the checkpoint
    folder when storage is a local path, else into a local staging folder; hashes the files; and for a
    URI (s3://, gs://, file://, ...) uploads them through pyarrow and deletes the staging copy. The
@@ -35,7 +38,7 @@ from raytrainer.checkpoint import (
     write_manifest,
 )
 from raytrainer.protocol import CheckpointCommitted
-from raytrainer.saving import TRAINER_STATE_NAME, save_model_files
+from raytrainer.saving import TRAINER_STATE_NAME, save_model_files, save_model_metadata
 from raytrainer.storage import Storage
 from raytrainer.worker import console
 from raytrainer.worker.pieces import Piece, RngState, optimizer_pieces, rng_file, training_pieces
@@ -47,9 +50,10 @@ class _Snapshot:
     """What one rank saves, copied in memory on the training thread (so training may go on)."""
 
     def __init__(self):
-        self.weights: dict | None = None
+        self.model_files = False  # this rank writes the model's files (rank 0; save_on_each_node)
+        self.weights: dict | None = None  # consolidated weights; None: the model is in sharded_dirs
         self.pieces: list[tuple[Piece, object]] = []  # each piece with its state, copied
-        self.sharded_dir: str | None = None  # the strategy's own files, already written
+        self.sharded_dirs: list[str] = []  # the strategy's own folders, already written
         self.sharded: list[str] = []  # ... of which this rank hashes (and uploads) these
 
 
@@ -94,10 +98,12 @@ class _Writer(threading.Thread):
         snap, stage = self.snapshot, self.stage
         if snap.weights is not None:  # the folder is fresh: what is in it now is this checkpoint's
             save_model_files(self.model, stage, snap.weights, None, self.args)
+        elif snap.model_files:  # the weights are every rank's shards: config, generation config, arguments
+            save_model_metadata(self.model, stage, self.args)
         written = [piece for piece, state in snap.pieces if piece.write(state, stage)]
         files = [piece.file for piece in written if piece.every_rank] + snap.sharded
-        if snap.weights is not None:  # the model's files and this rank's pieces; not another rank's
-            own = f"{snap.sharded_dir}/" if snap.sharded_dir else None
+        if snap.model_files:  # the model's files and this rank's pieces; not another rank's
+            own = tuple(f"{d}/" for d in snap.sharded_dirs)
             files += [n for n in _walk(stage) if not n.startswith("rng_state_")
                       and not (own and n.startswith(own))]
         return sorted(set(files))
@@ -151,8 +157,10 @@ class CheckpointWriter:
             self._shared = self._probe_shared(stage)
 
         strategy = t._strategy
-        weights = strategy.full_state_dict(t.model_wrapped)  # collectives for sharded strategies
         sharded = strategy.sharded_state_dir is not None and not args.save_only_model
+        # FSDP's SHARDED_STATE_DICT: every rank writes its shard of the model (save_sharded), none is gathered
+        in_shards = sharded and strategy.saves_model_sharded(t.model_wrapped)
+        weights = None if in_shards else strategy.full_state_dict(t.model_wrapped)  # a collective if sharded
         if state.best_global_step == state.global_step:
             state.best_model_checkpoint = self.storage.uri_of(name)
         state.stateful_callbacks = TrainerState(stateful_callbacks=[  # the control too, as transformers
@@ -163,14 +171,16 @@ class CheckpointWriter:
         collected = {p.file: p.obj.state_dict() for p in pieces if p.collective}  # on every rank
         snap = _Snapshot()
         if sharded:  # written now, by every rank (a collective); hashed and uploaded in the background
-            snap.sharded_dir = strategy.save_sharded(t.model_wrapped, t.optimizer, t.lr_scheduler, stage,
-                                                     state.global_step)
+            dirs = strategy.save_sharded(t.model_wrapped, t.optimizer, t.lr_scheduler, stage,
+                                         state.global_step)
+            snap.sharded_dirs = [dirs] if isinstance(dirs, str) else list(dirs)
             ctx.barrier()
-            snap.sharded = _my_share(stage, snap.sharded_dir, ctx, shared=not remote)
+            snap.sharded = _my_share(stage, snap.sharded_dirs, ctx, shared=not remote)
         # save_on_each_node: a node's own copy, unless it would land in rank 0's folder (shared or remote)
         if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero and not remote
                                  and not self._shared):
-            snap.weights = _copy_tensors(weights)
+            snap.model_files = True
+            snap.weights = None if weights is None else _copy_tensors(weights)
             if t.processing_class is not None and hasattr(t.processing_class, "save_pretrained"):
                 t.processing_class.save_pretrained(stage)  # rare and small: written right away
             writes = pieces
@@ -218,10 +228,11 @@ class CheckpointWriter:
                                             state.best_model_checkpoint, state.best_metric))
 
 
-def _my_share(stage: str, subdir: str, ctx, shared: bool) -> list[str]:
+def _my_share(stage: str, subdirs: list[str], ctx, shared: bool) -> list[str]:
     """The strategy files this rank hashes: all of its private staging folder, or -- when every rank
     wrote into the same local folder -- every world_size-th file, so each file is hashed once."""
-    names = sorted(n for n in _walk(stage) if n.startswith(f"{subdir}/"))
+    prefixes = tuple(f"{d}/" for d in subdirs)
+    names = sorted(n for n in _walk(stage) if n.startswith(prefixes))
     return names[ctx.rank::ctx.world_size] if shared else names
 
 
@@ -241,8 +252,23 @@ class Resume:
         self.rank = rank
         self.state = state_from_dict(self.reader.json(TRAINER_STATE_NAME))
 
+    @property
+    def model_sharded(self) -> bool:
+        """The checkpoint holds the model as DCP shards (FSDP's ``pytorch_model_fsdp_0/``), no consolidated
+        weights: it is loaded after the model is set up (``load_sharded_model``), each rank its share."""
+        from raytrainer.strategies.dcp import holds_sharded_model
+
+        return holds_sharded_model(self.reader.files)
+
     def load_model(self, model: torch.nn.Module) -> None:
         load_checkpoint_model(model, self.reader)
+
+    def load_sharded_model(self, model: torch.nn.Module, ctx) -> None:
+        """Every rank (a collective): the DCP model into the set-up ``model`` -- this rank's shards under
+        FSDP, resharded from any number of writers; whole tensors under DDP or one worker."""
+        from raytrainer.strategies.dcp import load_model
+
+        load_model(model, self.reader, ctx)
 
     def load_optimizer_and_scheduler(self, strategy, model, optimizer, scheduler, ctx) -> None:
         """Each optimizer-side piece the checkpoint holds; the optimizer from the strategy's own folder where
@@ -261,7 +287,9 @@ class Resume:
 
     def sharded_files(self) -> list[str]:
         """A strategy's own training state: the files in sub-folders (optimizer_0/, global_step<N>/)."""
-        return sorted(n for n in self.reader.files if "/" in n)
+        from raytrainer.strategies.dcp import MODEL_DIR
+
+        return sorted(n for n in self.reader.files if "/" in n and not n.startswith(f"{MODEL_DIR}/"))
 
     def restore_rng(self) -> None:
         name = rng_file(self.rank)

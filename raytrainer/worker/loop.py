@@ -91,13 +91,17 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
     strategy = session.strategy = select_strategy(args, ctx)
     resume = (Resume(resume_from_checkpoint, ctx.rank, trainer.args.storage_filesystem)
               if resume_from_checkpoint else None)
+    # a checkpoint whose model is DCP shards is read after setup_model, each rank its share: the model is
+    # built as for a fresh run (each rank initialising its own shard), then overwritten
+    sharded_resume = resume is not None and resume.model_sharded
     if trainer.model_init is not None:  # a sharded strategy builds only this rank's share
-        trainer.model = strategy.build_model(lambda: trainer.call_model_init(trial), fresh=resume is None)
+        trainer.model = strategy.build_model(lambda: trainer.call_model_init(trial),
+                                             fresh=resume is None or sharded_resume)
         trainer.optimizer = trainer.lr_scheduler = None
     trainer._align_special_tokens()  # as transformers' train(), on the model this rank trains
     if resume is not None:
         strategy.before_resume(list(resume.reader.files), resume.state.global_step)
-    if resume is not None and strategy.holds_whole_model(trainer.model):
+    if resume is not None and not sharded_resume and strategy.holds_whole_model(trainer.model):
         # a rank built on meta gets its shard from rank 0 in setup_model; a model partitioned by
         # zero.Init gets its partition from the engine's checkpoint
         resume.load_model(trainer.model)
@@ -114,6 +118,8 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
 
     wrapped = strategy.setup_model(trainer.model)
     trainer.model = strategy.unwrap(wrapped)
+    if sharded_resume:
+        resume.load_sharded_model(wrapped, ctx)
     if args.auto_find_batch_size:
         saved = resume.state.train_batch_size if resume is not None else None
         args.per_device_train_batch_size = saved or find_batch_size(trainer, strategy, wrapped)

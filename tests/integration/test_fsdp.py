@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -37,10 +38,25 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     losses = [h["loss"] for h in full.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
 
-    # the optimizer state is saved sharded (DCP, one file per rank) beside consolidated weights
+    # the model and the optimizer state are saved sharded (DCP, one file per rank each), nothing gathered:
+    # no consolidated model.safetensors or optimizer.pt; rank 0 still writes the small files
     files = set(json.loads((tmp_path / "full" / "checkpoint-10" / "manifest.json").read_text())["files"])
-    assert {"model.safetensors", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
-            "optimizer_0/__1_0.distcp"} <= files and "optimizer.pt" not in files
+    assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+            "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
+            "optimizer_0/__1_0.distcp", "trainer_state.json", "training_args.json", "scheduler.pt",
+            "rng_state_0.safetensors", "rng_state_1.safetensors"} <= files, files
+    assert "model.safetensors" not in files and "optimizer.pt" not in files, files
+    # the final checkpoint's shards, consolidated, are the trained model bitwise
+    from safetensors.torch import load_file
+
+    from raytrainer.consolidate import consolidate
+
+    assert consolidate(str(tmp_path / "full" / "checkpoint-18"), str(tmp_path / "merged")) == [
+        "model.safetensors"]
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == full.model.state_dict().keys()
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(merged[name], tensor), name
 
     # exact resume mid-epoch (step 10 = epoch 2, update 4 of 6) on 2 FSDP workers
     resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "resumed"), train_dataset=data)
@@ -57,6 +73,53 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     saved = [(h["step"], h["loss"]) for h in full.state.log_history if "loss" in h]
     assert restored[:3] == saved[:3]  # steps 3, 6, 9 come back from the checkpoint's trainer state
     assert [s for s, _ in restored] == [3, 6, 9, 12, 15, 18]
+
+    # ... and on one worker without FSDP (a plain module filled from both ranks' shards): the same run
+    plain = Trainer(model=DropoutRegressor(), train_dataset=data,
+                    args=_args(tmp_path / "plain", num_workers=1, per_device_train_batch_size=8, fsdp="",
+                               fsdp_config=None))
+    assert plain.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-10")).global_step == 18
+    assert [(h["step"], h["loss"]) for h in plain.state.log_history if "loss" in h][:3] == saved[:3]
+    for name, tensor in single.model.state_dict().items():
+        torch.testing.assert_close(plain.model.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_full_state_dict_checkpoints_are_consolidated_and_hold_what_the_sharded_ones_do(tmp_path):
+    """FULL_STATE_DICT: model.safetensors and optimizer.pt gathered on rank 0, no DCP folders; the same run
+    with SHARDED_STATE_DICT holds, consolidated from its shards, the same weights bit for bit. And
+    load_best_model_at_end brings the best sharded checkpoint's weights into the driver's model (DCP, one
+    process)."""
+    from safetensors.torch import load_file
+
+    from raytrainer.consolidate import consolidate
+
+    data, evals = make_data(48), make_data(8, seed=2)
+    runs = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        args = _args(tmp_path / kind, max_steps=10, eval_strategy="steps", eval_steps=5,
+                     load_best_model_at_end=True,
+                     fsdp_config={"transformer_layer_cls_to_wrap": ["Linear"], "state_dict_type": kind})
+        runs[kind] = Trainer(model=DropoutRegressor(), args=args, train_dataset=data, eval_dataset=evals)
+        runs[kind].train()
+    manifest = tmp_path / "FULL_STATE_DICT" / "checkpoint-10" / "manifest.json"
+    full = set(json.loads(manifest.read_text())["files"])
+    assert {"model.safetensors", "optimizer.pt"} <= full, full
+    assert not any(f.startswith(("pytorch_model_fsdp_0/", "optimizer_0/")) for f in full), full
+    consolidated = load_file(str(tmp_path / "FULL_STATE_DICT" / "checkpoint-10" / "model.safetensors"))
+    assert consolidate(str(tmp_path / "SHARDED_STATE_DICT" / "checkpoint-10"), str(tmp_path / "merged"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == consolidated.keys()
+    for name, tensor in consolidated.items():
+        assert torch.equal(merged[name], tensor), name
+
+    sharded = runs["SHARDED_STATE_DICT"]
+    best = sharded.state.best_model_checkpoint
+    assert best and os.path.exists(os.path.join(best, "pytorch_model_fsdp_0", ".metadata"))
+    assert consolidate(best, str(tmp_path / "best"))
+    expected = load_file(str(tmp_path / "best" / "model.safetensors"))
+    for name, tensor in sharded.model.state_dict().items():  # the driver's model, loaded lazily from DCP
+        assert torch.equal(tensor, expected[name]), name
 
 
 @pytest.mark.full  # the full tier: CI runs examples/train_gpt2.py with an accelerate FSDP YAML

@@ -3,7 +3,8 @@ endpoint and credentials in their environment, as a cluster's nodes would): Ray 
 bucket prefix itself (nothing written to a local folder named after the URI), FSDP's sharded checkpoints are
 committed with a manifest matching the objects, rotation, bitwise resume from ``resume_from_checkpoint=True``
 and from an ``s3://`` path into a fresh output_dir -- and what each rank reads on resume, counted at the
-server per process: its own optimizer shard once, only ranged slices of the other rank's."""
+server per process: its own model and optimizer shards once, only ranged slices of the other rank's, at
+most 0.6x the checkpoint in all."""
 
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
     assert full.train().global_step == 18
     committed = s3_bucket.committed("runs/fsdp")  # manifests match the objects, sha256 included
     assert set(committed) == {"checkpoint-15", "checkpoint-18"}  # rotation: 5 and 10 deleted by the driver
-    shards = {"optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp", "optimizer_0/.metadata"}
-    assert shards | {"model.safetensors", "rng_state_0.safetensors", "rng_state_1.safetensors"} \
+    shards = {f"{d}/{f}" for d in ("optimizer_0", "pytorch_model_fsdp_0")
+              for f in ("__0_0.distcp", "__1_0.distcp", ".metadata")}
+    assert shards | {"rng_state_0.safetensors", "rng_state_1.safetensors"} \
         <= set(committed["checkpoint-15"]["files"])
+    assert "model.safetensors" not in committed["checkpoint-15"]["files"]  # the model sharded too
     assert not os.path.exists("s3:") and not any("s3:" in p for p in os.listdir(tmp_path / "full"))
 
     # as if the run had been stopped before its last save: resume_from_checkpoint=True finds checkpoint-15
@@ -73,11 +76,14 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
         print(f"S3 resume, rank {rank}: {len(mine)} requests, {total} bytes read; "
               f"by object: {dict(reads[rank])}; checkpoint files: {sizes}")
     for rank, other in ((0, 1), (1, 0)):
-        own = reads[rank][f"{prefix}optimizer_0/__{rank}_0.distcp"]
-        foreign = reads[rank][f"{prefix}optimizer_0/__{other}_0.distcp"]
-        assert own == sizes[f"optimizer_0/__{rank}_0.distcp"], (rank, dict(reads[rank]))  # once, whole
-        assert foreign < sizes[f"optimizer_0/__{other}_0.distcp"] / 4, (rank, dict(reads[rank]))  # slices
+        for folder in ("optimizer_0", "pytorch_model_fsdp_0"):
+            own = reads[rank][f"{prefix}{folder}/__{rank}_0.distcp"]
+            foreign = reads[rank][f"{prefix}{folder}/__{other}_0.distcp"]
+            assert own == sizes[f"{folder}/__{rank}_0.distcp"], (rank, dict(reads[rank]))  # once, whole
+            assert foreign < sizes[f"{folder}/__{other}_0.distcp"] / 4, (rank, dict(reads[rank]))  # slices
         assert reads[rank][f"{prefix}rng_state_{other}.safetensors"] == 0  # each rank its own RNG state
+        # each rank reads its share of the checkpoint (model and optimizer), not the whole of it
+        assert sum(reads[rank].values()) <= 0.6 * sum(sizes.values()), (rank, dict(reads[rank]), sizes)
 
 
 @pytest.mark.full  # the full tier: CI writes a search's checkpoints to a bucket (test_search.py)

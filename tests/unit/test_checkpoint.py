@@ -582,3 +582,58 @@ def test_save_only_model_writes_the_trainer_state_piece_alone(tmp_path):
     names = sorted(os.listdir(tmp_path / "checkpoint-4"))
     assert names == ["manifest.json", "model.safetensors", "trainer_state.json", "training_args.bin",
                      "training_args.json"]
+
+
+def _sharded_checkpoint(folder, model) -> str:
+    """A committed checkpoint holding ``model`` as an FSDP run with SHARDED_STATE_DICT writes it: DCP under
+    the key ``model`` in pytorch_model_fsdp_0/, no consolidated weights (written here in one process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from raytrainer.checkpoint import digest_files, write_manifest
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "checkpoint-7" /
+                                                                   "pytorch_model_fsdp_0"), no_dist=True)
+    (folder / "checkpoint-7" / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    names = sorted(os.path.relpath(os.path.join(r, n), folder / "checkpoint-7")
+                   for r, _, ns in os.walk(folder / "checkpoint-7") for n in ns)
+    storage = Storage.from_uri(str(folder))
+    write_manifest(storage, "checkpoint-7", [digest_files(str(folder / "checkpoint-7"), names)], 7)
+    return str(folder / "checkpoint-7")
+
+
+def test_a_checkpoint_with_a_dcp_sharded_model_is_read_by_the_driver_side_readers(tmp_path):
+    """weight_shapes (the driver's pre-resume check) from DCP's .metadata, model_weights and
+    load_checkpoint_model (load_best_model_at_end on the driver) through DCP in one process, verified."""
+    from raytrainer.checkpoint import CheckpointReader, load_checkpoint_model, model_weights, weight_shapes
+
+    trained = DropoutNet()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.5)
+    path = _sharded_checkpoint(tmp_path, trained)
+    reader = CheckpointReader(path)
+    assert weight_shapes(reader) == {k: tuple(v.shape) for k, v in trained.state_dict().items()}
+    loaded = model_weights(reader)
+    assert loaded.keys() == trained.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.state_dict().items())
+    target = DropoutNet()
+    load_checkpoint_model(target, reader)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in trained.state_dict().items())
+
+    class Wider(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 3))
+
+    with pytest.raises(CheckpointError, match=r"'net.0.weight' has shape \(32, 6\) in the checkpoint"):
+        load_checkpoint_model(Wider(), reader)
+    shard = tmp_path / "checkpoint-7" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match its manifest checksum"):
+        load_checkpoint_model(DropoutNet(), CheckpointReader(path))

@@ -415,3 +415,20 @@ def test_create_model_card_writes_readme_from_the_run(tmp_path):
                                       tags=["regression"])
     assert "# tiny-reg" in card and "license: apache-2.0" in card and "- regression" in card
     assert "- learning_rate: 5e-05" in card and "- training_steps: 2" in card
+
+
+def test_a_push_of_an_fsdp_sharded_checkpoint_takes_the_models_dcp_folder_as_it_is(tmp_path):
+    """A SHARDED_STATE_DICT checkpoint has no consolidated weights: its pytorch_model_fsdp_0/ shards go with
+    the config; the optimizer's shards and the training state stay behind."""
+    from raytrainer.hub import staging
+    from raytrainer.storage import Storage
+
+    checkpoint = tmp_path / "checkpoint-8"
+    for rel in ("config.json", "training_args.json", "trainer_state.json", "rng_state_0.safetensors",
+                "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+                "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp"):
+        (checkpoint / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkpoint / rel).write_bytes(b"x")
+    assert staging.model_files(Storage.from_uri(str(checkpoint))) == [
+        "config.json", "training_args.json", "pytorch_model_fsdp_0/.metadata",
+        "pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"]
