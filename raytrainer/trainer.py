@@ -484,7 +484,8 @@ class Trainer(DataLoadersMixin):
         return factor
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        model.train()
+        if not _training_already(model):
+            model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()  # a schedule-free optimizer trains on its own iterate, as in transformers
         inputs = self._prepare_inputs(inputs)
@@ -715,6 +716,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _forward_params(model) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
+
+
+def _training_already(model: torch.nn.Module) -> bool:
+    """Whether ``model.train()`` would change nothing: every module is in training mode and none has a
+    ``train`` of its own (transformers' models do; they are always called). Checking is cheaper than the
+    call, which sets each module's flag through ``nn.Module.__setattr__``, every training step."""
+    train = torch.nn.Module.train
+    return all(m.training and type(m).train is train and "train" not in vars(m) for m in model.modules())
 
 
 def _to_device(obj, device):
