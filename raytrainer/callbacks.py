@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 CONTROL_FLAGS = tuple(f.name for f in dataclasses.fields(TrainerControl))
+# TrainerCallback's events, each of which does nothing: a callback that does not override one is not called
+# for it (an event is dispatched several times per training step).
+_BASE_HOOKS = {name: hook for name, hook in vars(TrainerCallback).items() if name.startswith("on_")}
 
 
 def runs_on_driver(callback) -> bool:
@@ -107,10 +110,11 @@ class CallbackHandler(hf.CallbackHandler):
             self.remove_callback(flow_callback)
 
     def call_event(self, event: str, args, state, control, **kwargs) -> TrainerControl:
+        base = _BASE_HOOKS.get(event)
         for callback in self.callbacks:
             hook = getattr(callback, event, None)
-            if hook is None:
-                continue
+            if hook is None or (base is not None and getattr(hook, "__func__", None) is base):
+                continue  # not defined, or TrainerCallback's own hook, which does nothing
             result = hook(args, state, control, model=self.model, processing_class=self.processing_class,
                           optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                           train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader,

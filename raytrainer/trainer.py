@@ -215,8 +215,8 @@ class Trainer(DataLoadersMixin):
         state = self.__dict__.copy()
         state["callback_handler"] = shipped_handler(self.callback_handler)  # trackers stay on the driver
         state["_session"] = state["_hub"] = None  # a rank's own; the driver's hub pusher
-        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_eval_dataloaders",
-                     "_group"):
+        for name in ("_loss_kwargs_cache", "_compute_loss_num_items", "_num_params", "_model_attrs",
+                     "_eval_dataloaders", "_group"):
             state.pop(name, None)  # caches: recomputed where the object lands; the driver's worker group
         return state
 
@@ -486,7 +486,8 @@ class Trainer(DataLoadersMixin):
         return factor
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        model.train()
+        if not _training_already(model):
+            model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()  # a schedule-free optimizer trains on its own iterate, as in transformers
         inputs = self._prepare_inputs(inputs)
@@ -517,13 +518,13 @@ class Trainer(DataLoadersMixin):
 
     def _model_accepts_loss_kwargs(self, model) -> bool:
         """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""
-        module = getattr(model, "_orig_mod", model)  # through torch.compile
-        module = getattr(module, "module", module)  # and DDP
-        cached = self.__dict__.get("_loss_kwargs_cache")
-        if cached is None or cached[0] is not module:
+        cached = self.__dict__.get("_loss_kwargs_cache")  # asked once or twice per training step
+        if cached is None or cached[0] is not model:
+            module = getattr(model, "_orig_mod", model)  # through torch.compile
+            module = getattr(module, "module", module)  # and DDP
             params = inspect.signature(module.forward).parameters.values()
             cached = self._loss_kwargs_cache = (
-                module, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
+                model, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
         return cached[1]
 
     def _compute_loss_takes_num_items(self) -> bool:
@@ -578,9 +579,9 @@ class Trainer(DataLoadersMixin):
         input's elements x the parameters outside the embeddings (0 without that input); a model with its
         own ``floating_point_ops``: that; any other module: 6 x tokens (or examples) x all its parameters,
         where transformers reports 0."""
-        if hasattr(self.model, "floating_point_ops"):
+        if self._model_has("floating_point_ops"):
             return self.model.floating_point_ops(inputs)
-        if hasattr(self.model, "num_parameters"):
+        if self._model_has("num_parameters"):
             main = getattr(self.model, "main_input_name", "input_ids")
             if not isinstance(inputs, Mapping) or main not in inputs:
                 return 0
@@ -588,6 +589,18 @@ class Trainer(DataLoadersMixin):
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else rdata.batch_size_of(inputs)
         return 6 * tokens * self._parameter_count()
+
+    def _model_has(self, name: str) -> bool:
+        """``hasattr(self.model, name)``, remembered per model: asked every training step, and a module's
+        ``__getattr__`` makes each miss raise (and catch) an AttributeError."""
+        model = self.model
+        cached = self.__dict__.get("_model_attrs")
+        if cached is None or cached[0] is not model:
+            cached = self._model_attrs = (model, {})
+        found = cached[1].get(name)
+        if found is None:
+            found = cached[1][name] = hasattr(model, name)
+        return found
 
     def _parameter_count(self) -> int:
         """The parameters floating_point_ops counts: a transformers model's outside the embeddings (its
@@ -705,6 +718,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _forward_params(model) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
+
+
+def _training_already(model: torch.nn.Module) -> bool:
+    """Whether ``model.train()`` would change nothing: every module is in training mode and none has a
+    ``train`` of its own (transformers' models do; they are always called). Checking is cheaper than the
+    call, which sets each module's flag through ``nn.Module.__setattr__``, every training step."""
+    train = torch.nn.Module.train
+    return all(m.training and type(m).train is train and "train" not in vars(m) for m in model.modules())
 
 
 def _to_device(obj, device):

@@ -226,22 +226,23 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
             session.micro_steps = len(micro)
             num_items = (_num_items_in_batch(micro, args, ctx, normalised_loss, shifted)
                          if count_items else None)
+            losses = []
             for i, inputs in enumerate(micro):
                 last = i == len(micro) - 1
                 with strategy.no_sync(wrapped, sync=last):
                     loss = trainer.training_step(model, inputs, num_items)
                 guard.add(loss)
-                if args.logging_nan_inf_filter:  # a non-finite loss adds the running mean (no host sync)
-                    loss = torch.where(torch.isfinite(loss), loss,
-                                       tr_loss / (1 + state.global_step - loop.last_logged))
-                tr_loss = tr_loss + loss
+                losses.append(loss)
                 state.total_flos += float(trainer.floating_point_ops(inputs))
                 samples_seen += batch_size_of(inputs, default=0)
                 if not last:
                     control = trainer.control = handler.on_substep_end(args, state, control)
 
             loop.learning_rate = trainer._get_learning_rate()  # this step's rate: the one its log shows
-            if not guard.skip_update(state):  # nonfinite_loss: raises, or skips this update everywhere
+            skip = guard.skip_update(state)  # nonfinite_loss: raises, or skips this update everywhere
+            tr_loss = _add_losses(tr_loss, losses, args.logging_nan_inf_filter and not guard.finite,
+                                  steps_in_window=1 + state.global_step - loop.last_logged)
+            if not skip:
                 if args.max_grad_norm is not None and args.max_grad_norm > 0:
                     strategy.precision.unscale(optimizer)
                     loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
@@ -305,11 +306,25 @@ class _LogState:
         self.pace = None  # each rank's own work per step (worker/pace.py), when distributed
 
 
+def _add_losses(tr_loss: torch.Tensor, losses: list, nan_inf_filter: bool, steps_in_window: int):
+    """``tr_loss`` plus one update's micro-batch losses. With ``nan_inf_filter`` a non-finite loss adds the
+    window's running mean instead (on the device, no host sync); the loop passes False when the update's
+    losses were read and all found finite, where the filter would change nothing."""
+    for loss in losses:
+        if nan_inf_filter:
+            loss = torch.where(torch.isfinite(loss), loss, tr_loss / steps_in_window)
+        tr_loss = tr_loss + loss
+    return tr_loss
+
+
 def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_keys, must_sync: bool = False):
     """Log, evaluate, save -- as the (agreed) flags say. A flag a callback sets in ``on_log``, ``on_evaluate``
     or ``on_save`` on any rank is agreed across ranks before anything acts on it (an evaluation, a save, the
     loop's stop): one more flag all-reduce on the steps that log, evaluate or save, none on the others."""
-    args, state, control, ctx = trainer.args, trainer.state, trainer.control, trainer._ctx
+    args, state, control = trainer.args, trainer.state, trainer.control
+    if not (control.should_log or control.should_evaluate or control.should_save):
+        return tr_loss  # most steps
+    ctx = trainer._ctx
     if control.should_log and state.global_step > loop.last_logged:
         loss = _logging_window_sums(trainer._session, tr_loss, loop.pace)
         loop.total_loss += loss

@@ -32,6 +32,7 @@ class NonFiniteGuard:
         self.mode, self.ctx = mode, ctx
         self.total: torch.Tensor | None = None  # this update's losses summed: not finite if any is not
         self.skipped = 0
+        self.finite: bool | None = None  # the last update's losses on this rank, when they were read
 
     def add(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss (device only)."""
@@ -41,11 +42,12 @@ class NonFiniteGuard:
     def skip_update(self, state) -> bool:
         """Once per optimizer update, after its micro-batches: raises under ``error``; True under
         ``skip_step`` when any rank saw a non-finite loss (the same answer on every rank)."""
-        total, self.total = self.total, None
+        total, self.total, self.finite = self.total, None, None
         if total is None:
             return False
         value = float(total)  # the one host read per update
-        bad = not math.isfinite(value)
+        self.finite = math.isfinite(value)  # a sum is finite only if each of its terms is
+        bad = not self.finite
         if self.mode == "skip_step" and self.ctx.distributed:
             bad = self.ctx.sum([float(bad)])[0] > 0
         if not bad:

@@ -237,6 +237,27 @@ def test_call_event_passes_handler_objects_and_event_kwargs():
                          "eval_dataloader", "metrics"}
 
 
+def test_every_overridden_event_reaches_its_callback():
+    """The handler skips TrainerCallback's own (empty) events; an event a callback defines -- in a subclass,
+    on the instance, or on a duck-typed callback -- is called every time."""
+    calls = []
+
+    class Sub(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            calls.append("subclass")
+
+    class Duck:
+        def on_step_begin(self, args, state, control, **kwargs):
+            calls.append("duck")
+
+    on_instance = TrainerCallback()
+    on_instance.on_step_begin = lambda args, state, control, **kwargs: calls.append("instance")
+    handler = CallbackHandler([Sub(), TrainerCallback(), on_instance, Duck()])
+    for _ in range(2):
+        handler.on_step_begin(make_args(), TrainerState(), TrainerControl())
+    assert calls == ["subclass", "instance", "duck"] * 2
+
+
 def test_base_callback_events_are_noops():
     cb = TrainerCallback()
     events = ["on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",

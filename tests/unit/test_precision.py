@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -113,6 +114,34 @@ def test_skip_step_skips_the_update_and_trains_on(tmp_path, caplog):
     assert any(not torch.equal(weights.by_step[4][k], weights.by_step[3][k]) for k in weights.by_step[3])
     assert all(torch.isfinite(t).all() for t in trainer.model.state_dict().values())
     assert "not finite in the update to step 3; that update is skipped (1 so far)" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["skip_step", "ignore"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_nonfinite_loss_is_logged_as_the_running_mean(tmp_path, mode, accumulation):
+    """logging_nan_inf_filter, as transformers: a non-finite micro-batch loss adds the window's running mean,
+    ``tr_loss / (1 + global_step - last logged step)``, in its place."""
+
+    class Losses(Recording):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.losses.append((self.state.global_step, loss.item()))
+            return loss
+
+    trainer = Losses(model=Net(), train_dataset=data(),
+                     args=args(tmp_path, max_steps=8, nonfinite_loss=mode,  # logging every 4 steps
+                               gradient_accumulation_steps=accumulation))
+    trainer.losses, trainer.plant_inf_at = [], 5  # the update to step 6, in the second window
+    trainer.train()
+    expected, window = [], 0.0
+    for i, (step, loss) in enumerate(trainer.losses):
+        window += loss if math.isfinite(loss) else window / (1 + step - 4 * (step // 4))
+        if (i + 1) % (4 * accumulation) == 0:
+            expected.append(window / 4)
+            window = 0.0
+    assert not all(math.isfinite(loss) for _, loss in trainer.losses)
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == pytest.approx(expected, rel=1e-6) and all(map(math.isfinite, logged))
 
 
 def test_ignore_trains_on_as_transformers(tmp_path):

@@ -119,6 +119,49 @@ def test_compute_loss_override_is_what_trains(make_args):
     assert out.training_loss == pytest.approx(np.mean([9 * 0.8 ** (2 * k) for k in range(steps)]), rel=1e-5)
 
 
+class _CountsTrain(nn.Linear):
+    """A module with a train() of its own: the training step calls it every step, as transformers'."""
+
+    calls = 0
+
+    def train(self, mode=True):
+        type(self).calls += 1
+        return super().train(mode)
+
+
+class _Head(nn.Module):
+    def __init__(self, body: type = nn.Linear):
+        super().__init__()
+        self.body, self.dropout, self.out = body(4, 8), nn.Dropout(0.0), nn.Linear(8, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.out(self.dropout(self.body(x)))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("body", [nn.Linear, _CountsTrain])
+def test_every_training_step_trains_the_model_in_training_mode(make_args, make_examples, body):
+    """A module a callback put in eval mode is back in training mode in the step's forward, and a module
+    with its own train() has it called every step (the step calls model.train() whenever that may change
+    anything)."""
+    seen = []
+
+    class EvalDropout(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step % 2:
+                model.dropout.eval()
+
+    model = _Head(body)
+    model.dropout.register_forward_pre_hook(  # the training forwards
+        lambda module, args: seen.append(module.training) if torch.is_grad_enabled() else None)
+    trainer = Trainer(model=model, args=make_args(per_device_train_batch_size=4, max_steps=6),
+                      train_dataset=make_examples(24)[0], callbacks=[EvalDropout()])
+    _CountsTrain.calls = 0
+    trainer.train()
+    assert seen == [True] * 6
+    assert _CountsTrain.calls >= (6 if body is _CountsTrain else 0)
+
+
 def test_compute_loss_func_is_used_for_the_loss(make_args, make_classifier, make_examples):
     calls = []
 
