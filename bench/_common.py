@@ -115,6 +115,39 @@ def linear_schedule(optimizer, total_steps: int):
 
 
 # -- recording --------------------------------------------------------------------------------------
+def hand_loop(cfg: dict, clock) -> tuple[nn.Module, int, list[tuple[int, float]], float]:
+    """The hand-written PyTorch loop (bench_core's side (a), bench_step's hand side): what the trainers do
+    per step and nothing more. ``clock`` is told ``mark("train_begin")``, each ``mark_optimizer_step()`` and
+    ``mark_step_end()`` (a Recorder has these). Returns the model, the step count, each logging step's
+    summed losses ``(step, sum over LOGGING_STEPS steps)`` and the sum of the steps after the last one."""
+    dataset, model = build_dataset(cfg), build_model(cfg)
+    generator = torch.Generator().manual_seed(SEED)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True, drop_last=True,
+                                         collate_fn=collate, num_workers=0, generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
+    scheduler = linear_schedule(optimizer, len(loader) * cfg["epochs"])
+
+    clock.mark("train_begin")
+    model.train()
+    step, running, sums = 0, torch.zeros(()), []
+    for _epoch in range(cfg["epochs"]):
+        for batch in loader:
+            loss = model(**batch)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            clock.mark_optimizer_step()
+            scheduler.step()
+            model.zero_grad(set_to_none=True)
+            running += loss.detach()
+            step += 1
+            clock.mark_step_end()
+            if step % LOGGING_STEPS == 0:
+                sums.append((step, running.item()))
+                running.zero_()
+    return model, step, sums, running.item()
+
+
 class Recorder:
     """Rank 0's clock: time to the first optimizer step (from BENCH_T0, the driver's launch time) and the
     end time of every step. The driver turns these into the steady-state rate.

@@ -42,35 +42,30 @@ def _digest(logs: list, model) -> str:
     return h.hexdigest()[:16]
 
 
-def _hand(cfg: dict) -> dict:
-    import torch
-    from _common import LOGGING_STEPS, SEED, build_dataset, build_model, collate, linear_schedule
+class _HandClock:
+    """What the hand loop tells its clock (bench/_common.hand_loop): each step's end, wall and CPU time."""
 
-    dataset, model = build_dataset(cfg), build_model(cfg)
-    generator = torch.Generator().manual_seed(SEED)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch_size"], shuffle=True, drop_last=True,
-                                         collate_fn=collate, num_workers=0, generator=generator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
-    scheduler = linear_schedule(optimizer, len(loader) * cfg["epochs"])
-    ends, cpu, logs = [], [], []
-    model.train()
-    step, running = 0, torch.zeros(())
-    for _epoch in range(cfg["epochs"]):
-        for batch in loader:
-            loss = model(**batch)["loss"]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            model.zero_grad(set_to_none=True)
-            running += loss.detach()
-            step += 1
-            ends.append(time.perf_counter())
-            cpu.append(time.process_time())
-            if step % LOGGING_STEPS == 0:
-                logs.append({"loss": running.item() / LOGGING_STEPS, "step": step})
-                running.zero_()
-    return {"step_ends": ends, "cpu_ends": cpu, "digest": _digest(logs, model), "steps": step}
+    def __init__(self):
+        self.ends, self.cpu = [], []
+
+    def mark(self, name: str) -> None:
+        pass
+
+    def mark_optimizer_step(self) -> None:
+        pass
+
+    def mark_step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+
+def _hand(cfg: dict) -> dict:
+    from _common import LOGGING_STEPS, hand_loop
+
+    clock = _HandClock()
+    model, step, sums, _rest = hand_loop(cfg, clock)
+    logs = [{"loss": value / LOGGING_STEPS, "step": at} for at, value in sums]
+    return {"step_ends": clock.ends, "cpu_ends": clock.cpu, "digest": _digest(logs, model), "steps": step}
 
 
 def _raytrainer(cfg: dict) -> dict:
