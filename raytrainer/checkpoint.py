@@ -373,57 +373,68 @@ def _warn_once(message: str) -> None:
 SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
 
 
-def _sharded_model(reader: CheckpointReader) -> bool:
-    return f"{SHARDED_MODEL_DIR}/.metadata" in reader.files
+def holds_sharded_model(files) -> bool:
+    """Whether a checkpoint's files hold the model as DCP shards (``pytorch_model_fsdp_0/``)."""
+    return f"{SHARDED_MODEL_DIR}/.metadata" in files
+
+
+def _weight_files(reader: CheckpointReader) -> list[str]:
+    """The checkpoint's consolidated weight files (its safetensors, not the RNG states)."""
+    return sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
 
 
 def _dcp_storage_reader(reader: CheckpointReader):
     """A DCP StorageReader of the checkpoint's sharded model, for one process (no process group): the local
     folder, or ranged reads from a bucket."""
-    path = reader.storage.path(SHARDED_MODEL_DIR)
-    if reader.storage.is_local:
-        from torch.distributed.checkpoint import FileSystemReader
+    from raytrainer.dcp_storage import reader_at
 
-        return FileSystemReader(path)
-    from raytrainer.dcp_storage import PyArrowReader
-
-    return PyArrowReader(reader.storage.fs, path, cache=None)
+    return reader_at(reader.storage, reader.storage.path(SHARDED_MODEL_DIR))
 
 
-def _sharded_shapes(reader: CheckpointReader) -> dict[str, tuple]:
-    """Name -> shape of the sharded model's tensors, from DCP's ``.metadata`` alone."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _sharded_metadata(reader: CheckpointReader) -> dict:
+    """Name -> DCP metadata (size, dtype) of the sharded model's tensors, from its ``.metadata`` alone."""
+    from raytrainer.dcp_storage import tensor_metadata
 
-    metadata = _dcp_storage_reader(reader).read_metadata()
-    return {key[len("model."):]: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, TensorStorageMetadata) and key.startswith("model.")}
+    return {key[len("model."):]: meta for key, meta in tensor_metadata(_dcp_storage_reader(reader)).items()
+            if key.startswith("model.")}
+
+
+def _verify_sharded(reader: CheckpointReader) -> None:
+    for name in sorted(n for n in reader.files if n.startswith(f"{SHARDED_MODEL_DIR}/")):
+        reader.verify(name)
+
+
+def _load_sharded(reader: CheckpointReader, tensors: dict[str, torch.Tensor]) -> None:
+    """DCP's planner reads each of ``tensors`` (name -> a whole tensor) from the sharded model, in this
+    process, straight into it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": tensors}, storage_reader=_dcp_storage_reader(reader), no_dist=True)
 
 
 def load_sharded_model_into(model: torch.nn.Module, reader: CheckpointReader) -> None:
     """The sharded model into a whole ``model`` in one process (the driver's load_best_model_at_end): DCP's
     planner reads each tensor's bytes straight into the module's own tensors, which the whole checkpoint
     must fill. The files are verified against the manifest first."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    for name in sorted(n for n in reader.files if n.startswith(f"{SHARDED_MODEL_DIR}/")):
-        reader.verify(name)
-    own, shapes = model.state_dict(), _sharded_shapes(reader)
+    _verify_sharded(reader)
+    own = model.state_dict()
+    shapes = {name: tuple(meta.size) for name, meta in _sharded_metadata(reader).items()}
     if not loads_its_own_way(model):
         check_fits(own, shapes, reader.uri)
-    state = {"model": {k: v for k, v in own.items() if k in shapes}}  # a tied twin stored once
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_dcp_storage_reader(reader), no_dist=True)
-    model.load_state_dict(state["model"], strict=False)
+    state = {k: v for k, v in own.items() if k in shapes}  # a tied twin stored once
+    _load_sharded(reader, state)
+    model.load_state_dict(state, strict=False)
 
 
 def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated weights (its safetensors files, or its DCP-sharded model put together
     in memory: small models, tests and tools only -- a resume reads each rank's share instead)."""
-    names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
-    if not names and _sharded_model(reader):
+    names = _weight_files(reader)
+    if not names and holds_sharded_model(reader.files):
         return _sharded_weights(reader)
     if not names:
         raise CheckpointError(f"{reader.uri} holds no model weights (*.safetensors).")
@@ -434,29 +445,19 @@ def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
 
 
 def _sharded_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for name in sorted(n for n in reader.files if n.startswith(f"{SHARDED_MODEL_DIR}/")):
-        reader.verify(name)
-    metadata = _dcp_storage_reader(reader).read_metadata()
-    tensors = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items()
-               if isinstance(meta, TensorStorageMetadata) and key.startswith("model.")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": tensors}, storage_reader=_dcp_storage_reader(reader), no_dist=True)
+    _verify_sharded(reader)
+    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for name, meta in _sharded_metadata(reader).items()}
+    _load_sharded(reader, tensors)
     return tensors
 
 
 def weight_shapes(reader: CheckpointReader) -> dict[str, tuple]:
     """Name -> shape of every tensor in the checkpoint's weight files, from the safetensors headers alone
     (a few kilobytes per file, whatever the model's size): what the driver checks a resume against."""
-    names = sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
-    if not names and _sharded_model(reader):  # DCP's .metadata holds every tensor's size
-        return _sharded_shapes(reader)
+    names = _weight_files(reader)
+    if not names and holds_sharded_model(reader.files):  # DCP's .metadata holds every tensor's size
+        return {name: tuple(meta.size) for name, meta in _sharded_metadata(reader).items()}
     shapes: dict[str, tuple] = {}
     for name in names:
         with reader.storage.fs.open_input_file(reader.storage.path(name)) as f:
@@ -513,8 +514,7 @@ def load_checkpoint_model(model: torch.nn.Module, reader: CheckpointReader) -> N
                 f"{reader.uri} does not fit the model: adapter tensor {result.unexpected_keys[0]!r} has no "
                 "place in it (the checkpoint is from another LoRA configuration: target_modules or r).")
         return
-    if _sharded_model(reader) and not any(n.endswith(".safetensors") and not n.startswith("rng_state")
-                                          for n in reader.files):
+    if holds_sharded_model(reader.files) and not _weight_files(reader):
         load_sharded_model_into(model, reader)
         return
     load_weights_into(model, model_weights(reader), reader.uri)

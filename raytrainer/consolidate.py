@@ -32,6 +32,7 @@ import tempfile
 
 import torch
 
+from raytrainer.checkpoint import SHARDED_MODEL_DIR
 from raytrainer.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 DCP_METADATA = ".metadata"
 #: Where a DCP model may sit in a checkpoint folder: the folder itself (raytrainer's final weights) or
 #: accelerate's sharded FSDP layout.
-DCP_MODEL_DIRS = ("", "pytorch_model_fsdp_0")
+DCP_MODEL_DIRS = ("", SHARDED_MODEL_DIR)
 #: Small files ``from_pretrained`` reads beside the weights.
 _BESIDE = (".json", ".txt", ".model", ".py", ".tiktoken")
 _NOT_BESIDE = {"trainer_state.json", "manifest.json", "model.safetensors.index.json", "training_args.json"}
@@ -80,11 +81,10 @@ def _from_dcp(storage: Storage, dcp_dir: str, out: str, max_shard_size) -> list[
     import torch.distributed.checkpoint as dcp
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _dcp_reader(storage, dcp_dir).read_metadata()
-    shapes = {key: meta for key, meta in metadata.state_dict_metadata.items()
-              if isinstance(meta, TensorStorageMetadata)}
+    from raytrainer.dcp_storage import tensor_metadata
+
+    shapes = tensor_metadata(_dcp_reader(storage, dcp_dir))
     prefix = "model." if shapes and all(k.startswith("model.") for k in shapes) else ""
     meta = {key[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype, device="meta")
             for key, m in shapes.items()}
@@ -116,14 +116,10 @@ def _from_dcp(storage: Storage, dcp_dir: str, out: str, max_shard_size) -> list[
 
 
 def _dcp_reader(storage: Storage, dcp_dir: str):
-    from torch.distributed.checkpoint import FileSystemReader
+    """A fresh reader per load (DCP keeps per-load state in it)."""
+    from raytrainer.dcp_storage import reader_at
 
-    path = storage.path(dcp_dir) if dcp_dir else storage.root
-    if storage.is_local:
-        return FileSystemReader(path)
-    from raytrainer.dcp_storage import PyArrowReader
-
-    return PyArrowReader(storage.fs, path)
+    return reader_at(storage, storage.path(dcp_dir) if dcp_dir else storage.root)
 
 
 def _from_deepspeed(storage: Storage, tag: str, out: str, max_shard_size) -> list[str]:

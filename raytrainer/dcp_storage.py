@@ -120,3 +120,20 @@ class PyArrowReader(FileSystemReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def reader_at(storage, path: str) -> FileSystemReader:
+    """A DCP StorageReader of the folder ``path`` on ``storage`` (a raytrainer Storage), for one process:
+    DCP's own reader for a local path, else ranged reads through pyarrow."""
+    if storage.is_local:
+        return FileSystemReader(path)
+    return PyArrowReader(storage.fs, path)
+
+
+def tensor_metadata(reader: FileSystemReader) -> dict:
+    """Key -> ``TensorStorageMetadata`` (size, dtype) of every tensor the DCP folder holds, from its
+    ``.metadata`` alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)}

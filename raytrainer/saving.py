@@ -46,9 +46,7 @@ def save_model_files(model, output_dir: str, state_dict, processing_class, args)
         save_file(dedupe_shared(state_dict), path, metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
-    with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
-        f.write(args.to_json_string())
-    torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
+    _save_arguments(args, output_dir)
 
 
 def save_model_metadata(model, output_dir: str, args) -> None:
@@ -73,6 +71,11 @@ def save_model_metadata(model, output_dir: str, args) -> None:
         can_generate = getattr(model, "can_generate", None)
         if generation is not None and callable(can_generate) and can_generate():
             generation.save_pretrained(output_dir)
+    _save_arguments(args, output_dir)
+
+
+def _save_arguments(args, output_dir: str) -> None:
+    """``training_args.json`` (readable) and transformers' ``training_args.bin``, neither with a secret."""
     with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
         f.write(args.to_json_string())
     torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))

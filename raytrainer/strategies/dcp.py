@@ -24,10 +24,6 @@ def save_model(model, folder: str) -> str:
     return MODEL_DIR
 
 
-def holds_sharded_model(files) -> bool:
-    return f"{MODEL_DIR}/.metadata" in files
-
-
 def load_model(model, reader, ctx) -> None:
     """The checkpoint's ``pytorch_model_fsdp_0/`` into ``model`` (FSDP-sharded, DDP-wrapped or plain), as a
     collective when a process group is up: each rank fills what it holds -- its own shards under FSDP, the

@@ -34,6 +34,7 @@ from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, 
 from raytrainer.checkpoint import (
     CheckpointReader,
     digest_files,
+    holds_sharded_model,
     load_checkpoint_model,
     write_manifest,
 )
@@ -256,8 +257,6 @@ class Resume:
     def model_sharded(self) -> bool:
         """The checkpoint holds the model as DCP shards (FSDP's ``pytorch_model_fsdp_0/``), no consolidated
         weights: it is loaded after the model is set up (``load_sharded_model``), each rank its share."""
-        from raytrainer.strategies.dcp import holds_sharded_model
-
         return holds_sharded_model(self.reader.files)
 
     def load_model(self, model: torch.nn.Module) -> None:
