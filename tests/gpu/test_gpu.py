@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic cuBLAS
 
@@ -19,6 +20,7 @@ import cloudpickle
 import pytest
 import torch
 
+import raytrainer
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # callbacks defined here travel to Ray workers
@@ -267,6 +269,7 @@ def test_fsdp2_on_a_one_gpu_nccl_group_matches_one_device(tmp_path):
 def ray_instance():
     ray = pytest.importorskip("ray")
     yield ray
+    raytrainer.shutdown()  # the idle worker groups the tests leave for the next Trainer of the same shape
     if ray.is_initialized():
         ray.shutdown()
 
@@ -317,6 +320,89 @@ def test_deepspeed_zero3_on_a_ray_gpu_worker(tmp_path, ray_instance):
     with open(where) as f:
         assert json.load(f)["device"] == "cuda"
     assert_learns(trainer)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_checkpoints_on_a_ray_gpu_worker_are_sharded_resume_and_consolidate(tmp_path, ray_instance):
+    """FSDP on a Ray GPU worker (NCCL): each checkpoint holds the model as DCP shards written from CUDA
+    tensors, no consolidated ``model.safetensors``; ``raytrainer consolidate`` of the last one, on the CPU,
+    gives the trained weights bit for bit; a resume from the middle checkpoint continues the same loss curve."""
+    from safetensors.torch import load_file
+
+    from raytrainer.consolidate import consolidate
+
+    def run(name: str, resume: str | None = None) -> Trainer:
+        args = make_args(tmp_path, output_dir=str(tmp_path / name), num_workers=1, use_gpu=True, bf16=True,
+                         fsdp="full_shard auto_wrap", save_strategy="steps", save_steps=8)
+        trainer = Trainer(model=tiny_llama(attn="eager"), args=args, train_dataset=token_data())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    assert_learns(full)
+    files = set(json.loads((tmp_path / "full" / "checkpoint-8" / "manifest.json").read_text())["files"])
+    assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/.metadata",
+            "optimizer_0/__0_0.distcp", "trainer_state.json"} <= files, files
+    assert "model.safetensors" not in files and "optimizer.pt" not in files, files
+
+    assert consolidate(str(tmp_path / "full" / "checkpoint-16"), str(tmp_path / "merged")) == [
+        "model.safetensors"]
+    merged, live = load_file(str(tmp_path / "merged" / "model.safetensors")), full.model.state_dict()
+    assert merged.keys() == live.keys()
+    for name, tensor in live.items():
+        assert torch.equal(merged[name], tensor.cpu()), name
+
+    resumed = run("resumed", resume=str(tmp_path / "full" / "checkpoint-8"))
+    assert resumed.state.global_step == 16
+    assert losses(resumed)[:8] == losses(full)[:8]  # from the checkpoint's trainer state
+    assert losses(resumed)[8:] == pytest.approx(losses(full)[8:], rel=1e-3)
+    for name, tensor in full.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=1e-3, atol=1e-4)
+
+
+class WorkerIdentity(TrainerCallback):
+    """Appends, from the worker at train begin, its process id and the GPU it trains on."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "device": str(next(model.parameters()).device)}) + "\n")
+
+
+@pytest.mark.timeout(600)
+def test_a_second_trainer_runs_on_the_first_ones_gpu_group(tmp_path, ray_instance):
+    """A script's second Trainer of the same shape trains on the first one's idle GPU worker (the same
+    process, after the warm reset of seeds and CUDA caches) to the same losses; raytrainer.shutdown() ends
+    that worker."""
+    raytrainer.shutdown()  # groups of the tests before: the first Trainer here starts its own
+    seen = str(tmp_path / "seen.jsonl")
+
+    def run(name: str) -> Trainer:
+        args = make_args(tmp_path, output_dir=str(tmp_path / name), num_workers=1, use_gpu=True, bf16=True)
+        trainer = Trainer(model=tiny_llama(attn="eager"), args=args, train_dataset=token_data(),
+                          callbacks=[WorkerIdentity(seen)])
+        trainer.train()
+        return trainer
+
+    first, second = run("first"), run("second")
+    with open(seen) as f:
+        workers = [json.loads(line) for line in f]
+    assert len(workers) == 2 and workers[0] == workers[1], workers  # one process, one GPU
+    assert workers[0]["device"].startswith("cuda")
+    assert_learns(second)
+    assert losses(second) == pytest.approx(losses(first), rel=1e-4)
+    raytrainer.shutdown()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(workers[0]["pid"], 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the worker process {workers[0]['pid']} outlived raytrainer.shutdown()")
 
 
 # -- Seq2SeqTrainer: generation on the GPU ------------------------------------------------------------------
