@@ -380,7 +380,26 @@ def holds_sharded_model(files) -> bool:
 
 def _weight_files(reader: CheckpointReader) -> list[str]:
     """The checkpoint's consolidated weight files (its safetensors, not the RNG states)."""
-    return sorted(n for n in reader.files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+    return _weights_in(reader.files)
+
+
+def _weights_in(files) -> list[str]:
+    return sorted(n for n in files if n.endswith(".safetensors") and not n.startswith("rng_state"))
+
+
+def zero_model_tag(files) -> str | None:
+    """The DeepSpeed tag (``global_step<N>``) whose ZeRO-3 partitions are a checkpoint's only copy of the
+    model -- engine files and no consolidated weights, adapter or DCP model beside them; else None."""
+    return None if _weights_in(files) or holds_sharded_model(files) else zero_tag(files)
+
+
+def zero_tag(files) -> str | None:
+    """The DeepSpeed engine checkpoint (``global_step<N>/`` with its ``*_model_states.pt``) among ``files``;
+    the newest when there are several."""
+    tags = {n.split("/")[0] for n in files if n.startswith("global_step") and "/" in n
+            and n.endswith("_model_states.pt")}
+    number = lambda tag: int(tag[11:]) if tag[11:].isdigit() else -1  # noqa: E731  (global_step<N>)
+    return max(tags, key=number, default=None)
 
 
 def _dcp_storage_reader(reader: CheckpointReader):

@@ -32,7 +32,7 @@ import tempfile
 
 import torch
 
-from raytrainer.checkpoint import SHARDED_MODEL_DIR
+from raytrainer.checkpoint import SHARDED_MODEL_DIR, zero_tag
 from raytrainer.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,11 @@ def consolidate(source: str, out: str | None = None, max_shard_size: int | str =
     out = storage.root if out is None else out
     dcp_dir = next((d for d in DCP_MODEL_DIRS if posixpath.join(d, DCP_METADATA).lstrip("/") in files),
                    None)
-    zero = sorted({n.split("/")[0] for n in files if "/" in n and n.split("/")[-1].endswith(
-        "_model_states.pt") and n.split("/")[0].startswith("global_step")})
+    zero = zero_tag(files)
     if dcp_dir is not None:
         written = _from_dcp(storage, dcp_dir, out, max_shard_size)
     elif zero:
-        written = _from_deepspeed(storage, zero[-1], out, max_shard_size)
+        written = _from_deepspeed(storage, zero, out, max_shard_size)
     else:
         held = "model.safetensors (already consolidated)" if "model.safetensors" in files else \
             f"{len(files)} files: {', '.join(sorted(files)[:6])}{', ...' if len(files) > 6 else ''}"
@@ -128,9 +127,12 @@ def _from_deepspeed(storage: Storage, tag: str, out: str, max_shard_size) -> lis
     if not storage.is_local or not Storage.from_uri(out).is_local:
         raise ValueError(f"consolidate {storage.uri}: DeepSpeed's converter reads and writes local folders; "
                          "download the checkpoint first (e.g. `aws s3 sync`) and give local paths.")
+    from raytrainer.strategies.deepspeed_load import weights_only_loads
+
     before = set(os.listdir(out)) if os.path.isdir(out) else set()
-    convert_zero_checkpoint_to_state_dict(storage.root, out, max_shard_size=max_shard_size,
-                                          safe_serialization=True, tag=tag)
+    with weights_only_loads():  # DeepSpeed's converter unpickles the partitions: tensors only, nothing run
+        convert_zero_checkpoint_to_state_dict(storage.root, out, max_shard_size=max_shard_size,
+                                              safe_serialization=True, tag=tag)
     return sorted(set(os.listdir(out)) - before) or ["model.safetensors"]
 
 

@@ -17,8 +17,10 @@ from raytrainer.checkpoint import (
     DamagedCheckpointError,
     committed_checkpoints,
     load_checkpoint_model,
+    load_weights_into,
     resolve_resume,
     step_of,
+    zero_model_tag,
 )
 from raytrainer.data import is_ray_dataset
 from raytrainer.driver import preflight
@@ -117,7 +119,13 @@ def _load_best_model(trainer) -> None:
 
 
 def _load_checkpoint_weights(model, reader: CheckpointReader) -> None:
-    load_checkpoint_model(model, reader)
+    tag = zero_model_tag(reader.files)
+    if tag is None:
+        load_checkpoint_model(model, reader)
+        return
+    from raytrainer.strategies.deepspeed_load import zero_weights
+
+    load_weights_into(model, zero_weights(reader, tag), reader.uri)  # ZeRO-3: only the engine's partitions
 
 
 def _absorb(trainer, method: str, result: RankResult):

@@ -158,4 +158,14 @@ class Strategy:
 
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
-        """On the driver: refuse a checkpoint this strategy cannot resume on ``world_size`` workers."""
+        """On the driver: refuse a checkpoint this strategy cannot resume on ``world_size`` workers -- here,
+        one whose model is only a DeepSpeed engine's ZeRO-3 partitions, which only that engine reads."""
+        from raytrainer.checkpoint import zero_model_tag
+
+        tag = zero_model_tag(files)
+        if tag is not None:
+            raise ValueError(
+                f"resume_from_checkpoint: this checkpoint holds the model only as DeepSpeed ZeRO-3 "
+                f"partitions ({tag}/), which only a ZeRO-3 DeepSpeed engine reads. Resume it with a ZeRO-3 "
+                f"`deepspeed` config, or write its weights out with `raytrainer consolidate CHECKPOINT OUT` "
+                f"and start from those (model_init loading OUT, or a model built from it).")

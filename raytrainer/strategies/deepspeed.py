@@ -12,7 +12,9 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
 - Precision: fp16 / bf16 are the engine's (the module itself is cast); raytrainer's autocast is off and
   floating inputs are cast to the engine's dtype, as HF does.
 - Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
-  ZeRO partition) beside the consolidated ``model.safetensors`` (ZeRO-3 gathers it on rank 0); for a PEFT
+  ZeRO partition). ZeRO-3's checkpoints hold the model only there, nothing gathered (unless the config sets
+  ``stage3_gather_16bit_weights_on_model_save``: then rank 0 also writes the gathered ``model.safetensors``,
+  as ZeRO-0/1/2 always do); ``raytrainer consolidate`` makes safetensors of the partitions. For a PEFT
   model, its adapter files and the engine's state of the adapter only, no frozen base weight. A ZeRO
   checkpoint resumes on the same number of workers as written; on another number rank 0 first converts it
   with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder.
@@ -221,6 +223,14 @@ class DeepSpeedStrategy(Strategy):
             return {k: v.detach().cpu() for k, v in (state or {}).items()}
         return super().full_state_dict(model)
 
+    def saves_model_sharded(self, model) -> bool:
+        """ZeRO-3: a checkpoint holds the model as the engine's partitions (``global_step<N>/``), nothing
+        gathered -- as transformers.Trainer saves under ZeRO-3 -- unless the config asks for gathered weights
+        (``stage3_gather_16bit_weights_on_model_save: true``, transformers' switch for the same), or the
+        model is a PEFT model, whose adapter files stay consolidated (a few MB)."""
+        gather = (self.config.get("zero_optimization") or {}).get("stage3_gather_16bit_weights_on_model_save")
+        return self.stage == 3 and gather is not True and not _is_peft(model)
+
     def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str:
         # A PEFT model's frozen base is model_init's to build, not the checkpoint's (as transformers.Trainer
         # saves it): otherwise every checkpoint would hold the whole base model, its ZeRO partitions.
@@ -302,6 +312,8 @@ class DeepSpeedStrategy(Strategy):
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
         """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
         needs DeepSpeed's conversion to a universal checkpoint first. Called on the driver."""
+        if zero_stage(load_config(args.deepspeed)) != 3:
+            super().check_resume(args, files, step, world_size)  # a model that only ZeRO-3 reads: refused
         saved = _partitions(files, step)
         if saved and len(saved) != world_size:
             logger.warning("resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by %d workers "

@@ -37,6 +37,7 @@ from raytrainer.checkpoint import (
     holds_sharded_model,
     load_checkpoint_model,
     write_manifest,
+    zero_model_tag,
 )
 from raytrainer.protocol import CheckpointCommitted
 from raytrainer.saving import TRAINER_STATE_NAME, save_model_files, save_model_metadata
@@ -255,16 +256,21 @@ class Resume:
 
     @property
     def model_sharded(self) -> bool:
-        """The checkpoint holds the model as DCP shards (FSDP's ``pytorch_model_fsdp_0/``), no consolidated
-        weights: it is loaded after the model is set up (``load_sharded_model``), each rank its share."""
-        return holds_sharded_model(self.reader.files)
+        """The checkpoint holds the model only as each rank's share, no consolidated weights: DCP shards
+        (FSDP's ``pytorch_model_fsdp_0/``), loaded after the model is set up (``load_sharded_model``), or
+        ZeRO-3 partitions, which the engine loads with its optimizer state
+        (``load_optimizer_and_scheduler``)."""
+        return holds_sharded_model(self.reader.files) or zero_model_tag(self.reader.files) is not None
 
     def load_model(self, model: torch.nn.Module) -> None:
         load_checkpoint_model(model, self.reader)
 
     def load_sharded_model(self, model: torch.nn.Module, ctx) -> None:
         """Every rank (a collective): the DCP model into the set-up ``model`` -- this rank's shards under
-        FSDP, resharded from any number of writers; whole tensors under DDP or one worker."""
+        FSDP, resharded from any number of writers; whole tensors under DDP or one worker. A ZeRO-3
+        checkpoint's partitions come later, with the engine's optimizer state."""
+        if not holds_sharded_model(self.reader.files):
+            return
         from raytrainer.strategies.dcp import load_model
 
         load_model(model, self.reader, ctx)

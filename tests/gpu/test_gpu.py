@@ -326,7 +326,8 @@ def test_deepspeed_zero3_on_a_ray_gpu_worker(tmp_path, ray_instance):
 def test_fsdp_checkpoints_on_a_ray_gpu_worker_are_sharded_resume_and_consolidate(tmp_path, ray_instance):
     """FSDP on a Ray GPU worker (NCCL): each checkpoint holds the model as DCP shards written from CUDA
     tensors, no consolidated ``model.safetensors``; ``raytrainer consolidate`` of the last one, on the CPU,
-    gives the trained weights bit for bit; a resume from the middle checkpoint continues the same loss curve."""
+    gives the trained weights bit for bit; a resume from the middle checkpoint continues the same loss
+    curve."""
     from safetensors.torch import load_file
 
     from raytrainer.consolidate import consolidate

@@ -89,7 +89,8 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
 @pytest.mark.full  # the full tier: CI writes a search's checkpoints to a bucket (test_search.py)
 def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_partition(tmp_path, s3_bucket):
     """DeepSpeed's loader reads files by path: from a bucket each rank downloads (verified) its own ZeRO
-    partition files and the shared ones, none of the other rank's; the resume is bitwise."""
+    partition files and the shared ones, none of the other rank's -- the checkpoint holds no gathered model,
+    so that is at most 0.6x of it per rank; the resume is bitwise."""
     from test_deepspeed import _args as ds_args
 
     uri = f"{s3_bucket.uri}/runs/zero3"
@@ -100,6 +101,7 @@ def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_par
     files = s3_bucket.committed("runs/zero3")["checkpoint-10"]["files"]
     partitions = {r: {n for n in files if f"zero_pp_rank_{r}_" in n} for r in (0, 1)}
     assert partitions[0] and partitions[1]
+    assert "model.safetensors" not in files, files  # the model is the partitions: nothing gathered
 
     s3_bucket.server.clear_requests()
     fresh_dir = tmp_path / "fresh"
@@ -114,3 +116,7 @@ def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_par
             assert reads[rank][prefix + name] == files[name]["size"], (rank, name)  # once, whole
         for name in partitions[other]:
             assert reads[rank][prefix + name] == 0, (rank, name)
+    sizes = {n: m["size"] for n, m in files.items()}
+    for rank in (0, 1):  # each rank reads its share of the checkpoint, not the whole of it
+        print(f"S3 ZeRO-3 resume, rank {rank}: {sum(reads[rank].values())} of {sum(sizes.values())} bytes")
+        assert sum(reads[rank].values()) <= 0.6 * sum(sizes.values()), (rank, dict(reads[rank]), sizes)

@@ -140,6 +140,28 @@ def test_a_zero_checkpoint_on_another_world_size_announces_the_conversion(tmp_pa
     assert "universal format" in record.getMessage()
 
 
+def test_a_checkpoint_whose_model_is_only_zero3_partitions_resumes_only_on_zero3(tmp_path):
+    """A ZeRO-3 checkpoint holds the model only as the engine's partitions (no model.safetensors): a ZeRO-3
+    run resumes it; another strategy, or another ZeRO stage, is refused on the driver naming the fix."""
+    from raytrainer.strategies.base import Strategy
+
+    files = ["trainer_state.json", "rng_state_0.safetensors", "rng_state_1.safetensors",
+             "global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt",
+             "global_step10/zero_pp_rank_1_mp_rank_00_model_states.pt",
+             "global_step10/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+             "global_step10/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    DeepSpeedStrategy.check_resume(_ds_args(tmp_path, {"zero_optimization": {"stage": 3}}), files, 10, 2)
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match=r"only as DeepSpeed ZeRO-3 partitions \(global_step10/\).*"
+                                             r"raytrainer consolidate CHECKPOINT OUT"):
+            DeepSpeedStrategy.check_resume(
+                _ds_args(tmp_path, {"zero_optimization": {"stage": stage}}), files, 10, 2)
+    plain = TrainingArguments(output_dir=str(tmp_path), num_workers=2, report_to="none")
+    with pytest.raises(ValueError, match="only a ZeRO-3 DeepSpeed engine reads"):
+        Strategy.check_resume(plain, files, 10, 2)
+    Strategy.check_resume(plain, [*files, "model.safetensors"], 10, 2)  # consolidated weights beside: fine
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
