@@ -141,8 +141,13 @@ class Strategy:
 
     def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> str | list[str]:
         """Write this rank's part of the training state under ``folder`` (a collective); returns the
-        subfolder(s) written."""
+        subfolder(s) written. Writes may go on in the background: see ``take_pending_writes``."""
         raise NotImplementedError
+
+    def take_pending_writes(self) -> list:
+        """The futures of the background writes the last ``save_sharded`` started (handed over once): the
+        checkpoint writer waits for them, off the training thread, before it lists and hashes the files."""
+        return []
 
     def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
         """Load the training state ``save_sharded`` wrote, from a committed checkpoint (``reader``, a

@@ -1,7 +1,13 @@
 """Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP), in the folder layout
 accelerate uses for FSDP (``pytorch_model_fsdp_0/`` for the model, ``optimizer_0/`` for the optimizer): every
 rank writes its own shards, and loading reshards them onto any number of ranks and any layout (FSDP on 2
-workers -> FSDP or DDP on 1, or a plain module on the driver)."""
+workers -> FSDP or DDP on 1, or a plain module on the driver).
+
+Saves are asynchronous where a process group is up (``pending`` given): DCP's ``async_save`` copies this
+rank's shards into CPU memory on the calling (training) thread -- the snapshot, the one part a step waits
+for -- and writes them from a thread of its own, whose collectives (the save plan, the ``.metadata`` commit)
+run on a gloo group kept for checkpoints, never on the group the training step's collectives use. The
+checkpoint writer waits for the returned futures off the training thread before it hashes the files."""
 
 from __future__ import annotations
 
@@ -13,14 +19,41 @@ OPTIMIZER_DIR = "optimizer_0"
 #: accelerate's (and transformers.Trainer's) folder for an FSDP model saved with SHARDED_STATE_DICT
 MODEL_DIR = SHARDED_MODEL_DIR
 
+_save_groups: dict = {}  # folder -> (the default group it was made beside, a gloo group for its saves)
 
-def save_model(model, folder: str) -> str:
-    """This rank's shard of the model into ``folder/pytorch_model_fsdp_0`` (a collective), under the key
-    ``model`` as accelerate writes it; nothing is gathered."""
+
+def _checkpoint_group(folder: str):
+    """A gloo group over the same ranks for one folder's background saves: the model's and the optimizer's
+    writes run at once, each on its own thread, and two threads' collectives on one group could pair up
+    differently on different ranks. Made (a collective) at the first save per default group: every rank
+    reaches it at the same step."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    made = _save_groups.get(folder)
+    if made is None or made[0] is not world:
+        made = _save_groups[folder] = (world, dist.new_group(backend="gloo"))
+    return made[1]
+
+
+def _save(state: dict, folder: str, name: str, pending: list | None) -> None:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(folder, name)
+    if pending is None or not dist.is_initialized():
+        dcp.save(state, checkpoint_id=path)
+    else:
+        pending.append(dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group(name)))
+
+
+def save_model(model, folder: str, pending: list | None = None) -> str:
+    """This rank's shard of the model into ``folder/pytorch_model_fsdp_0`` (a collective), under the key
+    ``model`` as accelerate writes it; nothing is gathered. With ``pending``, written in the background (the
+    future appended to it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, MODEL_DIR))
+    _save({"model": get_model_state_dict(model)}, folder, MODEL_DIR, pending)
     return MODEL_DIR
 
 
@@ -38,12 +71,11 @@ def load_model(model, reader, ctx) -> None:
     set_model_state_dict(model, loaded["model"])
 
 
-def save_optimizer(model, optimizer, folder: str) -> str:
-    import torch.distributed.checkpoint as dcp
+def save_optimizer(model, optimizer, folder: str, pending: list | None = None) -> str:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (DTensors under FSDP)
-    dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, OPTIMIZER_DIR))
+    _save({"optimizer": state}, folder, OPTIMIZER_DIR, pending)
     return OPTIMIZER_DIR
 
 

@@ -47,6 +47,7 @@ class FSDPStrategy(Strategy):
         super().__init__(ctx, args)
         self._from_rank0 = False  # model_init built real weights on rank 0 only (build_model)
         self._init_shards = None  # model_init built on meta on every rank: (factory, initialise)
+        self._pending_writes: list = []  # the background writes of the last save_sharded (futures)
         kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
         # SHARDED_STATE_DICT: the optimizer state (2x the weights for Adam) stays sharded, one DCP file per
         # rank in optimizer_0/; FULL_STATE_DICT: consolidated into optimizer.pt on rank 0.
@@ -83,10 +84,18 @@ class FSDPStrategy(Strategy):
         return self.sharded_state_dir is not None and not hasattr(self.unwrap(model), "peft_config")
 
     def save_sharded(self, model, optimizer, scheduler, folder: str, step: int) -> list[str]:
+        """The model's and the optimizer's shards, written in the background (DCP's ``async_save``): the step
+        waits only for the copy into memory; ``take_pending_writes`` hands the writes to the checkpoint
+        writer."""
         from raytrainer.strategies.dcp import save_model, save_optimizer
 
-        written = [save_model(model, folder)] if self.saves_model_sharded(model) else []
-        return [*written, save_optimizer(model, optimizer, folder)]
+        pending = self._pending_writes
+        written = [save_model(model, folder, pending)] if self.saves_model_sharded(model) else []
+        return [*written, save_optimizer(model, optimizer, folder, pending)]
+
+    def take_pending_writes(self) -> list:
+        pending, self._pending_writes = self._pending_writes, []
+        return pending
 
     def _mesh(self, options: set[str]):
         from torch.distributed.device_mesh import init_device_mesh

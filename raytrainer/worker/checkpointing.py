@@ -55,8 +55,10 @@ class _Snapshot:
         self.model_files = False  # this rank writes the model's files (rank 0; save_on_each_node)
         self.weights: dict | None = None  # consolidated weights; None: the model is in sharded_dirs
         self.pieces: list[tuple[Piece, object]] = []  # each piece with its state, copied
-        self.sharded_dirs: list[str] = []  # the strategy's own folders, already written
-        self.sharded: list[str] = []  # ... of which this rank hashes (and uploads) these
+        self.sharded_dirs: list[str] = []  # the strategy's own folders, written or being written
+        self.sharded_writes: list = []  # ... by these background writes (futures), if any
+        self.share: tuple | None = None  # (rank, world size, shared folder): which of their files ...
+        self.sharded: list[str] = []  # ... this rank hashes (and uploads), listed once they are written
 
 
 def _copy_tensors(obj):
@@ -85,6 +87,11 @@ class _Writer(threading.Thread):
 
     def run(self) -> None:
         try:
+            for write in self.snapshot.sharded_writes:  # the strategy's background writes (DCP's async_save)
+                write.result()
+            if self.snapshot.share is not None:  # every rank's sharded files are complete now
+                snap = self.snapshot
+                snap.sharded = _my_share(self.stage, snap.sharded_dirs, *snap.share)
             self.files = self._write()
             self.part = digest_files(self.stage, self.files)
             if self.remote:
@@ -172,12 +179,13 @@ class CheckpointWriter:
                                  model_only=args.save_only_model)
         collected = {p.file: p.obj.state_dict() for p in pieces if p.collective}  # on every rank
         snap = _Snapshot()
-        if sharded:  # written now, by every rank (a collective); hashed and uploaded in the background
+        if sharded:  # started now by every rank (a collective); finished, hashed, uploaded in the background
             dirs = strategy.save_sharded(t.model_wrapped, t.optimizer, t.lr_scheduler, stage,
                                          state.global_step)
             snap.sharded_dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+            snap.sharded_writes = strategy.take_pending_writes()
             ctx.barrier()
-            snap.sharded = _my_share(stage, snap.sharded_dirs, ctx, shared=not remote)
+            snap.share = (ctx.rank, ctx.world_size, not remote)
         # save_on_each_node: a node's own copy, unless it would land in rank 0's folder (shared or remote)
         if ctx.is_world_zero or (args.save_on_each_node and ctx.is_local_zero and not remote
                                  and not self._shared):
@@ -203,17 +211,15 @@ class CheckpointWriter:
         self._pending = None
         job.join()
         ctx = self.trainer._ctx
-        failed = ctx.gather_object(f"{type(job.error).__name__}: {job.error}" if job.error else None)
-        if ctx.is_world_zero:
-            errors = [f"rank {r}: {e}" for r, e in enumerate(failed) if e]
-            if errors:
-                files = f" (its files: {', '.join(job.files)})" if job.files else ""
-                raise RuntimeError(
-                    f"writing checkpoint {self.storage.uri_of(job.name)}{files} failed, so it is not "
-                    f"committed (the checkpoints committed before it are intact): {'; '.join(errors)}")
-        elif job.error:
-            where = self.storage.uri_of(job.name)
-            raise RuntimeError(f"writing {job.files} to {where} failed") from job.error
+        mine = f"{type(job.error).__name__}: {job.error}" if job.error else None
+        failed = ctx.gather_object(mine)  # rank 0 names every rank's error; another rank its own
+        seen = enumerate(failed) if ctx.is_world_zero else [(ctx.rank, mine)]
+        errors = [f"rank {r}: {e}" for r, e in seen if e]
+        if errors:
+            files = f" (its files: {', '.join(job.files)})" if job.files else ""
+            raise RuntimeError(
+                f"writing checkpoint {self.storage.uri_of(job.name)}{files} failed, so it is not committed "
+                f"(the checkpoints committed before it are intact): {'; '.join(errors)}") from job.error
         parts = ctx.gather_object(job.part)
         if ctx.is_world_zero:
             write_manifest(self.storage, job.name, parts, step)
@@ -230,12 +236,12 @@ class CheckpointWriter:
                                             state.best_model_checkpoint, state.best_metric))
 
 
-def _my_share(stage: str, subdirs: list[str], ctx, shared: bool) -> list[str]:
+def _my_share(stage: str, subdirs: list[str], rank: int, world_size: int, shared: bool) -> list[str]:
     """The strategy files this rank hashes: all of its private staging folder, or -- when every rank
     wrote into the same local folder -- every world_size-th file, so each file is hashed once."""
     prefixes = tuple(f"{d}/" for d in subdirs)
     names = sorted(n for n in _walk(stage) if n.startswith(prefixes))
-    return names[ctx.rank::ctx.world_size] if shared else names
+    return names[rank::world_size] if shared else names
 
 
 def _walk(folder: str) -> list[str]:

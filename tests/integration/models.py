@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 
 import torch
 
@@ -727,3 +729,41 @@ class OneBiasRegressor(DropoutRegressor):
         self.net[0] = torch.nn.Linear(6, 16, bias=False)
         self.net[-1] = torch.nn.Linear(16, 3, bias=False)
         self.net.append(FirstLogitShift())
+
+
+class SlowThenFullDisk(TrainerCallback):
+    """Rank 0's DCP file writes (``FileSystemWriter.write_data``, the narrowest place where a slow or a full
+    disk can be made to happen here) for two of this run's checkpoints: ``checkpoint-<slow>`` is held back
+    5 s, ``checkpoint-<full>`` fails as a full disk does (ENOSPC), after which the patch is undone (warm
+    workers outlive the run). At each save rank 0 records whether the checkpoint's files were all written
+    when its training thread went on."""
+
+    def __init__(self, slow: int, full: int):
+        self.slow, self.full = slow, full
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        original, out = FileSystemWriter.write_data, os.path.abspath(args.output_dir)
+        slow, full = (os.path.join(out, f"checkpoint-{step}") for step in (self.slow, self.full))
+
+        def write_data(writer, plan, planner):
+            where = str(writer.path)
+            if where.startswith(slow + os.sep):
+                time.sleep(5)
+            elif where.startswith(full + os.sep):
+                FileSystemWriter.write_data = original
+                raise OSError(28, "No space left on device", where)
+            return original(writer, plan, planner)
+
+        FileSystemWriter.write_data = write_data
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            written = all(os.path.exists(os.path.join(folder, d, ".metadata"))
+                          for d in ("optimizer_0", "pytorch_model_fsdp_0"))
+            with open(os.path.join(args.output_dir, "written-at-save.jsonl"), "a") as f:
+                f.write(json.dumps({"step": state.global_step, "written": written}) + "\n")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from models import DropoutRegressor, ReportSharding, make_data
+from models import DropoutRegressor, ReportSharding, SlowThenFullDisk, make_data
 
 from raytrainer import Trainer, TrainingArguments
 
@@ -82,6 +82,33 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     assert [(h["step"], h["loss"]) for h in plain.state.log_history if "loss" in h][:3] == saved[:3]
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(plain.model.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_saves_write_in_the_background_and_a_failed_write_fails_the_run_naming_it(tmp_path):
+    """FSDP's shards are written by DCP's async_save: the training thread goes on before the (held back)
+    files of checkpoint-5 exist, and checkpoint-5 is committed whole. A write that fails (ENOSPC on rank 0
+    at checkpoint-10) fails the run at a following step, naming the checkpoint and the error, and leaves
+    that checkpoint uncommitted and checkpoint-5 intact."""
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.storage import Storage
+
+    out = tmp_path / "out"
+    trainer = Trainer(model=DropoutRegressor(), args=_args(out), train_dataset=make_data(48),
+                      callbacks=[SlowThenFullDisk(slow=5, full=10)])
+    failed = r"writing checkpoint .*checkpoint-10 failed, so it is not committed"
+    with pytest.raises(Exception, match=failed) as info:
+        trainer.train()
+    assert "No space left on device" in str(info.value)
+    seen = [json.loads(line) for line in (out / "written-at-save.jsonl").read_text().splitlines()]
+    assert seen[0] == {"step": 5, "written": False}, seen  # the step did not wait for the 5 s write
+    assert [step for step, _ in committed_checkpoints(Storage.from_uri(str(out)), warn=False)] == [5]
+    files = set(json.loads((out / "checkpoint-5" / "manifest.json").read_text())["files"])
+    assert {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+            "optimizer_0/__1_0.distcp"} <= files, files
+    assert not (out / "checkpoint-10" / "manifest.json").exists()
+    resumed = Trainer(model=DropoutRegressor(), args=_args(tmp_path / "again"), train_dataset=make_data(48))
+    assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 18
 
 
 @pytest.mark.timeout(300)
