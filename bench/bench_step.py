@@ -149,6 +149,9 @@ def main() -> None:
                    help="also run raytrainer imported from PATH, as side NAME")
     p.add_argument("--profile", metavar="FILE", help="cProfile one raytrainer run into FILE, print the top")
     p.add_argument("--out", help="write the raw results here (JSON)")
+    p.add_argument("--check", type=float, metavar="RATIO",
+                   help="exit 1 unless raytrainer's CPU time per step is within RATIO of the hand loop's "
+                        "(hand / raytrainer >= RATIO): the full tier's per-step regression check")
     opts = p.parse_args()
     if opts.child:
         return child(opts.child)
@@ -211,8 +214,14 @@ def main() -> None:
         with open(opts.out, "w") as f:
             json.dump({"config": cfg, "repeats": opts.repeats, "load_start": load_start,
                        "load_end": os.getloadavg(), "summary": summary, "runs": runs}, f, indent=1)
+    if opts.check is not None:
+        ratio = summary["raytrainer"]["cpu_ratio"]  # CPU time: what other work on the machine disturbs least
+        verdict = "ok" if ratio >= opts.check else "REGRESSION"
+        print(f"--check: raytrainer's CPU time per step is {ratio:.2f}x the hand loop's speed "
+              f"(bar {opts.check:.2f}x): {verdict}")
+        return 0 if ratio >= opts.check else 1
     return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
