@@ -91,7 +91,6 @@ class Gaps(TrainerCallback):
 
 
 def side_args(side: str, out: str, a) -> dict:
-    kw = {}
     if side.startswith("fsdp"):
         kw = {"fsdp": "full_shard auto_wrap", "fsdp_config": {
             "transformer_layer_cls_to_wrap": ["Linear"],

@@ -396,10 +396,13 @@ def zero_model_tag(files) -> str | None:
 def zero_tag(files) -> str | None:
     """The DeepSpeed engine checkpoint (``global_step<N>/`` with its ``*_model_states.pt``) among ``files``;
     the newest when there are several."""
-    tags = {n.split("/")[0] for n in files if n.startswith("global_step") and "/" in n
-            and n.endswith("_model_states.pt")}
-    number = lambda tag: int(tag[11:]) if tag[11:].isdigit() else -1  # noqa: E731  (global_step<N>)
-    return max(tags, key=number, default=None)
+    steps = {}
+    for name in files:
+        tag, _, rest = name.partition("/")
+        number = tag.removeprefix("global_step")
+        if rest.endswith("_model_states.pt") and number != tag:
+            steps[tag] = int(number) if number.isdigit() else -1
+    return max(steps, key=steps.get, default=None)
 
 
 def _dcp_storage_reader(reader: CheckpointReader):

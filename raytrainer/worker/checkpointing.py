@@ -86,11 +86,11 @@ class _Writer(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        snap = self.snapshot
         try:
-            for write in self.snapshot.sharded_writes:  # the strategy's background writes (DCP's async_save)
+            for write in snap.sharded_writes:  # the strategy's background writes (DCP's async_save)
                 write.result()
-            if self.snapshot.share is not None:  # every rank's sharded files are complete now
-                snap = self.snapshot
+            if snap.share is not None:  # every rank's sharded files are complete now
                 snap.sharded = _my_share(self.stage, snap.sharded_dirs, *snap.share)
             self.files = self._write()
             self.part = digest_files(self.stage, self.files)
