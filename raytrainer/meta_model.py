@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -88,10 +90,18 @@ def build_on_meta(build) -> torch.nn.Module | None:
     return model
 
 
+class FileSlice(NamedTuple):
+    """Where a weight of a ``from_pretrained`` model lies: a safetensors file and the tensor's key in it."""
+
+    path: str
+    key: str
+    shape: tuple[int, ...]
+
+
 @contextlib.contextmanager
-def weightless_loading():
+def weightless_loading(sources: dict | None = None):
     """Meanwhile, ``model_init`` builds a weightless skeleton even where it loads pretrained weights: for a
-    rank whose weights come from another (FSDP's rank-0 way), so that it never holds the model.
+    rank whose weights come from another (FSDP's rank-0 way), or from the files read shard by shard.
 
     Everything is created under ``torch.device("meta")``, and transformers' ``from_pretrained`` -- which
     refuses a meta device context (it wants to load the weights) -- is called with ``device_map="meta"``, a
@@ -102,17 +112,25 @@ def weightless_loading():
     dtype), so the files' data is never read on this rank. What ``model_init`` does after (PEFT's
     ``get_peft_model``, a new head) runs on meta too. Where transformers lacks the function this relies on
     (``core_model_loading._materialize_copy``, 5.x), the tensors are read once and dropped: slower, still
-    never held."""
+    never held.
+
+    ``sources``, when given, is filled with ``id(tensor) -> (tensor, FileSlice)`` for each parameter and
+    buffer of the skeleton that transformers set straight from one tensor of a safetensors file (a renamed
+    key, a dtype cast): the weights a rank can later read slice by slice (``sources_by_name``). A weight that
+    a conversion made from several tensors (fused experts, permuted heads), or one ``model_init`` made after
+    (a new head, LoRA adapters), has none."""
     patches = []
     try:
         import transformers.modeling_utils as modeling_utils
     except ImportError:
         modeling_utils = None
+    tags: dict = {}  # id(safetensors slice) -> (slice, FileSlice)
+    made: dict = {}  # id(meta tensor made from a tagged slice) -> (tensor, FileSlice)
     if modeling_utils is not None:
         pretrained = modeling_utils.PreTrainedModel.from_pretrained.__func__
 
         def from_pretrained(cls, *args, **kwargs):
-            kwargs["device_map"] = "meta"  # whatever was asked: this rank's weights come from rank 0
+            kwargs["device_map"] = "meta"  # whatever was asked: this rank's weights come from elsewhere
             return pretrained(cls, *args, **kwargs)
 
         patches.append((modeling_utils.PreTrainedModel, "from_pretrained", classmethod(from_pretrained)))
@@ -121,7 +139,12 @@ def weightless_loading():
         except ImportError:
             loading = None
         if loading is not None and callable(getattr(loading, "_materialize_copy", None)):
-            patches.append((loading, "_materialize_copy", _header_only(loading._materialize_copy)))
+            patches.append((loading, "_materialize_copy", _header_only(loading._materialize_copy, tags, made)))
+            if sources is not None and callable(getattr(modeling_utils, "safe_open", None)) \
+                    and callable(getattr(loading, "set_param_for_module", None)):
+                patches.append((modeling_utils, "safe_open", _tagging_open(modeling_utils.safe_open, tags)))
+                patches.append((loading, "set_param_for_module",
+                                _recording_set(loading.set_param_for_module, made, sources)))
     saved = [(owner, name, vars(owner)[name]) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:
@@ -133,14 +156,75 @@ def weightless_loading():
             setattr(owner, name, value)
 
 
-def _header_only(materialise):
+def sources_by_name(model: torch.nn.Module, sources: dict) -> dict[str, FileSlice]:
+    """Name -> FileSlice of each of ``model``'s parameters and buffers that ``weightless_loading(sources)``
+    saw set from a file (the names as the model has them now, after whatever ``model_init`` did; a tensor
+    it reshaped since, such as a resized embedding, has none)."""
+    out = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        found = sources.get(id(tensor))
+        if found is not None and found[0] is tensor and tuple(tensor.shape) == found[1].shape:
+            out[name] = found[1]
+    return out
+
+
+class _TaggedFile:
+    """A safetensors file handle whose slices are remembered with the file and key they come from."""
+
+    def __init__(self, handle, path: str, tags: dict):
+        self._handle, self._path, self._tags = handle, os.path.abspath(os.fspath(path)), tags
+
+    def get_slice(self, key):
+        view = self._handle.get_slice(key)
+        self._tags[id(view)] = (view, FileSlice(self._path, key, tuple(view.get_shape())))
+        return view
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+
+def _tagging_open(safe_open, tags: dict):
+    def tagging_open(path, *args, **kwargs):
+        return _TaggedFile(safe_open(path, *args, **kwargs), path, tags)
+    return tagging_open
+
+
+def _recording_set(set_param_for_module, made: dict, sources: dict):
+    """transformers' ``set_param_for_module``; where the value set is a meta tensor made from one file's
+    tensor, the parameter (or buffer) now in the model is recorded with that tensor's FileSlice."""
+
+    def set_param(model, target_name, param_value, *args, **kwargs):
+        module_path, _, name = target_name.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        before = getattr(module, name, None)
+        set_param_for_module(model, target_name, param_value, *args, **kwargs)
+        found = made.get(id(param_value))
+        now = getattr(module, name, None)
+        if found is not None and found[0] is param_value and now is not before and isinstance(now, torch.Tensor):
+            sources[id(now)] = (now, found[1])
+    return set_param
+
+
+def _header_only(materialise, tags: dict | None = None, made: dict | None = None):
     """transformers' ``_materialize_copy(tensor, device, dtype)``, but a safetensors slice bound for the meta
-    device becomes an empty meta tensor of its shape and dtype, without reading its bytes."""
+    device becomes an empty meta tensor of its shape and dtype, without reading its bytes (remembered in
+    ``made`` with the slice's FileSlice where ``tags`` knows it)."""
     from safetensors.torch import _getdtype
 
     def materialise_copy(tensor, device=None, dtype=None):
         if device is not None and torch.device(device).type == "meta" and hasattr(tensor, "get_shape"):
             dtype = dtype or _getdtype(tensor.get_dtype())
-            return torch.empty(tensor.get_shape(), dtype=dtype, device="meta")
+            out = torch.empty(tensor.get_shape(), dtype=dtype, device="meta")
+            tagged = tags.get(id(tensor)) if tags is not None else None
+            if tagged is not None and tagged[0] is tensor:
+                made[id(out)] = (out, tagged[1])
+            return out
         return materialise(tensor, device, dtype)
     return materialise_copy

@@ -132,9 +132,15 @@ class FSDPStrategy(Strategy):
           which transformers itself relies on for every weight a checkpoint lacks), the root module's own
           ``reset_parameters()``, or else each module's own ``reset_parameters()`` where every parameter and
           buffer has one. A rank holds its shard, never the model.
+        - A ``from_pretrained`` inside ``model_init``: every rank builds the skeleton under
+          ``meta_model.weightless_loading``, which records the file and key of each weight transformers
+          set, and each rank reads its own shards' bytes from the safetensors files (``file_shards``) --
+          where every parameter comes from the files as it is (buffers the model computes, such as rotary
+          tables, from the model's own initialisation).
         - Else rank 0 builds the real model and broadcasts it into every rank's shard, the other ranks
           building a weightless skeleton (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained``
-          inside ``model_init`` (which refuses the meta device), a model neither way can initialise, a resumed
+          whose weights the files do not give as they are (LoRA adapters or a new head added in
+          ``model_init``, fused or converted weights), a model neither way can initialise, a resumed
           run (its weights come from the checkpoint), or ``fsdp_config["cpu_ram_efficient_loading"]`` (the
           initial weights exactly those of one process's ``model_init()``, at the cost of one whole model on
           rank 0's CPU). The skeleton comes from ``model_init`` itself under
@@ -150,8 +156,9 @@ class FSDPStrategy(Strategy):
 
             model = build_on_meta(factory)
             initialise = None
-            if model is None:  # it refuses the meta device (from_pretrained)
-                mine = "rank0"
+            if model is None:  # it refuses the meta device (from_pretrained): each rank reads the files?
+                model, initialise = _from_files(factory)
+                mine = "shards" if initialise is not None else "rank0"
             elif not is_skeleton(model):  # model_init chose its own device: built for real, not again
                 mine = "real"
             else:
@@ -295,6 +302,26 @@ def _gradient_sync_off(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def _from_files(factory):
+    """``factory()`` as a skeleton on every rank, with how to fill its shards from the pretrained files it
+    loads; (None, None) where it cannot be built so or the files do not give its weights."""
+    from raytrainer.meta_model import sources_by_name, weightless_loading
+    from raytrainer.strategies.file_shards import files_initialiser
+
+    sources: dict = {}
+    try:
+        with weightless_loading(sources):
+            model = factory()
+    except Exception as exc:  # any failure only means: the rank-0 way
+        logger.debug("FSDP: model_init cannot build a weightless copy (%s: %s)", type(exc).__name__, exc)
+        return None, None
+    files = sources_by_name(model, sources)
+    if not files:
+        return None, None
+    initialise = files_initialiser(model, files, _initialiser(model))
+    return (model, initialise) if initialise is not None else (None, None)
 
 
 def _skeleton(factory, rank: int) -> torch.nn.Module:

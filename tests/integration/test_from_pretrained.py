@@ -33,7 +33,8 @@ def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, s
     from safetensors.torch import load_file
 
     path = save_tiny_llama(tmp_path / "pretrained")
-    args = _args(tmp_path / "out", strategy, 5e-2 if lora else 1e-2)  # LoRA: a few adapters move slower
+    args = _args(tmp_path / "out", strategy, 5e-2 if lora else 1e-2,  # LoRA: a few adapters move slower
+                 log_level="info", log_level_replica="info")
     trainer = Trainer(model_init=FromPretrained(path, lora=lora), args=args,
                       train_dataset=counting_data(64), callbacks=[ReportStartingWeights(path)])
     assert trainer.train().global_step == 8
@@ -47,10 +48,22 @@ def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, s
         # every rank starts from exactly the pretrained weights (and LoRA from the pretrained model)
         assert diff == 0.0 and compared == len(saved) and lora_b == 0.0, (rank, report[rank])
         assert held < 0.6 * full, (rank, held, full)  # sharded: about half each
-        if strategy == "fsdp":  # rank 0 reads the files; rank 1 builds a weightless skeleton
+        if strategy == "fsdp" and lora:  # adapters are not in the files: rank 0 builds, rank 1 a skeleton
             assert built_on == ("cpu" if rank == 0 else "meta"), report
+        elif strategy == "fsdp":  # every rank builds a skeleton and reads its own shards from the files
+            assert built_on == "meta", report
         else:  # transformers loads partition-wise under zero.Init
             assert built_on == "partitioned", report
+
+    read = {int(r): (int(b), int(t)) for r, b, t in re.findall(
+        r"\[rank(\d)\].*read (\d+) bytes of this rank's shards of the pretrained weights from the files "
+        r"\(the whole weights: (\d+) bytes\)", console)}
+    if strategy == "fsdp" and not lora:  # each rank read about half of the weights, nothing else
+        assert sorted(read) == [0, 1], console[-3000:]
+        assert all(b < 0.6 * t for b, t in read.values()), read
+        assert sum(b for b, _ in read.values()) >= read[0][1], read  # together: every weight, once
+    else:
+        assert read == {}, read
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and losses[-1] < losses[0] - (0.04 if lora else 0.3), losses

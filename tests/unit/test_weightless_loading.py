@@ -52,3 +52,50 @@ def test_peft_adapters_on_the_skeleton(saved):
     real = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(saved), lora)
     assert is_skeleton(skeleton)
     assert _layout(skeleton) == _layout(real)
+
+
+def test_sources_name_the_file_and_key_of_each_weight_set_from_one_tensor(saved):
+    """What FSDP's ranks read their shards by: every parameter of a plain load has the safetensors file and
+    key it came from (the tied head, the embedding's), the rotary buffer (computed, not in the file) none;
+    what model_init adds after the load (LoRA adapters, a resized embedding) none either; and reading a
+    slice by a FileSlice gives exactly the saved tensor's rows."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from raytrainer.meta_model import FileSlice, sources_by_name
+
+    before = vars(PreTrainedModel)["from_pretrained"], loading._materialize_copy, loading.set_param_for_module
+    sources: dict = {}
+    with weightless_loading(sources):
+        skeleton = AutoModelForCausalLM.from_pretrained(saved)
+    files = sources_by_name(skeleton, sources)
+    weights = os.path.join(saved, "model.safetensors")
+    stored = load_file(weights)
+    params = dict(skeleton.named_parameters())
+    assert sorted(files) == sorted(params)  # buffers: none from the file
+    assert all(f == FileSlice(weights, n, tuple(params[n].shape)) for n, f in files.items()), files
+    assert set(files) <= set(stored) and "lm_head.weight" not in params  # tied: stored and named once
+    with safe_open(weights, framework="pt") as f:
+        rows = f.get_slice(files["model.embed_tokens.weight"].key)[16:32]
+    assert torch.equal(rows, stored["model.embed_tokens.weight"][16:32])
+    assert (vars(PreTrainedModel)["from_pretrained"], loading._materialize_copy,
+            loading.set_param_for_module) == before
+
+    sources = {}
+    with weightless_loading(sources):
+        resized = AutoModelForCausalLM.from_pretrained(saved)
+        resized.resize_token_embeddings(48, mean_resizing=False)
+    files = sources_by_name(resized, sources)
+    assert "model.embed_tokens.weight" not in files and "model.norm.weight" in files
+
+    peft = pytest.importorskip("peft")
+    sources = {}
+    with weightless_loading(sources):
+        adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(saved),
+                                      peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    files = sources_by_name(adapted, sources)
+    missing = sorted(n for n, _ in adapted.named_parameters() if n not in files)
+    assert missing and all(".lora_" in n for n in missing), missing
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in files
