@@ -11,6 +11,7 @@ checkpoint writer waits for the returned futures off the training thread before 
 
 from __future__ import annotations
 
+import math
 import os
 
 from raytrainer.checkpoint import SHARDED_MODEL_DIR
@@ -42,9 +43,34 @@ def _save(state: dict, folder: str, name: str, pending: list | None) -> None:
 
     path = os.path.join(folder, name)
     if pending is None or not dist.is_initialized():
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=path, planner=_small_last())
     else:
-        pending.append(dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group(name)))
+        pending.append(dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group(name),
+                                      planner=_small_last()))
+
+
+def _small_last():
+    """DCP's own save planner, with each rank's items written largest first: the small ones (AdamW's
+    scalar step counts, which DCP spreads over the ranks' files, replicated biases, pickled values) end up
+    together at the end of the file. Another rank reads them from there as one or two verified blocks
+    (``checkpoint.BLOCK``) rather than a block per item: at 70B, ~700 step counts would otherwise pull
+    ~700 x 4 MiB per rank on every resume."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    def size(item) -> int:
+        data = item.tensor_data
+        if data is None:  # a pickled value
+            return 0
+        return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+    class SmallLast(DefaultSavePlanner):
+        def finish_plan(self, new_plan):
+            plan = super().finish_plan(new_plan)
+            return dataclasses.replace(plan, items=sorted(plan.items, key=size, reverse=True))
+
+    return SmallLast()
 
 
 def save_model(model, folder: str, pending: list | None = None) -> str:

@@ -61,7 +61,7 @@ def read_shards(model: torch.nn.Module, files: dict) -> tuple[int, int]:
             if source is None:
                 continue
             if source.path not in handles:
-                handles[source.path] = stack.enter_context(safe_open(source.path, framework="pt"))
+                handles[source.path] = stack.enter_context(_open(safe_open, source.path))
             view = handles[source.path].get_slice(source.key)
             if tuple(view.get_shape()) != tuple(tensor.shape):
                 raise ValueError(f"{name}: {tuple(tensor.shape)} in the model, {tuple(view.get_shape())} as "
@@ -81,3 +81,13 @@ def read_shards(model: torch.nn.Module, files: dict) -> tuple[int, int]:
             local.copy_(part)
             read += part.numel() * part.element_size()
     return read, total
+
+
+def _open(safe_open, path: str):
+    """The file read with ``pread`` where safetensors can (0.8+): each slice's bytes are read into memory
+    that is freed once copied into the shard. Through the default memory map, the pages read would stay
+    mapped, and counted in the process's RSS, until the file is closed."""
+    try:
+        return safe_open(path, framework="pt", backend="pread")
+    except TypeError:  # an older safetensors: no backend argument
+        return safe_open(path, framework="pt")

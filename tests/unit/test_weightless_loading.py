@@ -99,3 +99,22 @@ def test_sources_name_the_file_and_key_of_each_weight_set_from_one_tensor(saved)
     missing = sorted(n for n, _ in adapted.named_parameters() if n not in files)
     assert missing and all(".lora_" in n for n in missing), missing
     assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in files
+
+
+def test_sources_of_a_sharded_checkpoint_name_each_weight_s_own_file(saved, tmp_path):
+    """A checkpoint saved in several safetensors files with an index: each weight's FileSlice names the file
+    the index puts it in."""
+    import json
+    import os
+
+    from raytrainer.meta_model import sources_by_name
+
+    AutoModelForCausalLM.from_pretrained(saved).save_pretrained(str(tmp_path), max_shard_size="8KB")
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    assert len(set(index.values())) > 2
+    sources: dict = {}
+    with weightless_loading(sources):
+        skeleton = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    files = sources_by_name(skeleton, sources)
+    assert sorted(files) == sorted(n for n, _ in skeleton.named_parameters())
+    assert {n: os.path.basename(f.path) for n, f in files.items()} == {n: index[n] for n in files}
