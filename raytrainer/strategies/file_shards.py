@@ -21,10 +21,12 @@ logger = logging.getLogger(__name__)
 
 def files_initialiser(model: torch.nn.Module, files: dict, initialiser: Callable | None) -> Callable | None:
     """What puts ``model``'s weights on its shards, or None where the files cannot give them all: every
-    parameter must come from a file (``files``: name -> FileSlice); buffers that do not (rotary tables, which
-    transformers computes rather than loads) are made by the model's own ``initialiser``, run first -- the
-    parameters it also draws are then overwritten by the files'."""
+    parameter must come from a file (``files``: name -> FileSlice) or be a LoRA adapter PEFT initialises on
+    its own (``_lora_adapters``); buffers that do not (rotary tables, which transformers computes rather
+    than loads) are made by the model's own ``initialiser``, run first -- the parameters it also draws are
+    then overwritten by the adapters' initialisation and the files'."""
     missing = [name for name, _ in model.named_parameters() if name not in files]
+    adapters, missing = _lora_adapters(model, missing)
     if missing:
         logger.info("FSDP: %d parameters of %s are not in the pretrained files as they are (%s); rank 0 "
                     "builds the model and broadcasts it", len(missing), type(model).__name__,
@@ -39,10 +41,33 @@ def files_initialiser(model: torch.nn.Module, files: dict, initialiser: Callable
     def initialise():
         if unloaded:
             initialiser()
+        for layer, adapter, init in adapters:
+            layer.reset_lora_parameters(adapter, init)
         read, total = read_shards(model, files)
         logger.info("FSDP: read %d bytes of this rank's shards of the pretrained weights from the files "
                     "(the whole weights: %d bytes)", read, total)
     return initialise
+
+
+def _lora_adapters(model: torch.nn.Module, missing: list[str]) -> tuple[list, list[str]]:
+    """PEFT's LoRA adapters among the ``missing`` parameters, where PEFT initialises them without the base
+    weights (``init_lora_weights`` True or "gaussian": A drawn, B zero): (layer, adapter, init) for each,
+    and the parameters still missing. Inits that derive the adapters from the base weights (PiSSA, OLoRA,
+    LoftQ, EVA) and DoRA's magnitudes stay missing: rank 0's way builds those for real."""
+    configs = getattr(model, "peft_config", None)
+    if not missing or not isinstance(configs, dict):
+        return [], missing
+    adapters, covered = [], set()
+    for prefix, layer in model.named_modules():
+        if not callable(getattr(layer, "reset_lora_parameters", None)):
+            continue
+        for adapter in getattr(layer, "lora_A", {}):
+            init = getattr(configs.get(adapter), "init_lora_weights", None)
+            if init is True or init == "gaussian":
+                adapters.append((layer, adapter, init))
+                covered |= {f"{prefix}.lora_{ab}.{adapter}.{name}"
+                            for ab in "AB" for name, _ in getattr(layer, f"lora_{ab}")[adapter].named_parameters()}
+    return adapters, [name for name in missing if name not in covered]
 
 
 def read_shards(model: torch.nn.Module, files: dict) -> tuple[int, int]:

@@ -135,12 +135,14 @@ class FSDPStrategy(Strategy):
         - A ``from_pretrained`` inside ``model_init``: every rank builds the skeleton under
           ``meta_model.weightless_loading``, which records the file and key of each weight transformers
           set, and each rank reads its own shards' bytes from the safetensors files (``file_shards``) --
-          where every parameter comes from the files as it is (buffers the model computes, such as rotary
-          tables, from the model's own initialisation).
+          where every parameter comes from the files as it is or is a LoRA adapter PEFT initialises without
+          the base weights (buffers the model computes, such as rotary tables, from the model's own
+          initialisation).
         - Else rank 0 builds the real model and broadcasts it into every rank's shard, the other ranks
           building a weightless skeleton (accelerate's ``cpu_ram_efficient_loading``): a ``from_pretrained``
-          whose weights the files do not give as they are (LoRA adapters or a new head added in
-          ``model_init``, fused or converted weights), a model neither way can initialise, a resumed
+          whose weights the files do not give as they are (a new head added in ``model_init``, DoRA or
+          adapters made from the base weights, fused or converted weights), a model neither way can
+          initialise, a resumed
           run (its weights come from the checkpoint), or ``fsdp_config["cpu_ram_efficient_loading"]`` (the
           initial weights exactly those of one process's ``model_init()``, at the cost of one whole model on
           rank 0's CPU). The skeleton comes from ``model_init`` itself under

@@ -701,8 +701,10 @@ class ReportStartingWeights(TrainerCallback):
                 elif ".lora_" not in name and pretrained_key(name) in saved:
                     diff = max(diff, float((value.float() - saved[pretrained_key(name)].float()).abs().max()))
                     compared += 1
-        log.error("rank %d: built_on=%s start_diff=%g compared=%d lora_b_max=%g held=%d full=%d",
-                  args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full)
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
+        log.error("rank %d: built_on=%s start_diff=%g compared=%d lora_b_max=%g held=%d full=%d tied=%d",
+                  args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full, tied)
 
 
 

@@ -118,3 +118,52 @@ def test_sources_of_a_sharded_checkpoint_name_each_weight_s_own_file(saved, tmp_
     files = sources_by_name(skeleton, sources)
     assert sorted(files) == sorted(n for n, _ in skeleton.named_parameters())
     assert {n: os.path.basename(f.path) for n, f in files.items()} == {n: index[n] for n in files}
+
+
+@pytest.mark.parametrize("lora", [None, True, "gaussian", "dora"])
+def test_a_skeleton_filled_from_the_files_is_the_real_load(saved, lora):
+    """FSDP's per-rank path in one process, unsharded: the skeleton allocated (``to_empty``) and filled by
+    ``file_shards.files_initialiser`` equals a real ``from_pretrained`` (+ ``get_peft_model``): the weights
+    read from the files, the rotary buffer from transformers' initialisation, LoRA's B zero and A drawn by
+    PEFT's own initialisation. DoRA's magnitudes come from the base weights: refused (None), so the
+    rank-0 way builds it for real."""
+    from raytrainer.meta_model import sources_by_name
+    from raytrainer.strategies.file_shards import files_initialiser
+    from raytrainer.strategies.fsdp import _initialiser
+
+    def build():
+        model = AutoModelForCausalLM.from_pretrained(saved)
+        if lora is not None:
+            peft = pytest.importorskip("peft")
+            init = {"init_lora_weights": lora} if lora != "dora" else {"use_dora": True}
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **init))
+        return model
+
+    sources: dict = {}
+    with weightless_loading(sources):
+        skeleton = build()
+    initialise = files_initialiser(skeleton, sources_by_name(skeleton, sources), _initialiser(skeleton))
+    if lora == "dora":
+        assert initialise is None
+        return
+    # swapped in place, so tied weights stay one tensor (meta -> cpu would otherwise make a new Parameter
+    # per module; under FSDP the DTensors keep their identity)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        skeleton.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        initialise()
+    real = build()
+    got, want = skeleton.state_dict(), real.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if ".lora_A." in name:
+            assert value.shape == got[name].shape and got[name].abs().max() > 0, name  # drawn, per rank
+        else:
+            assert torch.equal(got[name], value), name  # from the files, B zero, the rotary table
+    assert dict(skeleton.named_buffers()).keys() == dict(real.named_buffers()).keys()
+    for name, buffer in real.named_buffers():
+        assert torch.equal(dict(skeleton.named_buffers())[name], buffer), name
