@@ -149,6 +149,13 @@ class Strategy:
         checkpoint writer waits for them, off the training thread, before it lists and hashes the files."""
         return []
 
+    def names_its_writes(self) -> bool:
+        """Whether each future of ``take_pending_writes`` gives the path it wrote and ends with this rank's
+        own write (DeepSpeed's engine files), rather than with every rank's (DCP): in a folder the ranks
+        share, each rank then hashes exactly its own files -- a listing might catch another rank's file
+        half-written."""
+        return False
+
     def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
         """Load the training state ``save_sharded`` wrote, from a committed checkpoint (``reader``, a
         CheckpointReader), as a collective. The base loads an ``optimizer_0/`` folder written with

@@ -12,7 +12,8 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
 - Precision: fp16 / bf16 are the engine's (the module itself is cast); raytrainer's autocast is off and
   floating inputs are cast to the engine's dtype, as HF does.
 - Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
-  ZeRO partition). ZeRO-3's checkpoints hold the model only there, nothing gathered (unless the config sets
+  ZeRO partition), in the background: the step waits for a host copy of the state, a thread writes it
+  (``deepspeed_writes``, where the config keeps DeepSpeed's default checkpoint engine). ZeRO-3's checkpoints hold the model only there, nothing gathered (unless the config sets
   ``stage3_gather_16bit_weights_on_model_save``: then rank 0 also writes the gathered ``model.safetensors``,
   as ZeRO-0/1/2 always do); ``raytrainer consolidate`` makes safetensors of the partitions. For a PEFT
   model, its adapter files and the engine's state of the adapter only, no frozen base weight. A ZeRO
@@ -34,6 +35,7 @@ import torch
 from raytrainer.strategies.base import Strategy
 from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args, load_config, zero_stage
 from raytrainer.strategies.deepspeed_load import weights_only_loads
+from raytrainer.strategies.deepspeed_writes import in_background, take_pending, write_in_background
 from raytrainer.strategies.precision import CastPrecision
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,7 @@ class DeepSpeedStrategy(Strategy):
             scheduler = optimizers.scheduler(_base_optimizer(ds_optimizer))
             engine.lr_scheduler = scheduler
         self.engine = engine
+        write_in_background(engine)  # checkpoints: the step waits for a host copy, a thread writes it
         self._owns_scheduler = not plateau
         return engine, ds_optimizer, ds_scheduler or scheduler
 
@@ -237,6 +240,13 @@ class DeepSpeedStrategy(Strategy):
         model.save_checkpoint(folder, tag=tag_of(step), save_latest=False,
                               exclude_frozen_parameters=_is_peft(model))
         return tag_of(step)
+
+    def take_pending_writes(self) -> list:
+        """The last ``save_sharded``'s writes, going on in the background (``deepspeed_writes``)."""
+        return take_pending(self.engine) if self.engine is not None else []
+
+    def names_its_writes(self) -> bool:
+        return self.engine is not None and in_background(self.engine)
 
     def before_resume(self, files: list[str], step: int) -> None:
         saved = _partitions(files, step)

@@ -57,6 +57,7 @@ class _Snapshot:
         self.pieces: list[tuple[Piece, object]] = []  # each piece with its state, copied
         self.sharded_dirs: list[str] = []  # the strategy's own folders, written or being written
         self.sharded_writes: list = []  # ... by these background writes (futures), if any
+        self.own_writes = False  # ... each giving the path it wrote, this rank's writes alone
         self.share: tuple | None = None  # (rank, world size, shared folder): which of their files ...
         self.sharded: list[str] = []  # ... this rank hashes (and uploads), listed once they are written
 
@@ -88,10 +89,12 @@ class _Writer(threading.Thread):
     def run(self) -> None:
         snap = self.snapshot
         try:
-            for write in snap.sharded_writes:  # the strategy's background writes (DCP's async_save)
-                write.result()
-            if snap.share is not None:  # every rank's sharded files are complete now
-                snap.sharded = _my_share(self.stage, snap.sharded_dirs, *snap.share)
+            # the strategy's background writes (DCP's async_save; DeepSpeed's engine files, each naming
+            # the path it wrote)
+            wrote = [write.result() for write in snap.sharded_writes]
+            if snap.share is not None:  # every rank's sharded files are complete now (DCP), or this rank's
+                snap.sharded = _my_share(self.stage, snap.sharded_dirs, *snap.share,
+                                         own=wrote if snap.own_writes else None)
             self.files = self._write()
             self.part = digest_files(self.stage, self.files)
             if self.remote:
@@ -184,6 +187,7 @@ class CheckpointWriter:
                                          state.global_step)
             snap.sharded_dirs = [dirs] if isinstance(dirs, str) else list(dirs)
             snap.sharded_writes = strategy.take_pending_writes()
+            snap.own_writes = strategy.names_its_writes()
             ctx.barrier()
             snap.share = (ctx.rank, ctx.world_size, not remote)
         # save_on_each_node: a node's own copy, unless it would land in rank 0's folder (shared or remote)
@@ -236,9 +240,14 @@ class CheckpointWriter:
                                             state.best_model_checkpoint, state.best_metric))
 
 
-def _my_share(stage: str, subdirs: list[str], rank: int, world_size: int, shared: bool) -> list[str]:
+def _my_share(stage: str, subdirs: list[str], rank: int, world_size: int, shared: bool,
+              own: list[str] | None = None) -> list[str]:
     """The strategy files this rank hashes: all of its private staging folder, or -- when every rank
-    wrote into the same local folder -- every world_size-th file, so each file is hashed once."""
+    wrote into the same local folder -- the files it wrote itself where its writes name them (``own``:
+    the other ranks' may still be being written), else every world_size-th file, so each file is hashed
+    once."""
+    if shared and own is not None:
+        return sorted(os.path.relpath(path, stage) for path in own)
     prefixes = tuple(f"{d}/" for d in subdirs)
     names = sorted(n for n in _walk(stage) if n.startswith(prefixes))
     return names[rank::world_size] if shared else names

@@ -734,38 +734,58 @@ class OneBiasRegressor(DropoutRegressor):
 
 
 class SlowThenFullDisk(TrainerCallback):
-    """Rank 0's DCP file writes (``FileSystemWriter.write_data``, the narrowest place where a slow or a full
-    disk can be made to happen here) for two of this run's checkpoints: ``checkpoint-<slow>`` is held back
-    5 s, ``checkpoint-<full>`` fails as a full disk does (ENOSPC), after which the patch is undone (warm
-    workers outlive the run). At each save rank 0 records whether the checkpoint's files were all written
-    when its training thread went on."""
+    """Rank 0's background checkpoint writes for two of this run's checkpoints: ``checkpoint-<slow>`` is held
+    back 5 s, ``checkpoint-<full>`` fails as a full disk does (ENOSPC), after which the patch is undone (warm
+    workers outlive the run). Patched at the narrowest place where a slow or a full disk can be made to
+    happen here: DCP's ``FileSystemWriter.write_data`` (FSDP, ``writer="dcp"``), or ``torch.save`` of a
+    DeepSpeed engine file (``writer="deepspeed"``: files under ``global_step<N>/``). At each save rank 0
+    records whether the checkpoint's sharded files were all written when its training thread went on."""
 
-    def __init__(self, slow: int, full: int):
-        self.slow, self.full = slow, full
+    def __init__(self, slow: int, full: int, writer: str = "dcp"):
+        self.slow, self.full, self.writer = slow, full, writer
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-        original, out = FileSystemWriter.write_data, os.path.abspath(args.output_dir)
+        out = os.path.abspath(args.output_dir)
         slow, full = (os.path.join(out, f"checkpoint-{step}") for step in (self.slow, self.full))
 
-        def write_data(writer, plan, planner):
-            where = str(writer.path)
+        def hold_or_fail(where: str, undo) -> None:
             if where.startswith(slow + os.sep):
                 time.sleep(5)
             elif where.startswith(full + os.sep):
-                FileSystemWriter.write_data = original
+                undo()
                 raise OSError(28, "No space left on device", where)
+
+        if self.writer == "deepspeed":
+            original_save = torch.save
+
+            def save(obj, f, *a, **kw):
+                if isinstance(f, (str, os.PathLike)) and f"{os.sep}global_step" in str(f):
+                    hold_or_fail(os.path.abspath(f), lambda: setattr(torch, "save", original_save))
+                return original_save(obj, f, *a, **kw)
+
+            torch.save = save
+            return
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+
+        def write_data(writer, plan, planner):
+            hold_or_fail(str(writer.path), lambda: setattr(FileSystemWriter, "write_data", original))
             return original(writer, plan, planner)
 
         FileSystemWriter.write_data = write_data
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
+            import glob
+
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            written = all(os.path.exists(os.path.join(folder, d, ".metadata"))
-                          for d in ("optimizer_0", "pytorch_model_fsdp_0"))
+            if self.writer == "deepspeed":
+                written = bool(glob.glob(os.path.join(folder, "global_step*", "*zero_pp_rank_0_*optim_states.pt")))
+            else:
+                written = all(os.path.exists(os.path.join(folder, d, ".metadata"))
+                              for d in ("optimizer_0", "pytorch_model_fsdp_0"))
             with open(os.path.join(args.output_dir, "written-at-save.jsonl"), "a") as f:
                 f.write(json.dumps({"step": state.global_step, "written": written}) + "\n")

@@ -66,6 +66,34 @@ def _args(out, stage: int, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
+@pytest.mark.timeout(300)
+def test_zero3_saves_write_in_the_background_and_a_failed_write_fails_the_run_naming_it(tmp_path):
+    """ZeRO-3's engine files are written by raytrainer's checkpoint engine on a thread: the training thread
+    goes on before the (held back) partition files of checkpoint-5 exist, and checkpoint-5 is committed
+    whole and resumes. A write that fails (ENOSPC on rank 0 at checkpoint-10) fails the run at a following
+    step, naming the checkpoint and the error, and leaves that checkpoint uncommitted."""
+    from models import SlowThenFullDisk
+
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.storage import Storage
+
+    out = tmp_path / "out"
+    trainer = Trainer(model=OneBiasRegressor(), args=_args(out, 3), train_dataset=make_data(48),
+                      callbacks=[SlowThenFullDisk(slow=5, full=10, writer="deepspeed")])
+    with pytest.raises(Exception, match=r"writing checkpoint .*checkpoint-10 failed, so it is not committed") \
+            as info:
+        trainer.train()
+    assert "No space left on device" in str(info.value)
+    seen = [json.loads(line) for line in (out / "written-at-save.jsonl").read_text().splitlines()]
+    assert seen[0] == {"step": 5, "written": False}, seen  # the step did not wait for the 5 s write
+    assert [step for step, _ in committed_checkpoints(Storage.from_uri(str(out)), warn=False)] == [5]
+    files = set(json.loads((out / "checkpoint-5" / "manifest.json").read_text())["files"])
+    assert {f"global_step5/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= files, files
+    assert not (out / "checkpoint-10" / "manifest.json").exists()
+    resumed = Trainer(model=OneBiasRegressor(), args=_args(tmp_path / "again", 3), train_dataset=make_data(48))
+    assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 18
+
+
 @pytest.mark.timeout(900)  # five runs: the full one, a resume, 2 -> 1 and 1 -> 2 with conversions
 @pytest.mark.parametrize(("stage", "bf16"), [
     # CI runs stages 2 and 3 (ZeRO-3's checkpoints hold the model only as partitions); the full tier
