@@ -14,6 +14,10 @@ local Ray instance, so its own fresh workers):
     fsdp_rank0   the same with ``fsdp_config["cpu_ram_efficient_loading"]``: rank 0 builds the whole model
                  and broadcasts it into every rank's shard (what every from_pretrained took before)
 
+and, with ``--sides``: ``zero3`` (DeepSpeed ZeRO-3, ``from_pretrained`` partitioned by transformers'
+``zero.Init``; DeepSpeed's buckets sized for a CPU worker, as docs/architecture.md explains), and
+``fsdp_config`` / ``zero3_config``: the same model from ``from_config`` (initialised, not loaded).
+
 On every worker a callback reads the kernel's high-water mark of the process's RSS (``VmHWM``: its whole
 life, the build included) at ``on_train_begin`` and after the last step, and the parameter bytes the rank
 holds. The driver prints a Markdown table with each side's figures against DDP's (the issue's bar: peak RSS
@@ -37,6 +41,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("ddp", "fsdp", "fsdp_rank0")
+MORE = ("zero3", "fsdp_config", "zero3_config")  # --sides ddp,zero3,fsdp_config,zero3_config
 
 
 def _status_kb(key: str) -> int:
@@ -62,7 +67,8 @@ def run_child(cfg: dict) -> None:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.at_begin = _status_kb("VmHWM")
-            self.held = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+            self.held = sum(getattr(p, "ds_tensor", p.to_local() if hasattr(p, "to_local") else p).nbytes
+                            for p in model.parameters())
 
         def on_train_end(self, args, state, control, **kwargs):
             with open(os.path.join(self.out, f"rank-{args.process_index}.json"), "w") as f:
@@ -70,18 +76,30 @@ def run_child(cfg: dict) -> None:
                            "param_bytes_held": self.held, "global_step": state.global_step}, f)
 
     path = cfg["pretrained"]
+    side = cfg["side"]
 
     def model_init():
+        if side.endswith("_config"):  # the same model from its config: initialised, not loaded
+            from transformers import AutoConfig
+
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         return AutoModelForCausalLM.from_pretrained(path)
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab"], (64, cfg["seq"]), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
-    side = cfg["side"]
-    sharding = {} if side == "ddp" else {
-        "fsdp": "full_shard auto_wrap",
-        "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                        **({"cpu_ram_efficient_loading": True} if side == "fsdp_rank0" else {})}}
+    if side == "ddp":
+        sharding = {}
+    elif side.startswith("zero3"):  # DeepSpeed's buckets sized for a CPU worker (docs/architecture.md)
+        sharding = {"deepspeed": {
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 2e7, "stage3_prefetch_bucket_size": 2e7,
+                                  "stage3_max_live_parameters": 5e7, "stage3_max_reuse_distance": 5e7,
+                                  "sub_group_size": 2e7}}}
+    else:
+        sharding = {"fsdp": "full_shard auto_wrap",
+                    "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                    **({"cpu_ram_efficient_loading": True} if side == "fsdp_rank0" else {})}}
     args = TrainingArguments(output_dir=os.path.join(cfg["run_dir"], "out"), num_workers=2,
                              per_device_train_batch_size=2, max_steps=cfg["steps"], learning_rate=1e-4,
                              optim="adamw_torch", save_strategy="no", logging_steps=1, report_to="none",
@@ -98,7 +116,8 @@ def save_pretrained(folder: str, opts) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=opts.hidden * 11 // 4,
+    config = LlamaConfig(vocab_size=opts.vocab, hidden_size=opts.hidden,
+                         intermediate_size=opts.hidden * 11 // 4,
                          num_hidden_layers=opts.layers, num_attention_heads=opts.hidden // 64,
                          num_key_value_heads=opts.hidden // 64, max_position_embeddings=opts.seq,
                          tie_word_embeddings=True)
@@ -118,8 +137,13 @@ def run_side(side: str, cfg: dict, workdir: str, timeout: float) -> dict:
                             stderr=subprocess.STDOUT, timeout=timeout).returncode
     if rc != 0:
         raise SystemExit(f"side {side} failed (rc {rc}); see {run_dir}/driver.log")
-    ranks = [json.load(open(os.path.join(run_dir, f"rank-{r}.json"))) for r in (0, 1)]
-    return {"ranks": ranks, **json.load(open(os.path.join(run_dir, "driver.json")))}
+    ranks = [_load(os.path.join(run_dir, f"rank-{r}.json")) for r in (0, 1)]
+    return {"ranks": ranks, **_load(os.path.join(run_dir, "driver.json"))}
+
+
+def _load(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def markdown(result: dict) -> str:

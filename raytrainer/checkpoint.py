@@ -369,10 +369,9 @@ class CheckpointReader:
         from raytrainer.dcp_storage import PyArrowReader, owned_files
 
         mine = owned_files(names, ctx.rank, ctx.world_size)
-        with self.local_copy(names, ctx, mine) as tmp:
-            with damage_named():
-                yield PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=os.path.join(tmp, subdir),
-                                    **self.verifying(subdir))
+        with self.local_copy(names, ctx, mine) as tmp, damage_named():
+            yield PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=os.path.join(tmp, subdir),
+                                **self.verifying(subdir))
 
     def verifying(self, subdir: str) -> dict:
         """What a PyArrowReader of ``subdir`` verifies its reads by: the manifest's entries of its files, by

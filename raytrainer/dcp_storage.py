@@ -8,10 +8,11 @@ own shards once plus a few small replicated entries, never whole files of other 
 another world size reads just the slices it needs.
 
 Given the checkpoint's manifest entries, each ranged read is verified without reading the whole file: a
-shard's entry holds the sha256 of each of its blocks (``block_size``: 4 MiB, less for a small file), and the read is widened
-to the blocks it touches, each checked (a file with no block hashes -- small, one block -- is read whole
-and checked against its sha256). The last verified range is kept, so a run of small items in one block
-(DCP writes a file's small tensors together at its end, and reads a file's items in order) costs one read.
+shard's entry holds the sha256 of each of its blocks (``block_size``: 4 MiB, less for a small file), and
+the read is widened to the blocks it touches, each checked (a file with no block hashes -- small, one
+block -- is read whole and checked against its sha256). The last verified range is kept, so a run of
+small items in one block (DCP writes a file's small tensors together at its end, and reads a file's
+items in order) costs one read.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ class _Ranged:
         reused = b""
         if kept and kept_start <= start < kept_start + len(kept):
             reused = kept[start - kept_start:]
-        fetched = self.f.read_at(end - start - len(reused), start + len(reused)) if len(reused) < end - start \
-            else b""
+        missing = end - start - len(reused)
+        fetched = self.f.read_at(missing, start + len(reused)) if missing > 0 else b""
         for i in range((start + len(reused)) // block, last + 1):
             piece = fetched[i * block - start - len(reused):(i + 1) * block - start - len(reused)]
             if hashlib.sha256(piece).hexdigest() != blocks[i]:

@@ -139,7 +139,8 @@ def weightless_loading(sources: dict | None = None):
         except ImportError:
             loading = None
         if loading is not None and callable(getattr(loading, "_materialize_copy", None)):
-            patches.append((loading, "_materialize_copy", _header_only(loading._materialize_copy, tags, made)))
+            header_only = _header_only(loading._materialize_copy, tags, made)
+            patches.append((loading, "_materialize_copy", header_only))
             if sources is not None and callable(getattr(modeling_utils, "safe_open", None)) \
                     and callable(getattr(loading, "set_param_for_module", None)):
                 patches.append((modeling_utils, "safe_open", _tagging_open(modeling_utils.safe_open, tags)))
@@ -207,7 +208,8 @@ def _recording_set(set_param_for_module, made: dict, sources: dict):
         set_param_for_module(model, target_name, param_value, *args, **kwargs)
         found = made.get(id(param_value))
         now = getattr(module, name, None)
-        if found is not None and found[0] is param_value and now is not before and isinstance(now, torch.Tensor):
+        fresh = now is not before and isinstance(now, torch.Tensor)
+        if found is not None and found[0] is param_value and fresh:
             sources[id(now)] = (now, found[1])
     return set_param
 

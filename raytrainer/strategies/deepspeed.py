@@ -13,7 +13,8 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
   floating inputs are cast to the engine's dtype, as HF does.
 - Checkpoints: the engine's own format in ``checkpoint-<step>/global_step<step>/`` (every rank writes its
   ZeRO partition), in the background: the step waits for a host copy of the state, a thread writes it
-  (``deepspeed_writes``, where the config keeps DeepSpeed's default checkpoint engine). ZeRO-3's checkpoints hold the model only there, nothing gathered (unless the config sets
+  (``deepspeed_writes``, where the config keeps DeepSpeed's default checkpoint engine). ZeRO-3's
+  checkpoints hold the model only there, nothing gathered (unless the config sets
   ``stage3_gather_16bit_weights_on_model_save``: then rank 0 also writes the gathered ``model.safetensors``,
   as ZeRO-0/1/2 always do); ``raytrainer consolidate`` makes safetensors of the partitions. For a PEFT
   model, its adapter files and the engine's state of the adapter only, no frozen base weight. A ZeRO

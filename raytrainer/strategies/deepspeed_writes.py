@@ -11,8 +11,8 @@ once. ``take_pending_writes`` hands the writes (futures, in order; each gives th
 raytrainer's checkpoint writer, which waits for them before it hashes and commits the folder -- a failed
 write fails the run naming the checkpoint, as FSDP's DCP writes do. Each rank's writes end on their own
 (DCP's end together), so where the ranks share a folder each rank hashes the files it wrote, not a share
-of a listing that another rank's writes may still be filling. Memory: one checkpoint's state of this rank on the host
-while it is written (DCP's ``async_save`` stages the same).
+of a listing that another rank's writes may still be filling. Memory: one checkpoint's state of this rank
+on the host while it is written (DCP's ``async_save`` stages the same).
 
 Only DeepSpeed's default engine is replaced: a config that chooses another (``checkpoint.writer``,
 DataStates) keeps it, writing as it does.

@@ -1,4 +1,4 @@
-"""Each rank reads its own shards of a ``from_pretrained`` model's weights, straight from the safetensors files.
+"""Each rank reads its own shards of a ``from_pretrained`` model's weights from the safetensors files.
 
 FSDP's ``model_init`` with ``from_pretrained`` inside: every rank builds the model on the meta device
 (``meta_model.weightless_loading``, which also records, for each weight transformers set from one tensor of
@@ -65,8 +65,9 @@ def _lora_adapters(model: torch.nn.Module, missing: list[str]) -> tuple[list, li
             init = getattr(configs.get(adapter), "init_lora_weights", None)
             if init is True or init == "gaussian":
                 adapters.append((layer, adapter, init))
-                covered |= {f"{prefix}.lora_{ab}.{adapter}.{name}"
-                            for ab in "AB" for name, _ in getattr(layer, f"lora_{ab}")[adapter].named_parameters()}
+                for ab in "AB":
+                    module = getattr(layer, f"lora_{ab}")[adapter]
+                    covered |= {f"{prefix}.lora_{ab}.{adapter}.{n}" for n, _ in module.named_parameters()}
     return adapters, [name for name in missing if name not in covered]
 
 

@@ -313,13 +313,28 @@ def test_deepspeed_zero3_on_a_ray_gpu_worker(tmp_path, ray_instance):
               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": "auto"}
     where = str(tmp_path / "where.json")
-    trainer = Trainer(model=tiny_llama(), args=make_args(tmp_path, num_workers=1, use_gpu=True, bf16=True,
-                                                         deepspeed=config),
+    args = make_args(tmp_path, num_workers=1, use_gpu=True, bf16=True, deepspeed=config,
+                     save_strategy="steps", save_steps=8)
+    trainer = Trainer(model=tiny_llama(), args=args,
                       train_dataset=token_data(), callbacks=[WhereItRan(where)])
     trainer.train()
     with open(where) as f:
         assert json.load(f)["device"] == "cuda"
     assert_learns(trainer)
+    # the engine's files, written from CUDA state in the background (a host copy first), are committed
+    # whole, and a resume from the first checkpoint goes on along the same loss curve
+    files = json.loads((tmp_path / "out" / "checkpoint-8" / "manifest.json").read_text())["files"]
+    assert "global_step8/zero_pp_rank_0_mp_rank_00_model_states.pt" in files, files
+    assert any(f.startswith("global_step8/") and f.endswith("zero_pp_rank_0_mp_rank_00_optim_states.pt")
+               for f in files), files
+    again = Trainer(model=tiny_llama(), args=make_args(tmp_path / "again", num_workers=1, use_gpu=True,
+                                                       bf16=True, deepspeed=config),
+                    train_dataset=token_data())
+    assert again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-8")).global_step == 16
+    later = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > 8}
+    resumed = {h["step"]: h["loss"] for h in again.state.log_history if "loss" in h and h["step"] > 8}
+    assert resumed.keys() == later.keys()
+    assert all(abs(resumed[k] - later[k]) < 0.05 * later[k] + 1e-3 for k in later), (resumed, later)
 
 
 @pytest.mark.timeout(600)

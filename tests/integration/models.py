@@ -704,7 +704,8 @@ class ReportStartingWeights(TrainerCallback):
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         tied = inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
         log.error("rank %d: built_on=%s start_diff=%g compared=%d lora_b_max=%g held=%d full=%d tied=%d",
-                  args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full, tied)
+                  args.process_index, os.environ.get("TESTS_BUILT_ON"), diff, compared, lora_b, held, full,
+                  tied)
 
 
 
@@ -783,7 +784,8 @@ class SlowThenFullDisk(TrainerCallback):
 
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if self.writer == "deepspeed":
-                written = bool(glob.glob(os.path.join(folder, "global_step*", "*zero_pp_rank_0_*optim_states.pt")))
+                rank0 = os.path.join(folder, "global_step*", "*zero_pp_rank_0_*optim_states.pt")
+                written = bool(glob.glob(rank0))
             else:
                 written = all(os.path.exists(os.path.join(folder, d, ".metadata"))
                               for d in ("optimizer_0", "pytorch_model_fsdp_0"))

@@ -80,8 +80,8 @@ def test_zero3_saves_write_in_the_background_and_a_failed_write_fails_the_run_na
     out = tmp_path / "out"
     trainer = Trainer(model=OneBiasRegressor(), args=_args(out, 3), train_dataset=make_data(48),
                       callbacks=[SlowThenFullDisk(slow=5, full=10, writer="deepspeed")])
-    with pytest.raises(Exception, match=r"writing checkpoint .*checkpoint-10 failed, so it is not committed") \
-            as info:
+    failed = r"writing checkpoint .*checkpoint-10 failed, so it is not committed"
+    with pytest.raises(Exception, match=failed) as info:
         trainer.train()
     assert "No space left on device" in str(info.value)
     seen = [json.loads(line) for line in (out / "written-at-save.jsonl").read_text().splitlines()]
@@ -90,7 +90,8 @@ def test_zero3_saves_write_in_the_background_and_a_failed_write_fails_the_run_na
     files = set(json.loads((out / "checkpoint-5" / "manifest.json").read_text())["files"])
     assert {f"global_step5/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= files, files
     assert not (out / "checkpoint-10" / "manifest.json").exists()
-    resumed = Trainer(model=OneBiasRegressor(), args=_args(tmp_path / "again", 3), train_dataset=make_data(48))
+    resumed = Trainer(model=OneBiasRegressor(), args=_args(tmp_path / "again", 3),
+                      train_dataset=make_data(48))
     assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 18
 
 

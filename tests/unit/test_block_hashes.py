@@ -49,9 +49,9 @@ def _upload(bucket, folder, prefix: str) -> None:
     for d, _, files in os.walk(folder):
         for name in files:
             path = os.path.join(d, name)
+            key = f"{prefix}/{os.path.relpath(path, folder)}"
             with open(path, "rb") as f:
-                bucket.server.client.put_object(Bucket=bucket.name, Key=f"{prefix}/{os.path.relpath(path, folder)}",
-                                                Body=f.read())
+                bucket.server.client.put_object(Bucket=bucket.name, Key=key, Body=f.read())
 
 
 def _bytes_of(bucket, key: str) -> int:
@@ -61,11 +61,12 @@ def _bytes_of(bucket, key: str) -> int:
 
 def test_the_manifest_holds_each_block_s_hash_for_a_shard_and_none_for_small_files(tmp_path):
     _sharded_checkpoint(tmp_path)
-    files = json.load(open(tmp_path / MANIFEST))["files"]
+    files = json.loads((tmp_path / MANIFEST).read_text())["files"]
     data = (tmp_path / SHARD).read_bytes()
     entry, block = files[SHARD], files[SHARD]["block_size"]
     assert block == 1 << 18 and len(data) > 40 * block  # a 10 MiB file: about 64 blocks of 256 KiB
-    assert entry["blocks"] == [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
+    hashes = [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)]
+    assert entry["blocks"] == hashes
     assert entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert "blocks" not in files[f"{SHARDED_MODEL_DIR}/.metadata"]  # small: its sha256 is the check
 
@@ -89,13 +90,14 @@ def test_a_ranged_read_fetches_and_checks_only_the_blocks_it_touches(tmp_path, s
     where = {index.fqn: (info.offset, info.length) for index, info in storage.items()}
     order = sorted(where, key=lambda k: where[k][0])
     assert order == ["model.big", "model.other", "model.small", "model.step"], order
-    block = json.load(open(tmp_path / "ckpt" / MANIFEST))["files"][SHARD]["block_size"]
+    block = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())["files"][SHARD]["block_size"]
     assert where["model.small"][0] // block == (size - 1) // block  # both in the last block
 
     # damage the big tensor's first block
     data = bytearray((tmp_path / "ckpt" / SHARD).read_bytes())
     data[where["model.big"][0] + 5] ^= 0xFF
-    s3_bucket.server.client.put_object(Bucket=s3_bucket.name, Key=f"runs/checkpoint-1/{SHARD}", Body=bytes(data))
+    s3_bucket.server.client.put_object(Bucket=s3_bucket.name, Key=f"runs/checkpoint-1/{SHARD}",
+                                       Body=bytes(data))
 
     # reading only the small entries: the last block fetched once and checked, the damaged one never read
     s3_bucket.server.clear_requests()

@@ -110,7 +110,7 @@ def test_sources_of_a_sharded_checkpoint_name_each_weight_s_own_file(saved, tmp_
     from raytrainer.meta_model import sources_by_name
 
     AutoModelForCausalLM.from_pretrained(saved).save_pretrained(str(tmp_path), max_shard_size="8KB")
-    index = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) > 2
     sources: dict = {}
     with weightless_loading(sources):
@@ -136,7 +136,8 @@ def test_a_skeleton_filled_from_the_files_is_the_real_load(saved, lora):
         if lora is not None:
             peft = pytest.importorskip("peft")
             init = {"init_lora_weights": lora} if lora != "dora" else {"use_dora": True}
-            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **init))
+            config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **init)
+            model = peft.get_peft_model(model, config)
         return model
 
     sources: dict = {}
