@@ -734,6 +734,26 @@ class OneBiasRegressor(DropoutRegressor):
         self.net.append(FirstLogitShift())
 
 
+def train_into_the_full_disk(trainer, out) -> set[str]:
+    """Run ``trainer`` (with ``SlowThenFullDisk(slow=5, full=10)``) to its failure, and check what a failed
+    background write leaves: the run fails naming checkpoint-10 and ENOSPC, the step did not wait for
+    checkpoint-5's held-back write, checkpoint-5 alone is committed. Returns checkpoint-5's manifest files."""
+    import pytest
+
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.storage import Storage
+
+    failed = r"writing checkpoint .*checkpoint-10 failed, so it is not committed"
+    with pytest.raises(Exception, match=failed) as info:
+        trainer.train()
+    assert "No space left on device" in str(info.value)
+    seen = [json.loads(line) for line in (out / "written-at-save.jsonl").read_text().splitlines()]
+    assert seen[0] == {"step": 5, "written": False}, seen  # the step did not wait for the 5 s write
+    assert [step for step, _ in committed_checkpoints(Storage.from_uri(str(out)), warn=False)] == [5]
+    assert not (out / "checkpoint-10" / "manifest.json").exists()
+    return set(json.loads((out / "checkpoint-5" / "manifest.json").read_text())["files"])
+
+
 class SlowThenFullDisk(TrainerCallback):
     """Rank 0's background checkpoint writes for two of this run's checkpoints: ``checkpoint-<slow>`` is held
     back 5 s, ``checkpoint-<full>`` fails as a full disk does (ENOSPC), after which the patch is undone (warm
