@@ -35,6 +35,28 @@ def dedupe_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def peft_saved_keys(model, state_dict: dict) -> list[str] | None:
+    """The keys of ``state_dict`` that ``model.save_pretrained`` keeps for a PEFT model (every adapter's, and
+    its ``modules_to_save``), found by PEFT's own selection without reading a value: a sharded state's base
+    need not be gathered to save an adapter. None where PEFT's selection makes tensors of its own (then it
+    needs the whole state)."""
+    import warnings
+
+    from peft import get_peft_model_state_dict
+
+    key_of = {id(v): k for k, v in state_dict.items()}
+    kept = set()
+    with warnings.catch_warnings():  # PEFT warns again when it saves
+        warnings.simplefilter("ignore")
+        for adapter in model.peft_config:
+            for tensor in get_peft_model_state_dict(model, state_dict=state_dict,
+                                                    adapter_name=adapter).values():
+                if id(tensor) not in key_of:
+                    return None
+                kept.add(key_of[id(tensor)])
+    return [k for k in state_dict if k in kept]
+
+
 def save_model_files(model, output_dir: str, state_dict, processing_class, args) -> None:
     os.makedirs(output_dir, exist_ok=True)
     if state_dict is None:

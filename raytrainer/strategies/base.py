@@ -111,10 +111,15 @@ class Strategy:
         """Consolidated CPU weights, complete on rank 0 (a collective: every rank calls it)."""
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
 
+    def whole_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every weight, a PEFT model's frozen base included (the driver's model is the whole model), complete
+        on rank 0 (a collective). ``full_state_dict`` may leave out what a PEFT model's files do not hold."""
+        return self.full_state_dict(model)
+
     def save_final_weights(self, model: torch.nn.Module, folder: str) -> None:
         """Write the trained weights into the local ``folder`` (a collective; see raytrainer.final_weights).
         Replicated weights are consolidated once, by rank 0, into ``model.safetensors``."""
-        weights = self.full_state_dict(model)
+        weights = self.whole_state_dict(model)
         if self.ctx.is_world_zero:
             from safetensors.torch import save_file
 

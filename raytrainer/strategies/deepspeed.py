@@ -222,6 +222,10 @@ class DeepSpeedStrategy(Strategy):
 
     # -- state -------------------------------------------------------------------------------------------
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        adapter = _peft_state(model.module) if self.stage == 3 else None
+        return adapter if adapter is not None else self.whole_state_dict(model)
+
+    def whole_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if self.stage == 3:
             state = model._zero3_consolidated_16bit_state_dict()  # a collective; complete on rank 0
             return {k: v.detach().cpu() for k, v in (state or {}).items()}
@@ -335,6 +339,24 @@ class DeepSpeedStrategy(Strategy):
 def _is_peft(engine) -> bool:
     """The engine trains a PEFT model: its checkpoints leave out the frozen base (see ``save_sharded``)."""
     return hasattr(engine.module, "peft_config")
+
+
+def _peft_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """A PEFT model's saved entries (its adapters), gathered alone from the ZeRO-3 partitions: the frozen base,
+    the size of the model, stays partitioned. None for any other model (a collective: every rank calls it)."""
+    if not hasattr(module, "peft_config"):
+        return None
+    import deepspeed
+
+    from raytrainer.saving import peft_saved_keys
+
+    state = module.state_dict(keep_vars=True)  # the partitioned parameters themselves
+    keys = peft_saved_keys(module, state)
+    if keys is None:
+        return None
+    params = [state[k] for k in keys if hasattr(state[k], "ds_id")]
+    with deepspeed.zero.GatheredParameters(params):
+        return {k: state[k].detach().cpu().clone() for k in keys}
 
 
 def _partitions(files, step: int) -> list[str]:

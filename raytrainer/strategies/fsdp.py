@@ -17,7 +17,8 @@ into ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (accelerate's layout) -- not
 reads each rank's share, resharded to any world size (``raytrainer consolidate`` makes safetensors of it).
 ``FULL_STATE_DICT`` gathers both on rank 0 into ``model.safetensors`` and ``optimizer.pt``, as does
 ``save_model`` (consolidated weights from ``torch.distributed.checkpoint.state_dict`` with
-``full_state_dict=True``); so does ``save_only_model``, and a PEFT model's checkpoint holds its adapter files.
+``full_state_dict=True``); so does ``save_only_model``. A PEFT model's checkpoint holds its adapter files,
+gathered alone: the frozen base never reaches rank 0.
 """
 
 from __future__ import annotations
@@ -269,8 +270,18 @@ class FSDPStrategy(Strategy):
         return _gradient_sync_off(model)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Consolidated CPU weights (a collective). A PEFT model's are the entries PEFT saves, gathered alone
+        (its adapters, a few MB): the frozen base, the size of the model, is never gathered."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        module = self.unwrap(model)
+        if hasattr(module, "peft_config"):
+            from raytrainer.saving import peft_saved_keys
+
+            sharded = module.state_dict()  # DTensors: nothing gathered
+            keys = peft_saved_keys(module, sharded)
+            if keys is not None:
+                return {k: _gathered(sharded[k]) for k in keys}
         return get_model_state_dict(model, options=_full_options())
 
     def save_final_weights(self, model: torch.nn.Module, folder: str) -> None:
@@ -295,6 +306,15 @@ class FSDPStrategy(Strategy):
                 "strategy that saved it (model weights alone load under any strategy).")
         set_optimizer_state_dict(model, optimizer, state["fsdp_full_optimizer_state"],
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of the whole tensor on every rank (a collective for a DTensor shard)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu()
 
 
 @contextlib.contextmanager

@@ -127,3 +127,13 @@ def weights():
         assert_same = staticmethod(assert_same_weights)
 
     return _Weights()
+
+
+@pytest.fixture
+def gloo_group():
+    """A real one-rank gloo process group in this process (FSDP's and DCP's collectives run on it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    yield
+    dist.destroy_process_group()

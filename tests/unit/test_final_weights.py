@@ -40,15 +40,6 @@ def _args(out, **kw) -> TrainingArguments:
     return TrainingArguments(output_dir=str(out), report_to="none", **kw)
 
 
-@pytest.fixture
-def gloo_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
-    yield
-    dist.destroy_process_group()
-
-
 def _round_trip(args, strategy, trained):
     uri = final_weights.write(_Rank(args, strategy, trained), _session(strategy))
     driver = _model(seed=1)  # the driver's module: other values, filled in place
