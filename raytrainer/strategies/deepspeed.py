@@ -342,8 +342,9 @@ def _is_peft(engine) -> bool:
 
 
 def _peft_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """A PEFT model's saved entries (its adapters), gathered alone from the ZeRO-3 partitions: the frozen base,
-    the size of the model, stays partitioned. None for any other model (a collective: every rank calls it)."""
+    """A PEFT model's saved entries (its adapters), gathered alone from the ZeRO-3 partitions: the frozen
+    base, the size of the model, stays partitioned. None for any other model (a collective: every rank
+    calls it)."""
     if not hasattr(module, "peft_config"):
         return None
     import deepspeed
