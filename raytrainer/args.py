@@ -337,14 +337,6 @@ class RayArgumentsMixin:
 
     def _check_combinations(self) -> None:
         self._check_storage()
-        if self.enable_jit_checkpoint and self.num_workers > 0:
-            raise _error(
-                "enable_jit_checkpoint", True,
-                f"saves when the training process gets SIGTERM, but with num_workers={self.num_workers} "
-                "training runs on Ray workers (a preempted worker is replaced and the run resumes from its "
-                "last committed checkpoint, with max_failures)",
-                "drop --enable_jit_checkpoint and set --max_failures (and save_steps) for preemptible nodes, "
-                "or use --num_workers 0")
         if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
             raise _error("metric_for_best_model", None,
                          "`args.metric_for_best_model` must be provided when save_strategy='best'",

@@ -138,7 +138,9 @@ class Trainer(DataLoadersMixin):
         self.control = TrainerControl()
         self._session = None  # the rank's RankSession while a command runs on it (worker/session.py)
         self._hub = None  # the driver's hub pusher (raytrainer.hub), when pushing
-        if args.enable_jit_checkpoint:  # transformers' own callback: a SIGTERM handler in this process
+        # transformers' own callback, a SIGTERM handler in the training process; with Ray workers every run
+        # saves on Ray's preemption notice instead (worker/preemption.py)
+        if args.enable_jit_checkpoint and args.num_workers == 0:
             from raytrainer.deps import require
 
             module = require("transformers.trainer_jit_checkpoint", "enable_jit_checkpoint")

@@ -50,6 +50,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             kwargs = {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
+            _save_on_preemption(trainer, session)
         if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
             from raytrainer.worker.hosted_commit import localize
 
@@ -90,3 +91,11 @@ def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
     trainer.remove_callback(HostedStopCallback)
     if stops:
         trainer.add_callback(HostedStopCallback(session.channel, session.ctx, session.attempt))
+
+
+def _save_on_preemption(trainer, session: RankSession) -> None:
+    """A checkpoint at the step the ranks agree on after Ray's preemption notice (worker/preemption.py)."""
+    from raytrainer.worker.preemption import PreemptionCallback
+
+    trainer.remove_callback(PreemptionCallback)
+    trainer.add_callback(PreemptionCallback(session.ctx))

@@ -31,6 +31,10 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
                 if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
                     return RankResult(global_step=0)
                 _split_callbacks(trainer, session)
+                if method == "train" and ctx.on_ray:  # a checkpoint on Ray's preemption notice
+                    from raytrainer.worker.preemption import PreemptionCallback
+
+                    trainer.callback_handler.add_callback(PreemptionCallback(ctx))
                 if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
                     session.pace_sink = lambda report: channel.send(Kind.PACE, report)
             output = getattr(trainer, method)(**kwargs)

@@ -426,6 +426,23 @@ class CountTrainingStarts(TrainerCallback):
             f.write(f"rank {args.process_index}\n")
 
 
+class PreemptionNoticeAt(TrainerCallback):
+    """Ray Train's preemption notice reaches rank ``rank`` at the end of step ``step``, as Ray's
+    PreemptionWatcher delivers it (its ``mark_preempt`` on the worker actor sets this same field of the
+    worker's train context): a real drain needs a node this one-node test instance cannot spare."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank:
+            from ray.train.v2._internal.execution.context import get_train_context
+            from ray.train.v2.api.preemption import PreemptionInfo
+
+            get_train_context().preemption_context.preemption_info = PreemptionInfo(
+                deadline_ms=None, preempted_node_to_ranks={"a-node-of-this-run": [self.rank]})
+
+
 class PrintingTrainer(Trainer):
     """Prints one line per rank at the first training step (user code's print() on a worker)."""
 
