@@ -2,10 +2,13 @@
 
 Ray Train (2.60 and later) watches the nodes its workers run on for drains -- a spot instance's reclaim, a
 preemptible VM's notice, ``ray drain-node`` -- and hands every worker the notice (``PreemptionInfo``). On a
-notice, each rank flags it; the ranks agree without waiting on each other: at each step's end every rank
+notice, each rank flags it; the ranks agree without waiting on each other: at a check every rank
 starts an all-reduce (MAX) of its flag on a gloo group beside the training group and reads the result of
-the previous step's, long finished by then. So every rank decides at the same step, at most one step after
-the last rank saw the notice, and no step waits for a collective or syncs the device for it.
+the previous check's, long finished by then. The ranks compare at every step at first, then about once a
+second of training (``CHECK_EVERY_S``: a step count set once from the ranks' mean step time over the
+first ``TIMED_STEPS`` steps), so a step of a few milliseconds does not pay for a check it does not need. So
+every rank decides at the same step, at most one check after the last rank saw the notice, and no step
+waits for a collective or syncs the device for it.
 
 The decision is ``control.should_save``: an ordinary checkpoint, written and committed like any other.
 Training then goes on, as Ray advises: when the node goes, Ray Train restarts the group on what is left
@@ -17,6 +20,7 @@ A second notice (another node) saves again.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -36,21 +40,43 @@ def ray_notice() -> int:
     return 0 if info is None else max(len(info.preempted_node_to_ranks), 1)
 
 
+#: How often the ranks compare what they have heard, in seconds of training (Ray polls for drains every
+#: 5 s; its default drain deadline is 120 s).
+CHECK_EVERY_S = 1.0
+#: The first steps, each compared, whose mean time across ranks sets how many steps make CHECK_EVERY_S.
+TIMED_STEPS = 8
+
+
 class PreemptionCallback(TrainerCallback):
     """On every rank of a Ray run: a checkpoint at the step the ranks agree on after a preemption notice."""
 
-    same_on_every_rank = True  # the ranks agree through the callback's own all-reduce, one step behind
+    same_on_every_rank = True  # the ranks agree through the callback's own all-reduce, one check behind
 
     def __init__(self, ctx, notice=ray_notice):
         self.ctx, self.notice = ctx, notice
         self.handled = 0  # notices saved for: a checkpoint per newly preempted node
         self.saved_at: list[int] = []  # the steps of the checkpoints notices asked for
+        self.every: int | None = None  # steps between checks, once TIMED_STEPS were timed
+        self._timed_from: tuple[int, float] | None = None
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._work = None
         self._group = _side_group() if ctx.distributed else None
 
+    def _due(self, step: int) -> bool:
+        """Whether the ranks compare at this step: every step at first, then every ``every`` steps (the
+        same steps on every rank: the cadence comes from the ranks' mean step time, agreed once)."""
+        if self.every is not None:
+            return step % self.every == 0
+        if self._timed_from is None:
+            self._timed_from = (step, time.perf_counter())
+        elif step - self._timed_from[0] == TIMED_STEPS:
+            mean = (time.perf_counter() - self._timed_from[1]) / TIMED_STEPS
+            mean = self.ctx.sum([mean])[0] / self.ctx.world_size
+            self.every = max(1, int(CHECK_EVERY_S / max(mean, 1e-9)))
+        return True
+
     def _agreed(self) -> int:
-        """The previous step's agreed count (every rank the same), and this step's own flag sent."""
+        """The previous check's agreed count (every rank the same), and this rank's own count sent."""
         agreed = self.handled
         if self._work is not None:
             self._work.wait()
@@ -63,6 +89,8 @@ class PreemptionCallback(TrainerCallback):
         return agreed
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self._due(state.global_step):
+            return
         agreed = self._agreed()
         if agreed > self.handled:
             self.handled = agreed
