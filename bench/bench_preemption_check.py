@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, port: int, steps: int, repeats: int, queue) -> 
     for _ in range(repeats):
         for side in times:
             per_step = []
-            for step in range(steps):
+            for _ in range(steps):
                 started = time.perf_counter()
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
