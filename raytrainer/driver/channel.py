@@ -166,7 +166,12 @@ class RayChannel:
     board, the group's end). ``actor`` is what the workers get (worker/channel_client.py)."""
 
     def __init__(self):
-        self.actor = Channel.remote()
+        # On the driver's node, as Ray Train places its controller: a worker node may be preempted or lost,
+        # and the channel (the command board, the checkpoint registry) must outlive the group's restart.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = Channel.options(scheduling_strategy=here).remote()
 
     def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> int:
         """Post a command; its spec goes to the object store once (the command carries its reference).

@@ -1,0 +1,130 @@
+"""A node drained for preemption on a real local multi-node Ray cluster (cluster/local-multinode.sh: three
+nodes on 127.0.0.16-18 of this machine, the test's own): ``ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION`` on the node of one of a 2-worker run's ranks, then the node's processes
+killed, as a spot reclaim does. Ray Train's watcher gives notice, every rank saves at the same step, the
+checkpoint is committed before the node goes, Ray restarts the group on the two nodes left (not counted
+against ``max_failures=0``) and the run resumes from that checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
+DRIVER = os.path.join(os.path.dirname(__file__), "preemption_driver.py")
+IP_START = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    state = tempfile.mkdtemp(prefix="rt-pre-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": str(IP_START),
+           "RAY_MN_WORKER_PORT_BASE": "28000", "RAY_MN_CPUS": "1", "RAY_MN_AUTH_MODE": "disabled",
+           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
+    up = subprocess.run(["bash", SCRIPT, "up", "3"], env=env, capture_output=True, text=True, timeout=240)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        with open(os.path.join(state, "address")) as f:
+            yield {"address": f.read().strip(), "state": state}
+    finally:
+        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def _integration():  # overrides the conftest's: this test needs no in-process Ray instance
+    yield
+
+
+def _wait_for(what: str, found, proc, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = found()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the driver ended before {what}: {proc.communicate()[0][-6000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within {timeout:.0f}s")
+
+
+def _kill_node(state: str, index: int) -> None:
+    """Every process of node ``index`` (one session), SIGKILLed: the machine going away."""
+    with open(os.path.join(state, f"node{index}.pid")) as f:
+        session = f.read().strip()
+    pids = subprocess.run(["pgrep", "-s", session], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(600)
+def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_resumes_there(cluster,
+                                                                                               tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
+               RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="1", PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen([sys.executable, DRIVER, cluster["address"], str(work)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(work))
+    try:
+        def both_ranks():
+            files = [work / f"rank{r}.json" for r in (0, 1)]
+            return all(f.exists() for f in files) and [json.loads(f.read_text()) for f in files]
+
+        ranks = _wait_for("both ranks' first step", both_ranks, proc, 300)
+        head_ip = f"127.0.0.{IP_START}"
+        # a rank on a node other than the head (the head holds the cluster; a cloud would not take it)
+        rank, where = next((r, info) for r, info in enumerate(ranks) if info["ip"] != head_ip)
+        node_index = int(where["ip"].rsplit(".", 1)[1]) - IP_START
+        drained_at = int((work / "steps").read_text().split()[-1])  # the last step rank 0 finished
+        drain = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--address",
+             cluster["address"], "--node-id", where["node_id"], "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+             "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "120"],
+            env=env, capture_output=True, text=True, timeout=60)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+
+        def committed():
+            return sorted(p.parent.name for p in (work / "out").glob("checkpoint-*/manifest.json"))
+
+        saved = _wait_for("a committed checkpoint", committed, proc, 120)
+        _kill_node(cluster["state"], node_index)
+        output = proc.communicate(timeout=420)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-6000:]
+    result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["global_step"] == 60
+
+    # one checkpoint, taken on the notice (save_steps=1000 would take none), at the same step on every rank
+    assert len(saved) == 1, saved
+    step = int(saved[0].split("-")[1])
+    assert f"every rank saves a checkpoint at step {step}" in output
+    files = {p.name for p in (work / "out" / saved[0]).iterdir()}
+    assert {"rng_state_0.safetensors", "rng_state_1.safetensors", "model.safetensors"} <= files
+    # the restart resumed from it, on the two nodes left, without counting as a failure (max_failures=0)
+    assert f"resuming from {work / 'out' / saved[0]}" in output
+    lines = [line.split() for line in (work / "steps").read_text().splitlines()]
+    attempts = list(dict.fromkeys(pid for pid, _ in lines))
+    assert len(attempts) == 2, attempts  # rank 0 ran in two worker processes: the first group, the restart
+    first = [int(s) for pid, s in lines if pid == attempts[0]]
+    second = [int(s) for pid, s in lines if pid == attempts[1]]
+    assert second[0] == step + 1 and second[-1] == 60  # from the checkpoint on, to the end
+    assert drained_at <= step <= first[-1]  # saved after the drain, before the node went
+    redone = first[-1] - step
+    print(f"drained after step {drained_at}, saved at step {step}, node killed after step {first[-1]}: "
+          f"{redone} step(s) redone")
