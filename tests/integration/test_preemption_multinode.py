@@ -87,7 +87,7 @@ def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_
         ranks = _wait_for("both ranks' first step", both_ranks, proc, 300)
         head_ip = f"127.0.0.{IP_START}"
         # a rank on a node other than the head (the head holds the cluster; a cloud would not take it)
-        rank, where = next((r, info) for r, info in enumerate(ranks) if info["ip"] != head_ip)
+        where = next(info for info in ranks if info["ip"] != head_ip)
         node_index = int(where["ip"].rsplit(".", 1)[1]) - IP_START
         drained_at = int((work / "steps").read_text().split()[-1])  # the last step rank 0 finished
         drain = subprocess.run(
