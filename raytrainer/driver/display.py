@@ -7,6 +7,7 @@ pace reports to the straggler watch. No Ray here: the channel is the driver's ha
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
@@ -105,9 +106,25 @@ class Pump(threading.Thread):
             self.channel.decide_evaluation(self._attempt, self._evaluations, stop)
 
     def _new_attempt(self, attempt: Attempt) -> None:
-        """A (re)started worker group numbers its evaluations from 1."""
+        """A (re)started worker group numbers its evaluations from 1; a restart is said on the console, with
+        where training resumes and how many steps it does again."""
+        if attempt.number > 0 and not attempt.failed:
+            logger.warning(restart_line(attempt, self.display.state.global_step))
         self._attempt, self._evaluations = attempt.number, 0
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
+
+
+def restart_line(attempt: Attempt, reached: int) -> str:
+    """What the console says when Ray Train has started a command's worker group again (``reached``: the
+    last step the group before reported)."""
+    head = (f"restart {attempt.number}: Ray Train started the worker group again after it lost a worker or "
+            f"its node (a preempted node's restart does not count against max_failures)")
+    if attempt.latest_checkpoint is None:
+        return f"{head}; no checkpoint of this call was committed, so the call runs again from its start"
+    found = re.search(r"checkpoint-(\d+)/*$", attempt.latest_checkpoint)
+    again = "" if found is None else (f"; the group before reached step {reached}: "
+                                      f"{max(reached - int(found.group(1)), 0)} step(s) are trained again")
+    return f"{head}; resuming from {attempt.latest_checkpoint}{again}"

@@ -45,8 +45,6 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
         session.attempt = attempt.number
         if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
-            if ctx.is_world_zero:  # the latest checkpoint this command committed (driver/channel.py)
-                logger.warning("restart %d: resuming from %s", attempt.number, attempt.latest_checkpoint)
             kwargs = {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))

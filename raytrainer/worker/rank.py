@@ -129,8 +129,6 @@ def _after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> 
     if attempt.failed:
         return None
     if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
-        if ctx.is_world_zero:
-            logger.warning("restart %d: resuming from %s", attempt.number, attempt.latest_checkpoint)
         trainer.args.restore_callback_states_from_checkpoint = True  # go on as if never interrupted
         return {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
     return kwargs

@@ -228,6 +228,26 @@ def test_committed_checkpoints_reach_the_registry_which_rotates_them(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")) == ["checkpoint-3"]
 
 
+def test_a_restart_says_where_training_resumes_and_how_many_steps_are_trained_again(tmp_path, caplog):
+    reply = _train_reply(tmp_path)
+    uri = f"{tmp_path}/out/checkpoint-2"
+    reply.steps[3:3] = [  # the first group reached step 3, then lost a worker; the second resumed
+        event(Kind.CALLBACK, CallbackEvent("on_step_end", _snapshot(3), {})),
+        event(Kind.ATTEMPT, Attempt(1, latest_checkpoint=uri)),
+    ]
+    trainer = _trainer(tmp_path, FakeBackend({"train": reply}), save_strategy="no")
+    with caplog.at_level("WARNING", logger="raytrainer.driver.display"):
+        trainer.train()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "raytrainer.driver.display"]
+    assert line.startswith("restart 1: Ray Train started the worker group again after it lost a worker")
+    assert line.endswith(f"resuming from {uri}; the group before reached step 3: 1 step(s) are trained again")
+
+    from raytrainer.driver.display import restart_line
+
+    assert restart_line(Attempt(2), reached=5).endswith(
+        "no checkpoint of this call was committed, so the call runs again from its start")
+
+
 def test_a_deterministic_failure_raises_the_workers_own_error_and_ends_the_group(tmp_path):
     class LabelError(ValueError):
         pass
