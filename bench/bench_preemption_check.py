@@ -39,6 +39,7 @@ def _rank(rank: int, world: int, port: int, steps: int, repeats: int, queue) -> 
 
     from raytrainer.rank_context import RankContext
     from raytrainer.worker.preemption import PreemptionCallback
+    from raytrainer.worker.session import RankSession
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
@@ -48,8 +49,9 @@ def _rank(rank: int, world: int, port: int, steps: int, repeats: int, queue) -> 
         nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    callback = PreemptionCallback(ctx, notice=lambda: 0)
-    every_step = PreemptionCallback(ctx, notice=lambda: 0)
+    session = RankSession(ctx)
+    callback = PreemptionCallback(session, notice=lambda: None)
+    every_step = PreemptionCallback(session, notice=lambda: None)
     every_step.every = 1
     state, control = TrainerState(), TrainerControl()
 

@@ -28,6 +28,8 @@
 #                                     Train's PlacementGroupCleaner logs a harmless "State
 #                                     API may be temporarily unavailable" every few seconds
 #   RAY_MN_LIFETIME=3600              hard cap (s): `timeout` kills a node after this
+#   RAY_MN_DRAIN_TIMEOUT_S=0          on SIGTERM a node drains (Ray's preemption notice) for up to
+#                                     this long before it stops; 0: it stops at once
 #   RAY_MN_UP_TIMEOUT=120             max seconds to wait for all nodes to register
 #   RAY_MN_AUTH_MODE=disabled         or "token" (uses ~/.ray/auth_token / RAY_AUTH_TOKEN*)
 #   RAY_MN_WORKER_PORT_BASE=23000     node i uses worker ports [base+1000i, base+1000i+999]: outside
@@ -54,7 +56,9 @@ PY=$(command -v python || command -v python3)
 # ~/.ray/auth_token exists, while `ray start --address` / drivers stay 'disabled' and
 # are rejected (InvalidAuthToken). Pin it for every process: disabled (default) or token.
 export RAY_AUTH_MODE=${RAY_MN_AUTH_MODE:-disabled}
-export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0  # SIGTERM teardown in ~2s instead of ~30s
+# SIGTERM to a node: 0 tears it down in ~2s; N > 0 drains it first for up to N s, as a Kubernetes pod's
+# eviction does (Ray marks it draining for preemption, so Ray Train's workers get notice), then kills it
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_MN_DRAIN_TIMEOUT_S:-0}
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_TRAIN_ENABLE_PRINT_PATCH=0  # a worker's print() appears once on the driver
 export RAY_DEDUP_LOGS=0
@@ -140,7 +144,7 @@ cmd_up() {
   cat >"$STATE/env.sh" <<EOF
 export RAY_ADDRESS=$addr
 export RAY_AUTH_MODE=$RAY_AUTH_MODE
-export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=$RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_TRAIN_ENABLE_PRINT_PATCH=0
 EOF

@@ -96,4 +96,4 @@ def _save_on_preemption(trainer, session: RankSession) -> None:
     from raytrainer.worker.preemption import PreemptionCallback
 
     trainer.remove_callback(PreemptionCallback)
-    trainer.add_callback(PreemptionCallback(session.ctx))
+    trainer.add_callback(PreemptionCallback(session))

@@ -10,11 +10,14 @@ first ``TIMED_STEPS`` steps), so a step of a few milliseconds does not pay for a
 every rank decides at the same step, at most one check after the last rank saw the notice, and no step
 waits for a collective or syncs the device for it.
 
-The decision is ``control.should_save``: an ordinary checkpoint, written and committed like any other.
-Training then goes on, as Ray advises: when the node goes, Ray Train restarts the group on what is left
-(the restart counts against ``FailureConfig.max_preemption_failures``, unbounded by default, not against
-``max_failures``), and the restart resumes from that checkpoint -- the steps redone are those after it.
-A second notice (another node) saves again.
+The decision is ``control.should_save``: an ordinary checkpoint, written and committed like any other. At
+the next step the ranks commit it and wait: a step taken now would be trained again after the restart.
+When the node goes, Ray Train restarts the group on what is left (the restart counts against
+``FailureConfig.max_preemption_failures``, unbounded by default, not against ``max_failures``), and the
+restart resumes from that checkpoint, no step done twice. Ray Train's controller restarts the group at the
+notice's deadline (Ray's default 120 s when it gives none); if the group is still there
+``HOLD_PAST_DEADLINE_S`` later, training goes on. A second notice (another node)
+saves again.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ from raytrainer.callbacks import TrainerCallback
 logger = logging.getLogger(__name__)
 
 
-def ray_notice() -> int:
-    """How many nodes of this run Ray Train has said are being preempted (0: none, or no Ray notices)."""
+def ray_notice():
+    """Ray Train's notice that nodes of this run are being preempted (``PreemptionInfo``), or None (none
+    yet, or a Ray without preemption notices)."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 
-        info = get_train_context().preemption_context.preemption_info
-    except (ImportError, AttributeError, RuntimeError):  # a Ray without preemption notices
-        return 0
-    return 0 if info is None else max(len(info.preempted_node_to_ranks), 1)
+        return get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 #: How often the ranks compare what they have heard, in seconds of training (Ray polls for drains every
@@ -45,22 +48,32 @@ def ray_notice() -> int:
 CHECK_EVERY_S = 1.0
 #: The first steps, each compared, whose mean time across ranks sets how many steps make CHECK_EVERY_S.
 TIMED_STEPS = 8
+#: How long the ranks hold after a notice without a deadline (Ray Train's own default deadline).
+DEFAULT_HOLD_S = 120.0
+#: How long past the deadline the ranks still hold: Ray Train's controller restarts the group at the
+#: deadline (``FailureConfig.preemption_grace_s``, 0 by default) and the node goes then; a step begun
+#: meanwhile would be trained again.
+HOLD_PAST_DEADLINE_S = 10.0
 
 
 class PreemptionCallback(TrainerCallback):
-    """On every rank of a Ray run: a checkpoint at the step the ranks agree on after a preemption notice."""
+    """On every rank of a Ray run: a checkpoint at the step the ranks agree on after a preemption notice,
+    committed, then no step until the node has gone (the restart resumes there, no step trained twice) or
+    the notice's deadline has passed with the node still there (training goes on)."""
 
     same_on_every_rank = True  # the ranks agree through the callback's own all-reduce, one check behind
+    hold_past_deadline_s = HOLD_PAST_DEADLINE_S
 
-    def __init__(self, ctx, notice=ray_notice):
-        self.ctx, self.notice = ctx, notice
+    def __init__(self, session, notice=ray_notice):
+        self.session, self.ctx, self.notice = session, session.ctx, notice
         self.handled = 0  # notices saved for: a checkpoint per newly preempted node
         self.saved_at: list[int] = []  # the steps of the checkpoints notices asked for
         self.every: int | None = None  # steps between checks, once TIMED_STEPS were timed
         self._timed_from: tuple[int, float] | None = None
+        self._hold = False  # the next step waits for the node to go
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._work = None
-        self._group = _side_group() if ctx.distributed else None
+        self._group = _side_group() if self.ctx.distributed else None
 
     def _due(self, step: int) -> bool:
         """Whether the ranks compare at this step: every step at first, then every ``every`` steps (the
@@ -81,7 +94,8 @@ class PreemptionCallback(TrainerCallback):
         if self._work is not None:
             self._work.wait()
             agreed = int(self._flag.item())
-        self._flag.fill_(self.notice())
+        info = self.notice()
+        self._flag.fill_(0 if info is None else max(len(info.preempted_node_to_ranks), 1))
         if self._group is None:
             return max(agreed, int(self._flag.item()))
         self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
@@ -96,10 +110,43 @@ class PreemptionCallback(TrainerCallback):
             self.handled = agreed
             self.saved_at.append(state.global_step)
             control.should_save = True
+            self._hold = True
             if self.ctx.is_world_zero:
                 logger.warning("a node of this run is being preempted (Ray's notice): every rank saves a "
-                               "checkpoint at step %d, and the run goes on until the node goes",
-                               state.global_step)
+                               "checkpoint at step %d, then waits for the node to go", state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """The step after the notice's checkpoint: the checkpoint is committed (every rank), then no rank
+        steps until the node has gone -- Ray Train then restarts the group from it -- or the deadline has
+        passed with the node still there."""
+        if not self._hold:
+            return
+        self._hold = False
+        writer = getattr(self.session, "writer", None)
+        if writer is not None:
+            writer.commit()  # a collective: every rank is at this step
+        hold_until = self._deadline() + self.hold_past_deadline_s
+        if self.ctx.is_world_zero:
+            logger.warning("checkpoint-%d is committed; no step until the node goes (in at most %.0f s)",
+                           state.global_step, max(hold_until - time.time(), 0.0))
+        while time.time() < hold_until:
+            time.sleep(min(1.0, max(hold_until - time.time(), 0.0)))
+        if self.ctx.is_world_zero:  # Ray Train did not restart the group: the node was not taken
+            logger.warning("the group was not restarted by its deadline: training goes on")
+
+    def _deadline(self) -> float:
+        """The earliest deadline (``time.time()``) any rank was given (a collective: the ranks that have
+        not heard yet know none); Ray Train's default from now when no rank has one."""
+        info = self.notice()
+        mine = info.deadline_ms / 1000 if info is not None and info.deadline_ms else float("inf")
+        if self._group is not None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            box = torch.tensor([mine], dtype=torch.float64)
+            torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MIN, group=self._group)
+            mine = float(box.item())
+        return mine if mine != float("inf") else time.time() + DEFAULT_HOLD_S
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._work is not None:  # every rank started it at the same last step

@@ -34,7 +34,7 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
                 if method == "train" and ctx.on_ray:  # a checkpoint on Ray's preemption notice
                     from raytrainer.worker.preemption import PreemptionCallback
 
-                    trainer.callback_handler.add_callback(PreemptionCallback(ctx))
+                    trainer.callback_handler.add_callback(PreemptionCallback(session))
                 if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
                     session.pace_sink = lambda report: channel.send(Kind.PACE, report)
             output = getattr(trainer, method)(**kwargs)

@@ -427,20 +427,40 @@ class CountTrainingStarts(TrainerCallback):
 
 
 class PreemptionNoticeAt(TrainerCallback):
-    """Ray Train's preemption notice reaches rank ``rank`` at the end of step ``step``, as Ray's
-    PreemptionWatcher delivers it (its ``mark_preempt`` on the worker actor sets this same field of the
-    worker's train context): a real drain needs a node this one-node test instance cannot spare."""
+    """Ray Train's preemption notice, with a deadline ``deadline_s`` away, reaches rank ``rank`` at the end
+    of step ``step``, as Ray's PreemptionWatcher delivers it (its ``mark_preempt`` on the worker actor sets
+    this same field of the worker's train context): a real drain needs a node this one-node test instance
+    cannot spare (tests/integration/test_preemption_multinode.py drains one of a local cluster's). The
+    notice is taken back at the end of training: the warm workers serve the next call."""
 
-    def __init__(self, rank: int, step: int):
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, deadline_s: float):
+        self.rank, self.step, self.deadline_s = rank, step, deadline_s
+
+    def _context(self):
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step and args.process_index == self.rank:
-            from ray.train.v2._internal.execution.context import get_train_context
             from ray.train.v2.api.preemption import PreemptionInfo
 
-            get_train_context().preemption_context.preemption_info = PreemptionInfo(
-                deadline_ms=None, preempted_node_to_ranks={"a-node-of-this-run": [self.rank]})
+            self._context().preemption_info = PreemptionInfo(
+                deadline_ms=int((time.time() + self.deadline_s) * 1000),
+                preempted_node_to_ranks={"a-node-of-this-run": [self.rank]})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._context().preemption_info = None
+
+
+class StepLog(TrainerCallback):
+    """Rank 0 appends "<pid> <step>" to ``output_dir/steps`` at each step's end: a restarted worker group's
+    steps come from another process, and a step written twice was trained twice."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            with open(os.path.join(args.output_dir, "steps"), "a") as f:
+                f.write(f"{os.getpid()} {state.global_step}\n")
 
 
 class PrintingTrainer(Trainer):

@@ -1,9 +1,10 @@
 """A node drained for preemption on a real local multi-node Ray cluster (cluster/local-multinode.sh: three
 nodes on 127.0.0.16-18 of this machine, the test's own): ``ray drain-node --reason
 DRAIN_NODE_REASON_PREEMPTION`` on the node of one of a 2-worker run's ranks, then the node's processes
-killed, as a spot reclaim does. Ray Train's watcher gives notice, every rank saves at the same step, the
-checkpoint is committed before the node goes, Ray restarts the group on the two nodes left (not counted
-against ``max_failures=0``) and the run resumes from that checkpoint and finishes."""
+killed, as a spot reclaim does; or SIGTERM to the node, as a Kubernetes eviction. Ray Train's watcher gives
+notice, every rank saves at the same step, the checkpoint is committed and the ranks wait; the node goes,
+Ray restarts the group on the two nodes left (not counted against ``max_failures=0``) and the run resumes
+from that checkpoint and finishes. Each case has a fresh 3-node cluster: the first loses a node."""
 
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
 DRIVER = os.path.join(os.path.dirname(__file__), "preemption_driver.py")
 IP_START = 16
+SIGTERM_DRAIN_S = 8  # a node given SIGTERM drains itself for this long, then stops (as a pod evicted)
+DRAIN_DEADLINE_S = 15  # ray drain-node's deadline: the node's processes are SIGKILLed once it has passed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster():
     state = tempfile.mkdtemp(prefix="rt-pre-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": str(IP_START),
            "RAY_MN_WORKER_PORT_BASE": "28000", "RAY_MN_CPUS": "1", "RAY_MN_AUTH_MODE": "disabled",
-           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
+           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900",
+           "RAY_MN_DRAIN_TIMEOUT_S": str(SIGTERM_DRAIN_S)}
     up = subprocess.run(["bash", SCRIPT, "up", "3"], env=env, capture_output=True, text=True, timeout=240)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -70,8 +74,13 @@ def _kill_node(state: str, index: int) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_resumes_there(cluster,
-                                                                                               tmp_path):
+@pytest.mark.parametrize("how", ["drain-node", "sigterm"])
+def test_a_preempted_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_resumes_there(
+        cluster, tmp_path, how):
+    """``drain-node``: ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` (a 15 s deadline), then the
+    node's processes SIGKILLed once the deadline has passed, as a spot reclaim does. ``sigterm``: the
+    node's ``ray start`` gets SIGTERM, as Kubernetes evicting a pod: Ray drains the node for
+    SIGTERM_DRAIN_S, then stops it."""
     work = tmp_path / "work"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
@@ -89,19 +98,26 @@ def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_
         # a rank on a node other than the head (the head holds the cluster; a cloud would not take it)
         where = next(info for info in ranks if info["ip"] != head_ip)
         node_index = int(where["ip"].rsplit(".", 1)[1]) - IP_START
-        drained_at = int((work / "steps").read_text().split()[-1])  # the last step rank 0 finished
-        drain = subprocess.run(
-            [os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--address",
-             cluster["address"], "--node-id", where["node_id"], "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-             "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "120"],
-            env=env, capture_output=True, text=True, timeout=60)
-        assert drain.returncode == 0, drain.stdout + drain.stderr
+        noticed_after = int((work / "steps").read_text().split()[-1])  # the last step rank 0 finished
+        if how == "drain-node":
+            drain = subprocess.run(
+                [os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--address",
+                 cluster["address"], "--node-id", where["node_id"], "--reason",
+                 "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
+                 "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)], env=env, capture_output=True,
+                text=True, timeout=60)
+            deadline = time.time() + DRAIN_DEADLINE_S
+            assert drain.returncode == 0, drain.stdout + drain.stderr
+        else:
+            _sigterm_node(cluster["state"], node_index)
 
         def committed():
             return sorted(p.parent.name for p in (work / "out").glob("checkpoint-*/manifest.json"))
 
         saved = _wait_for("a committed checkpoint", committed, proc, 120)
-        _kill_node(cluster["state"], node_index)
+        if how == "drain-node":  # the machine goes at its deadline, as a reclaimed spot instance does
+            time.sleep(max(deadline + 1 - time.time(), 0))
+            _kill_node(cluster["state"], node_index)
         output = proc.communicate(timeout=420)[0]
     finally:
         if proc.poll() is None:
@@ -113,7 +129,7 @@ def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_
     # one checkpoint, taken on the notice (save_steps=1000 would take none), at the same step on every rank
     assert len(saved) == 1, saved
     step = int(saved[0].split("-")[1])
-    assert f"every rank saves a checkpoint at step {step}" in output
+    assert f"every rank saves a checkpoint at step {step}, then waits for the node to go" in output
     files = {p.name for p in (work / "out" / saved[0]).iterdir()}
     assert {"rng_state_0.safetensors", "rng_state_1.safetensors", "model.safetensors"} <= files
     # the restart resumed from it, on the two nodes left, without counting as a failure (max_failures=0)
@@ -124,7 +140,17 @@ def test_a_drained_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_
     first = [int(s) for pid, s in lines if pid == attempts[0]]
     second = [int(s) for pid, s in lines if pid == attempts[1]]
     assert second[0] == step + 1 and second[-1] == 60  # from the checkpoint on, to the end
-    assert drained_at <= step <= first[-1]  # saved after the drain, before the node went
+    assert noticed_after <= step <= first[-1]  # saved after the notice, before the node went
     redone = first[-1] - step
-    print(f"drained after step {drained_at}, saved at step {step}, node killed after step {first[-1]}: "
-          f"{redone} step(s) redone")
+    assert redone == 0, (step, first[-1])  # the ranks waited from the commit to the restart
+    print(f"{how}: noticed after step {noticed_after}, saved at step {step}, the first group's last step "
+          f"{first[-1]}: {redone} step(s) trained again")
+
+
+def _sigterm_node(state: str, index: int) -> None:
+    """SIGTERM to node ``index``'s ``ray start --block`` (the child of the ``timeout`` whose pid the
+    cluster script keeps): what Kubernetes sends a pod's main process when it evicts it."""
+    with open(os.path.join(state, f"node{index}.pid")) as f:
+        wrapper = f.read().strip()
+    (child,) = subprocess.run(["pgrep", "-P", wrapper], capture_output=True, text=True).stdout.split()
+    os.kill(int(child), signal.SIGTERM)
