@@ -13,15 +13,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from local_cluster import ROOT, local_cluster, read
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
 DRIVER = os.path.join(os.path.dirname(__file__), "multinode_driver.py")
 TOKEN = "hf_multinode_secret_7c1d"  # the driver's hub_token
 
@@ -30,19 +27,9 @@ TOKEN = "hf_multinode_secret_7c1d"  # the driver's hub_token
 def cluster(s3_server):
     """Two nodes with the dashboard (Jobs API), holding the S3 test server's endpoint and credentials in
     their environment, as a cluster's nodes hold theirs (instance roles, secrets)."""
-    state = tempfile.mkdtemp(prefix="rt-mn-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, **s3_server.env, "RAY_MN_STATE": state, "RAY_MN_IP_START": "12",
-           "RAY_MN_WORKER_PORT_BASE": "25000", "RAY_MN_CPUS": "2", "RAY_MN_AUTH_MODE": "disabled",
-           "RAY_MN_DASHBOARD": "true",
-           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "1200"}
-    up = subprocess.run(["bash", SCRIPT, "up", "2"], env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        with open(os.path.join(state, "address")) as f, open(os.path.join(state, "dashboard")) as g:
-            yield {"address": f.read().strip(), "dashboard": g.read().strip()}
-    finally:
-        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(state, ignore_errors=True)
+    with local_cluster(2, "rt-mn-", extra_env=s3_server.env, IP_START="12", WORKER_PORT_BASE="25000",
+                       CPUS="2", DASHBOARD="true", LIFETIME="1200") as state:
+        yield {"address": read(state, "address"), "dashboard": read(state, "dashboard")}
 
 
 @pytest.fixture

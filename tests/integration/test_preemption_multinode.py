@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
+from local_cluster import local_cluster, read
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
 DRIVER = os.path.join(os.path.dirname(__file__), "preemption_driver.py")
 IP_START = 16
 SIGTERM_DRAIN_S = 8  # a node given SIGTERM drains itself for this long, then stops (as a pod evicted)
@@ -29,19 +26,9 @@ DRAIN_DEADLINE_S = 15  # ray drain-node's deadline: the node's processes are SIG
 
 @pytest.fixture
 def cluster():
-    state = tempfile.mkdtemp(prefix="rt-pre-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": str(IP_START),
-           "RAY_MN_WORKER_PORT_BASE": "28000", "RAY_MN_CPUS": "1", "RAY_MN_AUTH_MODE": "disabled",
-           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900",
-           "RAY_MN_DRAIN_TIMEOUT_S": str(SIGTERM_DRAIN_S)}
-    up = subprocess.run(["bash", SCRIPT, "up", "3"], env=env, capture_output=True, text=True, timeout=240)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        with open(os.path.join(state, "address")) as f:
-            yield {"address": f.read().strip(), "state": state}
-    finally:
-        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(state, ignore_errors=True)
+    with local_cluster(3, "rt-pre-", up_timeout=240, IP_START=str(IP_START), WORKER_PORT_BASE="28000",
+                       CPUS="1", DRAIN_TIMEOUT_S=str(SIGTERM_DRAIN_S)) as state:
+        yield {"address": read(state, "address"), "state": state}
 
 
 @pytest.fixture

@@ -6,35 +6,22 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
+from local_cluster import ROOT, local_cluster, read
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SCRIPT = os.path.join(ROOT, "cluster", "local-multinode.sh")
 CLI = [sys.executable, "-m", "raytrainer.cli"]
 
 
 @pytest.fixture(scope="module")
 def head():
-    state = tempfile.mkdtemp(prefix="rt-job-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     token = secrets.token_hex(16)
-    env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_IP_START": "21", "RAY_MN_WORKER_PORT_BASE": "27000",
-           "RAY_MN_CPUS": "3", "RAY_MN_DASHBOARD": "true", "RAY_MN_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": token,
-           "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900"}
-    up = subprocess.run(["bash", SCRIPT, "up", "1"], env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        with open(os.path.join(state, "dashboard")) as f:
-            yield f.read().strip(), token, state
-    finally:
-        subprocess.run(["bash", SCRIPT, "down"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(state, ignore_errors=True)
+    with local_cluster(1, "rt-job-", extra_env={"RAY_AUTH_TOKEN": token}, IP_START="21",
+                       WORKER_PORT_BASE="27000", CPUS="3", DASHBOARD="true", AUTH_MODE="token") as state:
+        yield read(state, "dashboard"), token, state
 
 
 @pytest.fixture
