@@ -62,6 +62,7 @@ class PreemptionCallback(TrainerCallback):
     the notice's deadline has passed with the node still there (training goes on)."""
 
     same_on_every_rank = True  # the ranks agree through the callback's own all-reduce, one check behind
+    stays_on_ranks = True  # not sent back to the driver after a call (worker/rank.callback_states)
     hold_past_deadline_s = HOLD_PAST_DEADLINE_S
 
     def __init__(self, session, notice=ray_notice):

@@ -60,14 +60,15 @@ def callback_states(callbacks) -> list[tuple[str, dict]]:
     take them on (``absorb_callback_states``), so a script reads on the driver what its callbacks recorded
     on the workers -- as with transformers, where they ran in its own process. Attributes that cannot be
     pickled, modules, optimizers, open files, and attributes bigger than MAX_CALLBACK_ATTRIBUTE_BYTES stay
-    behind."""
+    behind, as do raytrainer's own rank-side callbacks (``stays_on_ranks``: the driver has no instance, and
+    one that holds the rank's session would pickle the strategy's model to find out)."""
     import cloudpickle
 
     from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, tensor_bytes
 
     states, tensors = [], 0
     for callback in callbacks:
-        if runs_on_driver(callback):
+        if runs_on_driver(callback) or getattr(callback, "stays_on_ranks", False):
             continue
         attributes = {}
         for name, value in vars(callback).items():

@@ -49,3 +49,25 @@ def test_what_cannot_or_should_not_travel_stays_on_the_worker():
     ((_, attributes),) = callback_states([cb])
     assert set(attributes) == {"name", "count", "losses"}
     assert [float(t) for t in attributes["losses"]] == [1.5, 0.5]
+
+
+def test_raytrainer_s_rank_side_callbacks_are_not_pickled_back(monkeypatch):
+    """The preemption callback holds the rank's session (its strategy, its model): callback_states must not
+    pickle it to find out what it weighs."""
+    import cloudpickle
+
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker.preemption import PreemptionCallback
+    from raytrainer.worker.session import RankSession
+
+    pickled = []
+    real = cloudpickle.dumps
+
+    def dumps(obj, *args, **kwargs):  # a spy: cloudpickle still pickles
+        pickled.append(obj)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(cloudpickle, "dumps", dumps)
+    states = callback_states([PreemptionCallback(RankSession(RankContext())), Counter("kept")])
+    assert [name for name, _ in states] == ["Counter"]
+    assert pickled == ["kept", 0]  # only the other callback's attributes were pickled
