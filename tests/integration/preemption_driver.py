@@ -1,12 +1,12 @@
 """Driver script for test_preemption_multinode.py: a 2-worker run (one worker per node) on an existing local
 multi-node Ray cluster, slow enough for the test to drain a node mid-run.
 
-    python preemption_driver.py ADDRESS WORKDIR
+    python preemption_driver.py ADDRESS WORKDIR MAX_FAILURES
 
 Every rank writes ``WORKDIR/rank<r>.json`` (its node's id and IP) at its first step; rank 0 appends each
 step it finishes, with the worker group's attempt, to ``WORKDIR/steps`` (a step written twice was redone
-after a restart). ``max_failures=0``: a restart after a preemption must not count as a failure. Prints
-``RESULT <json>`` at the end.
+after a restart). With ``MAX_FAILURES`` 0, a restart after a preemption must not count as a failure.
+Prints ``RESULT <json>`` at the end.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ class Record(TrainerCallback):
                 f.write(f"{os.getpid()} {state.global_step}\n")
 
 
-def main(address: str, work: str) -> None:
+def main(address: str, work: str, max_failures: int) -> None:
     args = TrainingArguments(
         output_dir=os.path.join(work, "out"), ray_address=address, num_workers=2,
-        placement_strategy="STRICT_SPREAD", max_failures=0, max_steps=STEPS, per_device_train_batch_size=4,
+        placement_strategy="STRICT_SPREAD", max_failures=max_failures, max_steps=STEPS,
+        per_device_train_batch_size=4,
         save_strategy="steps", save_steps=1000, logging_steps=5, report_to="none", disable_tqdm=True, seed=3)
     trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(512), callbacks=[Record(work)])
     out = trainer.train()
@@ -63,4 +64,4 @@ def main(address: str, work: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
