@@ -77,6 +77,23 @@ class RankContext:
         return box[0]
 
 
+_side_groups: dict = {}  # key -> (the default group it was made beside, a gloo group over its ranks)
+
+
+def side_group(key: str):
+    """A gloo group over the default group's ranks, one per ``key`` (a collective when made: every rank
+    reaches it at the same point): collectives that run on CPU threads beside the training step's group --
+    a background save's, the preemption check's -- never pair up with the step's own or with each other's.
+    Made again when the default group is a new one."""
+    import torch.distributed
+
+    world = torch.distributed.group.WORLD
+    made = _side_groups.get(key)
+    if made is None or made[0] is not world:
+        made = _side_groups[key] = (world, torch.distributed.new_group(backend="gloo"))
+    return made[1]
+
+
 def ray_train_context(use_gpu: bool, run_root: str | None = None) -> RankContext:
     """The context of a Ray Train worker (process group already set up by Ray Train)."""
     import ray.train

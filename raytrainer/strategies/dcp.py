@@ -20,21 +20,13 @@ OPTIMIZER_DIR = "optimizer_0"
 #: accelerate's (and transformers.Trainer's) folder for an FSDP model saved with SHARDED_STATE_DICT
 MODEL_DIR = SHARDED_MODEL_DIR
 
-_save_groups: dict = {}  # folder -> (the default group it was made beside, a gloo group for its saves)
-
-
 def _checkpoint_group(folder: str):
-    """A gloo group over the same ranks for one folder's background saves: the model's and the optimizer's
-    writes run at once, each on its own thread, and two threads' collectives on one group could pair up
-    differently on different ranks. Made (a collective) at the first save per default group: every rank
-    reaches it at the same step."""
-    import torch.distributed as dist
+    """The gloo group of one folder's background saves: the model's and the optimizer's writes run at once,
+    each on its own thread, and two threads' collectives on one group could pair up differently on
+    different ranks. Made at the first save: every rank reaches it at the same step."""
+    from raytrainer.rank_context import side_group
 
-    world = dist.group.WORLD
-    made = _save_groups.get(folder)
-    if made is None or made[0] is not world:
-        made = _save_groups[folder] = (world, dist.new_group(backend="gloo"))
-    return made[1]
+    return side_group(f"checkpoint:{folder}")
 
 
 def _save(state: dict, folder: str, name: str, pending: list | None) -> None:

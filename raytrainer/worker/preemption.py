@@ -28,6 +28,7 @@ import time
 import torch
 
 from raytrainer.callbacks import TrainerCallback
+from raytrainer.rank_context import side_group
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,13 @@ class PreemptionCallback(TrainerCallback):
     def __init__(self, session, notice=ray_notice):
         self.session, self.ctx, self.notice = session, session.ctx, notice
         self.handled = 0  # notices saved for: a checkpoint per newly preempted node
-        self.saved_at: list[int] = []  # the steps of the checkpoints notices asked for
         self.every: int | None = None  # steps between checks, once TIMED_STEPS were timed
         self._timed_from: tuple[int, float] | None = None
         self._hold = False  # the next step waits for the node to go
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._work = None
-        self._group = _side_group() if self.ctx.distributed else None
+        # the check's all-reduces run on CPU threads beside the step's group (NCCL's stream on a GPU)
+        self._group = side_group("preemption") if self.ctx.distributed else None
 
     def _due(self, step: int) -> bool:
         """Whether the ranks compare at this step: every step at first, then every ``every`` steps (the
@@ -109,7 +110,6 @@ class PreemptionCallback(TrainerCallback):
         agreed = self._agreed()
         if agreed > self.handled:
             self.handled = agreed
-            self.saved_at.append(state.global_step)
             control.should_save = True
             self._hold = True
             if self.ctx.is_world_zero:
@@ -153,19 +153,3 @@ class PreemptionCallback(TrainerCallback):
         if self._work is not None:  # every rank started it at the same last step
             self._work.wait()
             self._work = None
-
-
-_side_groups: dict = {}  # the default group -> a gloo group over the same ranks
-
-
-def _side_group():
-    """A gloo group over the training group's ranks (made once per process group, a collective every rank
-    reaches as the callback is made): its all-reduces run on CPU threads, beside NCCL's stream."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    group = _side_groups.get(world)
-    if group is None:
-        _side_groups.clear()
-        group = _side_groups[world] = dist.new_group(backend="gloo")
-    return group
