@@ -4,6 +4,7 @@
 # distinct node ranks (node_rank 0..N-1) and gloo collectives cross "nodes".
 #
 #   local-multinode.sh up [N]      start N nodes (default 2), print RAY_ADDRESS
+#   local-multinode.sh add         one more node joins the running cluster (a node added later)
 #   local-multinode.sh status      show nodes / process groups
 #   local-multinode.sh down        stop every process this script started (by session id)
 #
@@ -154,6 +155,14 @@ EOF
   if [[ "$DASH" == true ]]; then echo "dashboard / Jobs API: $(cat "$STATE/dashboard")"; fi
 }
 
+cmd_add() {  # one more node joins the running cluster (a node an autoscaler or a spot market adds later)
+  [[ -f "$STATE/address" ]] || { echo "no cluster in $STATE; run '$0 up' first" >&2; exit 1; }
+  local i=0; while [[ -f "$STATE/node$i.pid" ]]; do i=$((i + 1)); done
+  start_node "$i" --address="$(cat "$STATE/address")"
+  wait_log "$STATE/node$i.log" "$(cat "$STATE/node$i.pid")" "$UP_TIMEOUT" || exit 1
+  echo "node $i ($IP_BASE.$((IP_START + i))) joined"
+}
+
 node_pids() {  # every live process of our nodes. Each node runs in its own session
   # (setsid => SID == PGID == pid in node*.pid). Ray worker/actor processes call
   # setpgid() (own PGID) but keep the SID, so select by session, not process group.
@@ -188,6 +197,7 @@ cmd_status() {
 
 case "${1:-}" in
   up) cmd_up "${2:-2}" ;;
+  add) cmd_add ;;
   down) cmd_down ;;
   status) cmd_status ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;

@@ -106,10 +106,12 @@ class RayArgumentsMixin:
         metadata={"help": "An accelerate config YAML (from `accelerate config`): sets num_workers, the "
                           "strategy (DDP / FSDP with its options) and mixed precision."},
     )
-    num_workers: int = field(
+    num_workers: int | str | None = field(
         default=0,
         metadata={"help": "Ray Train workers: 0 runs the training loop in this process, N >= 1 runs N "
-                          "actors."},
+                          "actors, MIN:MAX (a (min, max) tuple in Python) as many as the cluster holds "
+                          "between the two, keeping the global batch of MAX workers "
+                          "(raytrainer/elastic.py)."},
     )
     use_gpu: bool = field(default=False, metadata={"help": "Give each Ray Train worker one GPU."})
     resources_per_worker: dict[str, float] | str | None = field(
@@ -145,12 +147,14 @@ class RayArgumentsMixin:
         # The values as given: a hosted trainer's ranks build the original arguments class from them
         # (raytrainer/hosted_recipe.py), since its __post_init__ may refuse what it derived itself.
         self.__dict__["_given"] = _snapshot(self)
+        self._parse_num_workers()
         # The process view first: transformers' __post_init__ reads self.device.
         self._world_size = max(1, self.num_workers) if _is_int(self.num_workers) else 1
         self._process_index = self._local_process_index = self._node_rank = 0
         self._device = None
         if self.accelerate_config:
             self._apply_accelerate_config()
+            self._parse_num_workers()
         self._fill_defaults()
         self._check_values()
         # transformers' own derivations and checks, with what the workers (not this process) decide hidden.
@@ -169,6 +173,22 @@ class RayArgumentsMixin:
             self.lr_scheduler_kwargs = {}
         self._check_combinations()
         self.__dict__["_derived"] = _snapshot(self)
+
+    def _parse_num_workers(self) -> None:
+        """``num_workers`` as an int (the most workers) and ``min_workers`` / ``max_workers`` beside it;
+        a value that is neither an int nor a range is left for ``_check_ray_values`` to refuse."""
+        from raytrainer.elastic import parse_workers
+
+        parsed = parse_workers(self.num_workers)
+        low, high = parsed if isinstance(parsed, tuple) else (parsed, parsed)
+        if parsed is not None:
+            self.num_workers = high
+        self.min_workers, self.max_workers = low, high
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run trains on as many workers as the cluster holds (``num_workers=(min, max)``)."""
+        return self.__dict__.get("min_workers") != self.__dict__.get("max_workers")
 
     def given_values(self) -> dict[str, Any]:
         """Each field as the constructor was given it, or as it was set after construction: what builds
@@ -313,8 +333,13 @@ class RayArgumentsMixin:
 
     def _check_ray_values(self) -> None:
         if not (_is_int(self.num_workers) and self.num_workers >= 0):
-            raise _error("num_workers", self.num_workers, "must be an integer >= 0 (0 runs in this process)",
-                         "pass e.g. --num_workers 2")
+            raise _error("num_workers", self.num_workers, "must be an integer >= 0 (0 runs in this process) "
+                         "or a range of workers", "pass e.g. --num_workers 2, or --num_workers 2:4 "
+                         "(num_workers=(2, 4) in Python)")
+        if self.elastic:
+            from raytrainer import elastic
+
+            elastic.check(self)
         if not (_is_int(self.max_failures) and self.max_failures >= -1):
             raise _error("max_failures", self.max_failures, "must be an integer >= 0, or -1 to retry forever",
                          "pass e.g. --max_failures 3")

@@ -87,7 +87,7 @@ class Recipe:
 
         return self if self.payload is not None else dataclasses.replace(self, payload=ray.get(ref[0]))
 
-    def unpack(self) -> tuple[type, tuple, dict, Any, Any]:
+    def unpack(self, world_size: int = 1) -> tuple[type, tuple, dict, Any, Any]:
         """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
         fields: transformers' own process view, which accelerate sets up from this rank's environment), that
         instance, and the arguments as given (with the Ray fields: ``storage_path``...)."""
@@ -97,6 +97,11 @@ class Recipe:
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
         if not self.use_gpu:
             overrides["use_cpu"] = True  # a CPU worker, whatever CUDA this node has
+        if getattr(targs, "elastic", False):  # the global batch of max workers, on this many
+            from raytrainer.elastic import batch_at
+
+            overrides["per_device_train_batch_size"], overrides["gradient_accumulation_steps"] = (
+                batch_at(targs, world_size))
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain, targs

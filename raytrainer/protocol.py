@@ -135,12 +135,15 @@ class Pace:
 class Attempt:
     """Channel -> rank 0 at each start of a command: the attempt's number (0, then 1 after the first
     restart...), the latest checkpoint the command committed so far, and whether an earlier attempt failed
-    deterministically (then this one must not train). Also an event, so the driver numbers evaluations per
+    deterministically (then this one must not train); the attempt's world size and the one before it (they
+    differ where an elastic run's group shrank or grew). Also an event, so the driver numbers evaluations per
     attempt."""
 
     number: int
     latest_checkpoint: str | None = None
     failed: bool = False
+    world_size: int | None = None
+    previous_world_size: int | None = None
 
 
 @dataclass
@@ -193,6 +196,9 @@ MESSAGES: tuple[Message, ...] = (
             "set should_training_stop"),
     Message("evaluation decision", None, "driver", "rank 0 (waits for it, broadcasts it)", "after each "
             "evaluation, when a driver-side callback may stop training"),
+    Message("growth request", None, "Ray Train's controller (an elastic run's scaling policy)",
+            "rank 0 (polled at the preemption check); rank 0 answers once the checkpoint is committed",
+            "when the cluster has room for more workers during train: the group grows from that checkpoint"),
     Message("Fatal", Fatal, "the failing rank", "channel (then the driver)", "on a deterministic error: "
             "no restart trains again, the group ends"),
     Message("RankResult", RankResult, "every rank", "driver", "at the end of each command"),

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import ray
 
+from raytrainer.elastic import GROWTH_HOLD_S
 from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, Method, RankResult, Spec
 
 
@@ -39,10 +41,14 @@ class Channel:
     def _reset_command_state(self) -> None:
         self._results: dict[int, RankResult] = {}
         self._attempts = 0
+        self._world_size: int | None = None  # the current attempt's
         self._latest_checkpoint: str | None = None
         self._parts: dict[str, int] = {}  # a hosted trainer's checkpoints: parts in storage so far, by URI
         self._stop = False
         self._decisions: dict[tuple[int, int], bool] = {}  # (attempt, evaluation number) -> stop
+        self._growth = 0  # growths an elastic run's scaling policy asked the ranks to checkpoint for
+        self._growth_committed = 0  # ... and those the ranks checkpointed for, waiting for the restart
+        self._committed_at = float("-inf")
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -95,6 +101,31 @@ class Channel:
                 return None
         return self._results
 
+    # -- an elastic run's growth, at a checkpoint boundary (driver/elastic_policy.py) ---------------------
+    async def grow_when_ready(self) -> bool:
+        """The scaling policy (in Ray Train's controller) has room for more workers: whether the group may
+        be restarted bigger now -- no ``train`` in flight, or the ranks have committed a checkpoint for it
+        and wait -- else the ranks are asked for that checkpoint (``growth_requested``)."""
+        command = self._command
+        training = (command is not None and command.method is Method.TRAIN
+                    and len(self._results) < self._expected and self._fatal is None)
+        if not training:
+            return True
+        waiting = time.monotonic() - self._committed_at < GROWTH_HOLD_S  # the ranks hold that long
+        if self._growth_committed >= self._growth > 0 and waiting:
+            return True
+        if self._growth == self._growth_committed:  # none asked for, or the ranks went on: ask (again)
+            self._growth += 1
+        return False
+
+    async def growth_requested(self) -> int:
+        """How many growths the ranks were asked to checkpoint for (rank 0 polls it without waiting)."""
+        return self._growth
+
+    async def growth_committed(self, count: int) -> None:
+        """Rank 0: the checkpoint for growth number ``count`` is committed; the ranks wait."""
+        self._growth_committed, self._committed_at = max(self._growth_committed, count), time.monotonic()
+
     async def set_controller(self, controller) -> None:
         self._controller = controller
 
@@ -113,11 +144,15 @@ class Channel:
                 if self._parts[part.uri] == part.parts:
                     self._latest_checkpoint = part.uri
 
-    async def begin_attempt(self) -> Attempt:
+    async def begin_attempt(self, world_size: int | None = None) -> Attempt:
         """Called by rank 0 once per start of the current command (again after Ray Train restarted the
-        workers)."""
+        workers), with the group's world size."""
         self._attempts += 1
-        attempt = Attempt(self._attempts - 1, self._latest_checkpoint, self._fatal is not None)
+        previous, self._world_size = self._world_size, world_size
+        if world_size:  # an elastic run's group may hold fewer workers than its most
+            self._expected = world_size
+        attempt = Attempt(self._attempts - 1, self._latest_checkpoint, self._fatal is not None, world_size,
+                          previous)
         # the driver numbers evaluations per attempt from here on (a restarted run evaluates again)
         self._events.append(Event(Kind.ATTEMPT, 0, attempt))
         return attempt

@@ -122,6 +122,11 @@ def restart_line(attempt: Attempt, reached: int) -> str:
     last step the group before reported)."""
     head = (f"restart {attempt.number}: Ray Train started the worker group again after it lost a worker or "
             f"its node (a preempted node's restart does not count against max_failures)")
+    before, now = attempt.previous_world_size, attempt.world_size
+    if before and now and before != now:
+        change = "shrunk" if now < before else "grown"
+        head += (f", {change} from {before} to {now} workers (the global batch "
+                 f"is kept: the per-device batch and gradient_accumulation_steps follow the world size)")
     if attempt.latest_checkpoint is None:
         return f"{head}; no checkpoint of this call was committed, so the call runs again from its start"
     found = re.search(r"checkpoint-(\d+)/*$", attempt.latest_checkpoint)

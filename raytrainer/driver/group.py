@@ -49,8 +49,9 @@ def group_key(args) -> tuple:
     from raytrainer.strategies import strategy_class
 
     resources = tuple(sorted((args.resources_per_worker or {}).items()))
-    return (args.num_workers, bool(args.use_gpu), resources, args.placement_strategy, args.ddp_backend,
-            args.ddp_timeout, args.max_failures, strategy_class(args, args.num_workers).__name__)
+    return (args.num_workers, args.min_workers, bool(args.use_gpu), resources, args.placement_strategy,
+            args.ddp_backend, args.ddp_timeout, args.max_failures,
+            strategy_class(args, args.num_workers).__name__)
 
 
 class GroupFailed(Exception):

@@ -9,6 +9,7 @@ driver's logic with an in-process backend that replays recorded worker messages 
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 
 from raytrainer import failures
@@ -137,15 +138,38 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from raytrainer.worker.entry import worker_main
 
     scaling = ScalingConfig(
-        num_workers=args.num_workers,
+        # (min, max): Ray Train starts as many as fit and restarts a group that lost a node on what is left
+        num_workers=(args.min_workers, args.max_workers) if args.elastic else args.num_workers,
         use_gpu=bool(args.use_gpu),
         resources_per_worker=args.resources_per_worker,  # a dict: TrainingArguments parsed it
         placement_strategy=args.placement_strategy,
     )
+    if args.elastic:  # how often Ray Train's controller looks for room to grow (its default: 60 s)
+        scaling.elastic_resize_monitor_interval_s = float(os.environ.get(RESIZE_CHECK_ENV, 60.0))
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
     run_config = _run_config(args, config["channel"], config["ray_run_root"])
-    return TorchTrainer(worker_main, train_loop_config=config, scaling_config=scaling,
-                        torch_config=torch_config, run_config=run_config, datasets=datasets)
+    trainer_class = _elastic_trainer(config["channel"]) if args.elastic else TorchTrainer
+    return trainer_class(worker_main, train_loop_config=config, scaling_config=scaling,
+                         torch_config=torch_config, run_config=run_config, datasets=datasets)
+
+
+#: Seconds between an elastic run's checks for room to grow
+#: (``ScalingConfig.elastic_resize_monitor_interval_s``).
+RESIZE_CHECK_ENV = "RAYTRAINER_ELASTIC_RESIZE_CHECK_S"
+
+
+def _elastic_trainer(channel):
+    """``TorchTrainer`` whose controller grows the group only at a checkpoint (driver/elastic_policy.py)."""
+    from ray.train.torch import TorchTrainer
+
+    from raytrainer.driver.elastic_policy import GrowAtCheckpoints
+
+    class ElasticTorchTrainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **kwargs):
+            kwargs["scaling_policy"] = GrowAtCheckpoints(self.scaling_config, channel)
+            return super()._initialize_and_run_controller(**kwargs)
+
+    return ElasticTorchTrainer
 
 
 def _check_cpus_for_ray_data(args) -> None:

@@ -77,7 +77,8 @@ def shortfall_message(args, bundle: dict[str, float], nodes: list[dict[str, floa
     fits = placeable(bundle, nodes, args.placement_strategy)
     fix = ("set use_gpu=False or run where GPUs are (a cluster with GPU nodes: ray_address=)"
            if bundle.get("GPU") else "change resources_per_worker, or num_workers")
-    return (f"the {args.num_workers} workers (use_gpu={bool(args.use_gpu)}, resources_per_worker="
+    workers = f"{args.min_workers} to {args.max_workers}" if args.elastic else args.num_workers
+    return (f"the {workers} workers (use_gpu={bool(args.use_gpu)}, resources_per_worker="
             f"{args.resources_per_worker}, placement_strategy={args.placement_strategy!r}) each need "
             f"{{{asked}}}, and the Ray cluster's nodes hold {fits} "
             f"such workers: {have}. Add nodes that have these resources, or {fix}.")
@@ -93,7 +94,7 @@ def check(args, started_here: bool) -> None:
     """Before a worker group starts: refuse, or warn and wait (bounded), when the nodes cannot hold it."""
     bundle = worker_bundle(args)
     nodes = live_nodes()
-    if placeable(bundle, nodes, args.placement_strategy) >= args.num_workers:
+    if placeable(bundle, nodes, args.placement_strategy) >= args.min_workers:  # an elastic run: its min
         return
     message = shortfall_message(args, bundle, nodes)
     if started_here or not autoscaler_may_add(bundle):
@@ -105,7 +106,7 @@ def check(args, started_here: bool) -> None:
     while time.monotonic() < deadline:
         time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
         nodes = live_nodes()
-        if placeable(bundle, nodes, args.placement_strategy) >= args.num_workers:
+        if placeable(bundle, nodes, args.placement_strategy) >= args.min_workers:
             logger.info("the cluster has the nodes the workers need now")
             return
     raise ResourcesUnavailableError(

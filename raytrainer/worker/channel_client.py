@@ -37,8 +37,8 @@ class ChannelClient:
                 self._buffer = []
             self._last = time.monotonic()
 
-    def begin_attempt(self) -> Attempt:
-        return ray.get(self.handle.begin_attempt.remote())
+    def begin_attempt(self, world_size: int | None = None) -> Attempt:
+        return ray.get(self.handle.begin_attempt.remote(world_size))
 
     def record_fatal(self, error: bytes) -> None:
         self.flush()
@@ -52,6 +52,13 @@ class ChannelClient:
     def stop_requested(self):
         """The stop flag, asked without waiting: an object reference (``ray.wait`` / ``ray.get`` it)."""
         return self.handle.stop_requested.remote()
+
+    def growth_requested(self):
+        """How many growths the run's scaling policy asked for, without waiting: an object reference."""
+        return self.handle.growth_requested.remote()
+
+    def growth_committed(self, count: int) -> None:
+        ray.get(self.handle.growth_committed.remote(count))
 
     def evaluation_decision(self, attempt: int, index: int) -> bool | None:
         return ray.get(self.handle.evaluation_decision.remote(attempt, index))

@@ -36,13 +36,13 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     trainer = _LIVE.get(recipe.key)
     if trainer is None:
         _LIVE.clear()
-        trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack()
+        trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
             trainer = trainer_cls(*args, **kwargs_init)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
-        attempt = ctx.broadcast_object(channel.begin_attempt() if ctx.is_world_zero else None)
+        attempt = ctx.broadcast_object(channel.begin_attempt(ctx.world_size) if ctx.is_world_zero else None)
         session.attempt = attempt.number
         if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
             kwargs = {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}

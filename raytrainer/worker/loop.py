@@ -158,6 +158,9 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
         trainer._load_callback_state()  # with restore_callback_states_from_checkpoint, as transformers
         control = trainer.control
         epochs_trained, skip_updates = divmod(state.global_step, schedule.updates_per_epoch)
+        if resume.world_size not in (None, ctx.world_size):  # the run's record of its group's sizes
+            state.log_history.append({"world_size": ctx.world_size, "previous_world_size": resume.world_size,
+                                      "epoch": state.epoch, "step": state.global_step})
         if resume.world_size not in (None, ctx.world_size) and state.epoch is not None:
             # another number of workers: the epoch's position carries over as the share of its samples seen
             epochs_trained = int(state.epoch)

@@ -2,7 +2,8 @@
 
 Ray Train (2.60 and later) watches the nodes its workers run on for drains -- a spot instance's reclaim, a
 preemptible VM's notice, ``ray drain-node`` -- and hands every worker the notice (``PreemptionInfo``). On a
-notice, each rank flags it; the ranks agree without waiting on each other: at a check every rank
+notice, each rank flags it (and rank 0 flags an elastic run's request to grow, polled from the group's
+channel: driver/elastic_policy.py); the ranks agree without waiting on each other: at a check every rank
 starts an all-reduce (MAX) of its flag on a gloo group beside the training group and reads the result of
 the previous check's, long finished by then. The ranks compare at every step at first, then about once a
 second of training (``CHECK_EVERY_S``: a step count set once from the ranks' mean step time over the
@@ -17,7 +18,8 @@ When the node goes, Ray Train restarts the group on what is left (the restart co
 restart resumes from that checkpoint, no step done twice. Ray Train's controller restarts the group at the
 notice's deadline (Ray's default 120 s when it gives none); if the group is still there
 ``HOLD_PAST_DEADLINE_S`` later, training goes on. A second notice (another node)
-saves again.
+saves again. A growth is the same checkpoint, then a wait of at most ``GROWTH_HOLD_S`` for Ray Train to
+start the bigger group from it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 import torch
 
 from raytrainer.callbacks import TrainerCallback
+from raytrainer.elastic import GROWTH_HOLD_S
 from raytrainer.rank_context import side_group
 
 logger = logging.getLogger(__name__)
@@ -66,13 +69,22 @@ class PreemptionCallback(TrainerCallback):
     stays_on_ranks = True  # not sent back to the driver after a call (worker/rank.callback_states)
     hold_past_deadline_s = HOLD_PAST_DEADLINE_S
 
-    def __init__(self, session, notice=ray_notice):
+    def __init__(self, session, notice=ray_notice, growth=None):
         self.session, self.ctx, self.notice = session, session.ctx, notice
         self.handled = 0  # notices saved for: a checkpoint per newly preempted node
+        # an elastic run's growths (rank 0 polls the channel; counted from those asked before this call)
+        self.growth = growth if self.ctx.is_world_zero else None
+        self.grown = 0  # growths saved for
+        self._growth_base = self._growth_asked = 0
+        self._growth_ref = None
+        if self.growth is not None:
+            import ray
+
+            self._growth_base = self._growth_asked = ray.get(self.growth.growth_requested())
         self.every: int | None = None  # steps between checks, once TIMED_STEPS were timed
         self._timed_from: tuple[int, float] | None = None
-        self._hold = False  # the next step waits for the node to go
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._hold: str | None = None  # the next step waits: for the node to go, or for the group to grow
+        self._flag = torch.zeros(2, dtype=torch.int64)  # [preempted nodes heard of, growths asked]
         self._work = None
         # the check's all-reduces run on CPU threads beside the step's group (NCCL's stream on a GPU)
         self._group = side_group("preemption") if self.ctx.distributed else None
@@ -90,16 +102,28 @@ class PreemptionCallback(TrainerCallback):
             self.every = max(1, int(CHECK_EVERY_S / max(mean, 1e-9)))
         return True
 
-    def _agreed(self) -> int:
-        """The previous check's agreed count (every rank the same), and this rank's own count sent."""
-        agreed = self.handled
+    def _growths_asked(self) -> int:
+        """Rank 0: the growths the channel has asked for since this call began (polled without waiting: at
+        most one request in flight)."""
+        import ray
+
+        if self._growth_ref is not None and ray.wait([self._growth_ref], timeout=0)[0]:
+            self._growth_asked, self._growth_ref = ray.get(self._growth_ref), None
+        if self._growth_ref is None:
+            self._growth_ref = self.growth.growth_requested()
+        return self._growth_asked - self._growth_base
+
+    def _agreed(self) -> tuple[int, int]:
+        """The previous check's agreed counts (every rank the same), and this rank's own counts sent."""
+        agreed = (self.handled, self.grown)
         if self._work is not None:
             self._work.wait()
-            agreed = int(self._flag.item())
+            agreed = tuple(int(v) for v in self._flag.tolist())
         info = self.notice()
-        self._flag.fill_(0 if info is None else max(len(info.preempted_node_to_ranks), 1))
+        self._flag[0] = 0 if info is None else max(len(info.preempted_node_to_ranks), 1)
+        self._flag[1] = self._growths_asked() if self.growth is not None else 0
         if self._group is None:
-            return max(agreed, int(self._flag.item()))
+            return tuple(max(a, int(v)) for a, v in zip(agreed, self._flag.tolist()))
         self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
                                                   group=self._group, async_op=True)
         return agreed
@@ -107,14 +131,19 @@ class PreemptionCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self._due(state.global_step):
             return
-        agreed = self._agreed()
-        if agreed > self.handled:
-            self.handled = agreed
-            control.should_save = True
-            self._hold = True
+        preempted, growths = self._agreed()
+        if preempted > self.handled:
+            self.handled = preempted
+            control.should_save, self._hold = True, "preemption"
             if self.ctx.is_world_zero:
                 logger.warning("a node of this run is being preempted (Ray's notice): every rank saves a "
                                "checkpoint at step %d, then waits for the node to go", state.global_step)
+        elif growths > self.grown:
+            self.grown = growths
+            control.should_save, self._hold = True, "growth"
+            if self.ctx.is_world_zero:
+                logger.warning("the cluster has room for more workers: every rank saves a checkpoint at step "
+                               "%d, from which Ray Train starts the group bigger", state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         """The step after the notice's checkpoint: the checkpoint is committed (every rank), then no rank
@@ -122,18 +151,25 @@ class PreemptionCallback(TrainerCallback):
         passed with the node still there."""
         if not self._hold:
             return
-        self._hold = False
+        why, self._hold = self._hold, None
         writer = getattr(self.session, "writer", None)
         if writer is not None:
             writer.commit()  # a collective: every rank is at this step
-        hold_until = self._deadline() + self.hold_past_deadline_s
+        if why == "growth":
+            hold_until = time.time() + GROWTH_HOLD_S
+            if self.growth is not None:  # rank 0: the scaling policy may restart the group now
+                self.growth.growth_committed(self._growth_base + self.grown)
+        else:
+            hold_until = self._deadline() + self.hold_past_deadline_s
         if self.ctx.is_world_zero:
-            logger.warning("checkpoint-%d is committed; no step until the node goes (in at most %.0f s)",
-                           state.global_step, max(hold_until - time.time(), 0.0))
+            logger.warning("checkpoint-%d is committed; no step until %s (in at most %.0f s)",
+                           state.global_step, "the node goes" if why == "preemption" else "the group grows",
+                           max(hold_until - time.time(), 0.0))
         while time.time() < hold_until:
             time.sleep(min(1.0, max(hold_until - time.time(), 0.0)))
-        if self.ctx.is_world_zero:  # Ray Train did not restart the group: the node was not taken
-            logger.warning("the group was not restarted by its deadline: training goes on")
+        if self.ctx.is_world_zero:  # Ray Train did not restart the group
+            waited = "its deadline" if why == "preemption" else f"{GROWTH_HOLD_S:.0f} s after the commit"
+            logger.warning("the group was not restarted by %s: training goes on", waited)
 
     def _deadline(self) -> float:
         """The earliest deadline (``time.time()``) any rank was given (a collective: the ranks that have

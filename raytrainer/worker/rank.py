@@ -22,6 +22,10 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
     Trainer refers to the session while the method runs (``trainer._session``), and only then."""
     ctx, channel = session.ctx, session.channel
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
+    if getattr(trainer.args, "elastic", False):  # the global batch of max workers, on this many
+        from raytrainer.elastic import fit_batch
+
+        fit_batch(trainer.args, ctx.world_size)
     trainer._session = session
     try:
         with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
@@ -34,7 +38,8 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
                 if method == "train" and ctx.on_ray:  # a checkpoint on Ray's preemption notice
                     from raytrainer.worker.preemption import PreemptionCallback
 
-                    trainer.callback_handler.add_callback(PreemptionCallback(session))
+                    growth = channel if getattr(trainer.args, "elastic", False) else None
+                    trainer.callback_handler.add_callback(PreemptionCallback(session, growth=growth))
                 if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
                     session.pace_sink = lambda report: channel.send(Kind.PACE, report)
             output = getattr(trainer, method)(**kwargs)
@@ -125,7 +130,8 @@ def _after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> 
     latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
     train; failures.py)."""
     ctx = session.ctx
-    attempt = ctx.broadcast_object(session.channel.begin_attempt() if ctx.is_world_zero else None)
+    attempt = ctx.broadcast_object(
+        session.channel.begin_attempt(ctx.world_size) if ctx.is_world_zero else None)
     session.attempt = attempt.number
     if attempt.failed:
         return None

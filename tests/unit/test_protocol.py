@@ -22,6 +22,8 @@ CHANNEL_METHODS = {
     "set_result": "RankResult", "wait_results": "RankResult", "results": "RankResult",
     "request_stop": "stop request", "stop_requested": "stop request",
     "decide_evaluation": "evaluation decision", "evaluation_decision": "evaluation decision",
+    "grow_when_ready": "growth request", "growth_requested": "growth request",
+    "growth_committed": "growth request",
     # not a worker message: the driver's handle on Ray Train's controller, to abort a run
     "set_controller": None, "controller": None,
 }

@@ -1,0 +1,93 @@
+"""Driver script for test_elastic.py: an elastic run, ``num_workers=(2, 3)``, on an existing local
+multi-node Ray cluster, slow enough for the test to take a node away mid-run; then the same training in
+this process (``num_workers=0``) with the same global batch, uninterrupted, to compare with.
+
+    python elastic_driver.py ADDRESS WORKDIR [STEP_S]
+
+(``STEP_S``: how long each step sleeps, 0.3 s by default.)
+
+Each rank appends, per optimizer step, the ids of the samples it trained to ``WORKDIR/samples-<pid>``
+(``<step> <id> <id> ...``), and rank 0 the step and its world size to ``WORKDIR/steps``
+(``<pid> <world> <step> <time>``). Prints ``RESULT <json>`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+SAMPLES = 360  # one epoch; every world size from 2 to 3 splits it and the global batch evenly
+PER_DEVICE, WORKERS = 4, (2, 3)  # a global batch of 12: 3 x 4, or 2 x 3 x 2 accumulation steps
+STEP_S = 0.3  # each step sleeps this long, so the run outlasts the loss of a node and a restart
+
+
+class Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.seen: list[int] = []  # the sample ids of the current optimizer step, on this rank
+
+    def forward(self, x, labels=None, idx=None):
+        if idx is not None and self.training:
+            self.seen.extend(int(i) for i in idx)
+        logits = self.net(x)
+        if labels is None:
+            return (logits,)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def make_data(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [{"x": x[i], "labels": int(y[i]), "idx": i} for i in range(n)]
+
+
+class Record(TrainerCallback):
+    def __init__(self, work: str, sleep: float):
+        self.work, self.sleep = work, sleep
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        time.sleep(self.sleep)
+        with open(os.path.join(self.work, f"samples-{os.getpid()}"), "a") as f:
+            f.write(" ".join(map(str, [state.global_step, *model.seen])) + "\n")
+        model.seen.clear()
+        if args.process_index == 0:
+            with open(os.path.join(self.work, "steps"), "a") as f:
+                f.write(f"{os.getpid()} {args.world_size} {state.global_step} {time.time():.2f}\n")
+
+
+def train(work: str, sleep: float = 0.0, **kw) -> dict:
+    args = TrainingArguments(
+        output_dir=os.path.join(work, "out"), num_train_epochs=1, learning_rate=0.05,
+        save_strategy="steps", save_steps=5, logging_steps=1, report_to="none", disable_tqdm=True, seed=3,
+        **kw)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(SAMPLES),
+                      callbacks=[Record(work, sleep)])
+    out = trainer.train()
+    result = {"global_step": out.global_step,
+              "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+              "weights": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+              "history": trainer.state.log_history}
+    trainer.close()
+    return result
+
+
+def main(address: str, work: str, step_s: float = STEP_S) -> None:
+    elastic = train(work, step_s, ray_address=address, num_workers=WORKERS, max_failures=1,
+                    per_device_train_batch_size=PER_DEVICE)
+    os.makedirs(os.path.join(work, "baseline"))
+    baseline = train(os.path.join(work, "baseline"), num_workers=0,
+                     per_device_train_batch_size=PER_DEVICE * WORKERS[1])
+    print("RESULT " + json.dumps({"elastic": elastic, "baseline": baseline}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *map(float, sys.argv[3:]))
