@@ -75,6 +75,10 @@ def check(args) -> None:
         raise ValueError(f"{given} with auto_find_batch_size=True: an elastic run keeps its global batch "
                          "by setting the per-device batch for each world size, which auto_find_batch_size "
                          "would change again; pass one of the two")
+    if args.max_failures == 0:
+        logger.warning("%s with max_failures=0: a node lost mid-run ends the run (Ray Train counts it as a "
+                       "failure) instead of going on with the workers left; pass e.g. --max_failures 3 "
+                       "(-1: any number)", given)
     total = global_batch(args)
     uneven = [w for w in range(low, high + 1) if total % w]
     if uneven:

@@ -2,9 +2,10 @@
 multi-node Ray cluster, slow enough for the test to take a node away mid-run; then the same training in
 this process (``num_workers=0``) with the same global batch, uninterrupted, to compare with.
 
-    python elastic_driver.py ADDRESS WORKDIR [STEP_S]
+    python elastic_driver.py ADDRESS WORKDIR [STEP_S [STRATEGY]]
 
-(``STEP_S``: how long each step sleeps, 0.3 s by default.)
+(``STEP_S``: how long each step sleeps, 0.3 s by default; ``STRATEGY``: ddp (the default), fsdp or zero3
+for the elastic run.)
 
 Each rank appends, per optimizer step, the ids of the samples it trained to ``WORKDIR/samples-<pid>``
 (``<step> <id> <id> ...``), and rank 0 the step and its world size to ``WORKDIR/steps``
@@ -80,9 +81,18 @@ def train(work: str, sleep: float = 0.0, **kw) -> dict:
     return result
 
 
-def main(address: str, work: str, step_s: float = STEP_S) -> None:
-    elastic = train(work, step_s, ray_address=address, num_workers=WORKERS, max_failures=1,
-                    per_device_train_batch_size=PER_DEVICE)
+STRATEGIES = {
+    "ddp": {},
+    "fsdp": {"fsdp": "full_shard"},
+    "zero3": {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                            "zero_optimization": {"stage": 3}}},
+}
+
+
+def main(address: str, work: str, step_s: str = str(STEP_S), strategy: str = "ddp") -> None:
+    elastic = train(work, float(step_s), ray_address=address, **STRATEGIES[strategy], num_workers=WORKERS,
+                    max_failures=1, per_device_train_batch_size=PER_DEVICE)
     os.makedirs(os.path.join(work, "baseline"))
     baseline = train(os.path.join(work, "baseline"), num_workers=0,
                      per_device_train_batch_size=PER_DEVICE * WORKERS[1])
@@ -90,4 +100,4 @@ def main(address: str, work: str, step_s: float = STEP_S) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *map(float, sys.argv[3:]))
+    main(*sys.argv[1:])

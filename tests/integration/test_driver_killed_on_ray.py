@@ -1,6 +1,7 @@
 """The driver of a 2-worker run killed (SIGKILL) mid-run, and the script run again with
 resume_from_checkpoint=True: Ray ends the killed driver's actors and placement group (they are owned by its
-job), and the rerun goes on from the last committed checkpoint through the same steps and losses as a run
+job), and the rerun -- a new driver whose output_dir is empty, the same storage_path -- goes on from the
+last committed checkpoint in storage through the same steps and losses as a run
 never interrupted, pushing no checkpoint to the hub a second time. The one-process version of this scenario
 is tests/unit/test_driver_killed.py."""
 
@@ -27,6 +28,7 @@ SCRIPT = textwrap.dedent('''
     from raytrainer import Trainer, TrainerCallback, TrainingArguments
 
     out, hub, kill_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    storage = sys.argv[5] or None
 
     class Net(nn.Module):
         def __init__(self):
@@ -63,7 +65,8 @@ SCRIPT = textwrap.dedent('''
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 6, generator=g)
     data = [{"x": x[i], "labels": int((x[i, 0] > 0) + (x[i, 1] > 0))} for i in range(64)]
-    args = TrainingArguments(output_dir=out, num_workers=2, max_steps=12, per_device_train_batch_size=4,
+    args = TrainingArguments(output_dir=out, storage_path=storage, num_workers=2, max_steps=12,
+                             per_device_train_batch_size=4,
                              learning_rate=0.01, save_strategy="steps", save_steps=2, logging_steps=1,
                              report_to="none", disable_tqdm=True, push_to_hub=True, optim="adamw_torch",
                              hub_model_id="file://" + hub, hub_strategy="every_save")
@@ -73,13 +76,17 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, address: str, name: str, kill_at: int = 0, resume: bool = False):
+def _run(tmp_path, address: str, name: str, kill_at: int = 0, resume: bool = False,
+         out: str | None = None):
+    """The script, its checkpoints in ``tmp_path/name`` (``storage_path``: the run's shared storage) and its
+    ``output_dir`` at ``tmp_path/out`` (``name`` when not given)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": address}
-    return subprocess.run([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}-hub"),
-                           str(kill_at), "1" if resume else "0"], capture_output=True, text=True, timeout=300,
-                          env=env)
+    storage = str(tmp_path / name) if out else ""
+    return subprocess.run([sys.executable, str(script), str(tmp_path / (out or name)),
+                           str(tmp_path / f"{name}-hub"), str(kill_at), "1" if resume else "0", storage],
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def _losses(folder) -> list[tuple[int, float]]:
@@ -96,7 +103,8 @@ def test_a_killed_ray_driver_leaves_no_actor_and_the_rerun_resumes_the_same_step
     reference = _run(tmp_path, address, "reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    killed = _run(tmp_path, address, "run", kill_at=5)
+    # the run's checkpoints in its storage (storage_path), apart from the driver's output_dir
+    killed = _run(tmp_path, address, "run", kill_at=5, out="first-driver")
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-3000:]
     job = killed.stdout.split("JOB ", 1)[1].split()[0]
 
@@ -117,7 +125,9 @@ def test_a_killed_ray_driver_leaves_no_actor_and_the_rerun_resumes_the_same_step
     pushed_before = [c["message"] for c in json.loads((tmp_path / "run-hub" / "commits.json").read_text())]
     assert "Training in progress, step 4" in pushed_before
 
-    rerun = _run(tmp_path, address, "run", resume=True)
+    # a new driver (on another machine, say): an empty output_dir, the same storage_path
+    assert not (tmp_path / "second-driver").exists()
+    rerun = _run(tmp_path, address, "run", resume=True, out="second-driver")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _losses(tmp_path / "run") == _losses(tmp_path / "reference")  # steps 1..12, the same losses
     assert [step for step, _ in _losses(tmp_path / "run")] == list(range(1, 13))

@@ -57,11 +57,11 @@ def _pause(work, resumed_from: int) -> float:
     return (next(s[3] for s in steps if s[0] == pids[1]) - [s[3] for s in steps if s[0] == pids[0]][-1])
 
 
-def _start(address: str, work, step_s: float) -> subprocess.Popen:
+def _start(address: str, work, step_s: float, strategy: str = "ddp") -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
                PYTHONFAULTHANDLER="1", RAYTRAINER_ELASTIC_RESIZE_CHECK_S="3")
-    return subprocess.Popen([sys.executable, DRIVER, address, str(work), str(step_s)], env=env,
+    return subprocess.Popen([sys.executable, DRIVER, address, str(work), str(step_s), strategy], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(work))
 
 
@@ -115,11 +115,15 @@ def _check_history(work, output: str, result: dict, before: int, after: int) -> 
 
 
 @pytest.mark.timeout(600)
-def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.full),
+                                      pytest.param("zero3", marks=pytest.mark.full)])
+def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy):
+    """DDP in CI; FSDP (its DCP shards resharded from 3 ranks onto 2) and ZeRO-3 (DeepSpeed's universal
+    checkpoint) in the full tier."""
     work = tmp_path / "work"
     work.mkdir()
     with local_cluster(3, "rt-ela-", up_timeout=240, **SETTINGS) as state:
-        proc = _start(read(state, "address"), work, 0.3)
+        proc = _start(read(state, "address"), work, 0.3, strategy)
         try:
             def past_a_checkpoint():
                 steps = _steps(work)
@@ -136,7 +140,8 @@ def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_b
                 proc.kill()
     resumed_from, last = _check_history(work, output, result, before=3, after=2)
     assert resumed_from % 5 == 0 and resumed_from <= killed_at <= last  # save_steps=5: the last one
-    print(f"a node lost after step {killed_at}; resumed from checkpoint-{resumed_from} on 2 workers; "
+    print(f"{strategy}: a node lost after step {killed_at}; resumed from checkpoint-{resumed_from} on 2 "
+          "workers; "
           f"{last - resumed_from} step(s) trained again; {_pause(work, resumed_from):.0f} s without a step")
 
 

@@ -27,6 +27,16 @@ def test_a_range_sets_min_and_max_and_num_workers_is_the_most(tmp_path):
     assert (fixed.num_workers, fixed.min_workers, fixed.max_workers, fixed.elastic) == (2, 2, 2, False)
 
 
+def test_a_range_without_restarts_is_warned_about(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="raytrainer.elastic"):
+        _args(tmp_path, num_workers=(2, 3), per_device_train_batch_size=4)
+    assert "max_failures=0: a node lost mid-run ends the run" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raytrainer.elastic"):
+        _args(tmp_path, num_workers=(2, 3), per_device_train_batch_size=4, max_failures=2)
+    assert "max_failures" not in caplog.text
+
+
 def test_the_command_line_takes_a_range_and_a_number(tmp_path):
     parser = HfArgumentParser(TrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--num_workers", "2:3",
