@@ -49,6 +49,7 @@ class Channel:
         self._growth = 0  # growths an elastic run's scaling policy asked the ranks to checkpoint for
         self._growth_committed = 0  # ... and those the ranks checkpointed for, waiting for the restart
         self._committed_at = float("-inf")
+        self._growth_step: int | None = None
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -112,8 +113,11 @@ class Channel:
         if not training:
             return True
         waiting = time.monotonic() - self._committed_at < GROWTH_HOLD_S  # the ranks hold that long
+        whole = (self._latest_checkpoint or "").rstrip("/").endswith(f"checkpoint-{self._growth_step}")
+        if self._growth_committed >= self._growth > 0 and waiting and whole:
+            return True  # (a hosted trainer's checkpoint is whole once its last part is in storage)
         if self._growth_committed >= self._growth > 0 and waiting:
-            return True
+            return False
         if self._growth == self._growth_committed:  # none asked for, or the ranks went on: ask (again)
             self._growth += 1
         return False
@@ -122,9 +126,11 @@ class Channel:
         """How many growths the ranks were asked to checkpoint for (rank 0 polls it without waiting)."""
         return self._growth
 
-    async def growth_committed(self, count: int) -> None:
-        """Rank 0: the checkpoint for growth number ``count`` is committed; the ranks wait."""
+    async def growth_committed(self, count: int, step: int) -> None:
+        """Rank 0: the checkpoint for growth number ``count``, of step ``step``, is committed; the ranks
+        wait."""
         self._growth_committed, self._committed_at = max(self._growth_committed, count), time.monotonic()
+        self._growth_step = step
 
     async def set_controller(self, controller) -> None:
         self._controller = controller

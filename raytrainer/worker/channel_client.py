@@ -57,8 +57,8 @@ class ChannelClient:
         """How many growths the run's scaling policy asked for, without waiting: an object reference."""
         return self.handle.growth_requested.remote()
 
-    def growth_committed(self, count: int) -> None:
-        ray.get(self.handle.growth_committed.remote(count))
+    def growth_committed(self, count: int, step: int) -> None:
+        ray.get(self.handle.growth_committed.remote(count, step))
 
     def evaluation_decision(self, attempt: int, index: int) -> bool | None:
         return ray.get(self.handle.evaluation_decision.remote(attempt, index))

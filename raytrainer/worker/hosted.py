@@ -39,6 +39,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
             trainer = trainer_cls(*args, **kwargs_init)
+            trainer._raytrainer_elastic = getattr(given, "elastic", False)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
@@ -96,4 +97,5 @@ def _save_on_preemption(trainer, session: RankSession) -> None:
     from raytrainer.worker.preemption import PreemptionCallback
 
     trainer.remove_callback(PreemptionCallback)
-    trainer.add_callback(PreemptionCallback(session))
+    elastic = getattr(trainer, "_raytrainer_elastic", False)  # an elastic run grows at such a checkpoint too
+    trainer.add_callback(PreemptionCallback(session, growth=session.channel if elastic else None))

@@ -158,7 +158,7 @@ class PreemptionCallback(TrainerCallback):
         if why == "growth":
             hold_until = time.time() + GROWTH_HOLD_S
             if self.growth is not None:  # rank 0: the scaling policy may restart the group now
-                self.growth.growth_committed(self._growth_base + self.grown)
+                self.growth.growth_committed(self._growth_base + self.grown, state.global_step)
         else:
             hold_until = self._deadline() + self.hold_past_deadline_s
         if self.ctx.is_world_zero:

@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from models import STRATEGY_ARGS
 
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 
@@ -81,17 +82,10 @@ def train(work: str, sleep: float = 0.0, **kw) -> dict:
     return result
 
 
-STRATEGIES = {
-    "ddp": {},
-    "fsdp": {"fsdp": "full_shard"},
-    "zero3": {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                            "zero_optimization": {"stage": 3}}},
-}
 
 
 def main(address: str, work: str, step_s: str = str(STEP_S), strategy: str = "ddp") -> None:
-    elastic = train(work, float(step_s), ray_address=address, **STRATEGIES[strategy], num_workers=WORKERS,
+    elastic = train(work, float(step_s), ray_address=address, **STRATEGY_ARGS[strategy], num_workers=WORKERS,
                     max_failures=1, per_device_train_batch_size=PER_DEVICE)
     os.makedirs(os.path.join(work, "baseline"))
     baseline = train(os.path.join(work, "baseline"), num_workers=0,

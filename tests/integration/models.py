@@ -14,6 +14,16 @@ from raytrainer import Trainer, TrainerCallback
 log = logging.getLogger("tests.integration")
 
 
+#: The arguments that pick each strategy, for tests run once per strategy (DDP in CI, the rest full tier).
+STRATEGY_ARGS = {
+    "ddp": {},
+    "fsdp": {"fsdp": "full_shard"},
+    "zero3": {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                            "zero_optimization": {"stage": 3}}},
+}
+
+
 class Regressor(torch.nn.Module):
     """No dropout, so 2-rank DDP and 1 rank with twice the batch compute the same update."""
 

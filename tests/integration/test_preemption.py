@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from models import PreemptionNoticeAt, Regressor, StepLog, make_data
+from models import STRATEGY_ARGS, PreemptionNoticeAt, Regressor, StepLog, make_data
 
 from raytrainer import Trainer, TrainingArguments
 
 
 @pytest.mark.timeout(300)
-def test_a_notice_saves_on_every_rank_and_the_restart_at_its_deadline_resumes_there_bitwise(tmp_path, capfd):
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.full),
+                                      pytest.param("zero3", marks=pytest.mark.full)])
+def test_a_notice_saves_on_every_rank_and_the_restart_at_its_deadline_resumes_there_bitwise(tmp_path, capfd,
+                                                                                         strategy):
+    """DDP in CI; FSDP (a DCP checkpoint, each rank its shard) and ZeRO-3 in the full tier."""
     def args(out: str) -> TrainingArguments:
         return TrainingArguments(output_dir=str(tmp_path / out), num_workers=2, max_steps=8, max_failures=0,
                                  per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
-                                 report_to="none", disable_tqdm=True, seed=3)
+                                 report_to="none", disable_tqdm=True, seed=3, **STRATEGY_ARGS[strategy])
 
     plain = Trainer(model=Regressor(), args=args("plain"), train_dataset=make_data(64))
     plain.train()
@@ -32,6 +36,8 @@ def test_a_notice_saves_on_every_rank_and_the_restart_at_its_deadline_resumes_th
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 4
     files = {p.name for p in checkpoint.iterdir()}
     assert {"manifest.json", "rng_state_0.safetensors", "rng_state_1.safetensors"} <= files  # committed
+    if strategy != "ddp":  # sharded: each rank's part of the model and optimizer, no consolidated model
+        assert "model.safetensors" not in files
     assert "every rank saves a checkpoint at step 4, then waits for the node to go" in console
     assert "checkpoint-4 is committed; no step until the node goes" in console
     # Ray Train restarted the group at the deadline (a preemption: max_failures=0 is not spent), and the

@@ -100,7 +100,7 @@ def _run(coroutine):
 
 def test_a_group_grows_at_once_between_calls_and_after_a_committed_checkpoint_during_train(monkeypatch):
     from raytrainer.driver import channel as channel_module
-    from raytrainer.protocol import Command, Method
+    from raytrainer.protocol import CheckpointCommitted, Command, Event, Kind, Method
 
     channel = _channel()
     assert _run(channel.grow_when_ready()) is True  # no call yet: nothing to lose
@@ -108,7 +108,10 @@ def test_a_group_grows_at_once_between_calls_and_after_a_committed_checkpoint_du
     assert _run(channel.grow_when_ready()) is False  # training: the ranks are asked for a checkpoint
     assert _run(channel.growth_requested()) == 1
     assert _run(channel.grow_when_ready()) is False and _run(channel.growth_requested()) == 1  # asked once
-    _run(channel.growth_committed(1))
+    _run(channel.growth_committed(1, 13))
+    assert _run(channel.grow_when_ready()) is False  # not whole yet: a hosted trainer's parts still arrive
+    committed = CheckpointCommitted("checkpoint-13", 13, "/runs/out/checkpoint-13")
+    _run(channel.put([Event(Kind.CHECKPOINT, 0, committed)]))
     assert _run(channel.grow_when_ready()) is True  # committed, and the ranks wait
     now = channel_module.time.monotonic()
     monkeypatch.setattr(channel_module.time, "monotonic", lambda: now + channel_module.GROWTH_HOLD_S + 1)

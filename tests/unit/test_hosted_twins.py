@@ -131,3 +131,16 @@ def test_the_recipe_leaves_the_hub_token_on_the_driver(tmp_path):
     assert args.hub_token == "hf_planted_token_1234"  # the caller's arguments, untouched
     _, _, _, plain, given = recipe.unpack()
     assert plain.hub_token is None and given.hub_token is None and plain.push_to_hub is False
+
+
+def test_an_elastic_hosted_trainer_s_ranks_build_transformers_arguments_for_their_world_size(tmp_path):
+    """A hosted trainer (TRL's, transformers' own) is built on each rank from transformers' arguments: an
+    elastic run's ranks build them with the per-device batch and accumulation that keep its global batch."""
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=(2, 3), per_device_train_batch_size=4, report_to="none",
+                use_cpu=True, max_failures=1)
+    recipe = Recipe.make(transformers.Trainer, (), {"args": args, "model_init": _model})
+    for world, expected in ((3, (4, 1)), (2, (3, 2))):
+        _, _, _, plain, given = recipe.unpack(world)
+        assert (plain.per_device_train_batch_size, plain.gradient_accumulation_steps) == expected
+        assert type(plain) is transformers.TrainingArguments and given.max_workers == 3
