@@ -128,22 +128,25 @@ class PreemptionCallback(TrainerCallback):
                                                   group=self._group, async_op=True)
         return agreed
 
+    #: What each reason to save says on rank 0 (``%d``: the step).
+    SAYS = {"preemption": "a node of this run is being preempted (Ray's notice): every rank saves a "
+                          "checkpoint at step %d, then waits for the node to go",
+            "growth": "the cluster has room for more workers: every rank saves a checkpoint at step %d, from "
+                      "which Ray Train starts the group bigger"}
+
     def on_step_end(self, args, state, control, **kwargs):
         if not self._due(state.global_step):
             return
         preempted, growths = self._agreed()
         if preempted > self.handled:
-            self.handled = preempted
-            control.should_save, self._hold = True, "preemption"
-            if self.ctx.is_world_zero:
-                logger.warning("a node of this run is being preempted (Ray's notice): every rank saves a "
-                               "checkpoint at step %d, then waits for the node to go", state.global_step)
+            self.handled, self._hold = preempted, "preemption"
         elif growths > self.grown:
-            self.grown = growths
-            control.should_save, self._hold = True, "growth"
-            if self.ctx.is_world_zero:
-                logger.warning("the cluster has room for more workers: every rank saves a checkpoint at step "
-                               "%d, from which Ray Train starts the group bigger", state.global_step)
+            self.grown, self._hold = growths, "growth"
+        else:
+            return
+        control.should_save = True
+        if self.ctx.is_world_zero:
+            logger.warning(self.SAYS[self._hold], state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         """The step after the notice's checkpoint: the checkpoint is committed (every rank), then no rank

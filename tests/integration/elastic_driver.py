@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+import multinode_driver
 import torch
 from models import STRATEGY_ARGS
 
@@ -46,10 +47,8 @@ class Regressor(torch.nn.Module):
 
 
 def make_data(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 6, generator=g)
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    return [{"x": x[i], "labels": int(y[i]), "idx": i} for i in range(n)]
+    """test_multinode's data, each example with its id."""
+    return [{**example, "idx": i} for i, example in enumerate(multinode_driver.make_data(n))]
 
 
 class Record(TrainerCallback):

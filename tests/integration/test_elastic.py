@@ -113,7 +113,11 @@ def _check_history(work, output: str, result: dict, before: int, after: int,
         tolerance = 1e-4 if int(step) <= resumed_from + 1 else drift  # step + 1: the loaded weights' loss
         assert elastic["losses"][step] == pytest.approx(loss, rel=tolerance, abs=1e-6), step
     for mine, theirs in zip(elastic["weights"], baseline["weights"]):
-        assert mine == pytest.approx(theirs, rel=drift, abs=1e-6)
+        if drift == 1e-4:  # the same arithmetic: each weight
+            assert mine == pytest.approx(theirs, rel=drift, abs=1e-6)
+        else:  # a drifting trajectory: the tensor as a whole
+            gap = sum((a - b) ** 2 for a, b in zip(mine, theirs)) ** 0.5
+            assert gap <= drift * sum(b * b for b in theirs) ** 0.5, (gap, theirs)
     return resumed_from, first[-1][1]
 
 
@@ -158,7 +162,8 @@ def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path
     work = tmp_path / "work"
     work.mkdir()
     with local_cluster(2, "rt-elg-", up_timeout=240, **SETTINGS) as state:
-        proc = _start(read(state, "address"), work, 1.0)
+        # 2 s a step: the cluster's autoscaling coordinator took 6 to 20 s to count the new node's CPU
+        proc = _start(read(state, "address"), work, 2.0)
         try:
             _wait_for("step 3", lambda: (s := _steps(work)) and s[-1][2] >= 3 and s, proc, 300)
             env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_AUTH_MODE": "disabled",
