@@ -304,6 +304,8 @@ class DeepSpeedStrategy(Strategy):
                 path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
                                                 load_lr_scheduler_states=True,
                                                 load_module_strict=not _is_peft(model))
+            if path is not None and self.stage == 3:
+                _repair_zero3_load(model.optimizer, os.path.join(local, f"{tag}_universal"))
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {reader.uri}")
         ctx.barrier()
@@ -371,6 +373,36 @@ def _alone(ctx):
     from raytrainer.rank_context import RankContext
 
     return RankContext(device=ctx.device)
+
+
+def _repair_zero3_load(optimizer, folder: str) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19, ``load_hp_checkpoint_state_from_checkpoint_
+    dir_stage3``), which would make the resumed run drift from the uninterrupted one:
+
+    - it gives every flat fp32 partition the same ``step`` tensor, and torch's Adam advances each
+      parameter's step in place: with two parameter groups (transformers' decay / no-decay) the step went
+      up by two per update, and the bias correction was wrong;
+    - it gives every parameter group the hyperparameters of the checkpoint's first group: the no-decay
+      group decayed.
+
+    Each step becomes its own tensor, and each group takes its own saved hyperparameters (``folder``: the
+    universal checkpoint, whose ``zero/optimizer_state.pt`` holds them)."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    base = _base_optimizer(optimizer)
+    seen: set[int] = set()
+    for state in base.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
+    with weights_only_loads():
+        saved = torch.load(os.path.join(folder, "zero", "optimizer_state.pt"), weights_only=False)
+    groups = saved[OPTIMIZER_STATE_DICT]["param_groups"]
+    if len(groups) == len(base.param_groups):
+        for group, kept in zip(base.param_groups, groups):
+            group.update({k: v for k, v in kept.items() if k != "params"})
 
 
 def _convert_to_universal(folder: str, output: str) -> None:
