@@ -17,6 +17,7 @@ tolerance is float summation order only (1e-4 relative): the trajectory is the s
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -57,12 +58,19 @@ def _pause(work, resumed_from: int) -> float:
     return (next(s[3] for s in steps if s[0] == pids[1]) - [s[3] for s in steps if s[0] == pids[0]][-1])
 
 
-def _start(address: str, work, step_s: float, strategy: str = "ddp") -> subprocess.Popen:
+@contextlib.contextmanager
+def _driver(address: str, work, step_s: float, strategy: str = "ddp"):
+    """The elastic driver's process (killed on the way out if it is still running)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
                PYTHONFAULTHANDLER="1", RAYTRAINER_ELASTIC_RESIZE_CHECK_S="3")
-    return subprocess.Popen([sys.executable, DRIVER, address, str(work), str(step_s), strategy], env=env,
+    proc = subprocess.Popen([sys.executable, DRIVER, address, str(work), str(step_s), strategy], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(work))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _finish(proc) -> tuple[str, dict]:
@@ -123,49 +131,41 @@ def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_b
     full tier."""
     work = tmp_path / "work"
     work.mkdir()
-    with local_cluster(3, "rt-ela-", up_timeout=240, **SETTINGS) as state:
-        proc = _start(read(state, "address"), work, 0.3, strategy)
-        try:
-            def past_a_checkpoint():
-                steps = _steps(work)
-                saved = list((work / "out").glob("checkpoint-*/manifest.json"))
-                return saved and steps and steps[-1][2] >= 12 and steps
+    with (local_cluster(3, "rt-ela-", up_timeout=240, **SETTINGS) as state,
+          _driver(read(state, "address"), work, 0.3, strategy) as proc):
+        def past_a_checkpoint():
+            steps = _steps(work)
+            saved = list((work / "out").glob("checkpoint-*/manifest.json"))
+            return saved and steps and steps[-1][2] >= 12 and steps
 
-            steps = _wait_for("a committed checkpoint and step 12", past_a_checkpoint, proc, 300)
-            assert {world for _, world, _ in steps} == {3}, steps  # the cluster held all three at the start
-            _kill_node(state, 2)  # not the head's node (it holds the cluster); a worker is on each
-            killed_at = _steps(work)[-1][2]
-            output, result = _finish(proc)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        steps = _wait_for("a committed checkpoint and step 12", past_a_checkpoint, proc, 300)
+        assert {world for _, world, _ in steps} == {3}, steps  # the cluster held all three at the start
+        _kill_node(state, 2)  # not the head's node (it holds the cluster); a worker is on each
+        killed_at = _steps(work)[-1][2]
+        output, result = _finish(proc)
     resumed_from, last = _check_history(work, output, result, before=3, after=2)
     assert resumed_from % 5 == 0 and resumed_from <= killed_at <= last  # save_steps=5: the last one
     print(f"{strategy}: a node lost after step {killed_at}; resumed from checkpoint-{resumed_from} on 2 "
-          "workers; "
-          f"{last - resumed_from} step(s) trained again; {_pause(work, resumed_from):.0f} s without a step")
+          f"workers; {last - resumed_from} step(s) trained again; {_pause(work, resumed_from):.0f} s without "
+          "a step")
 
 
 @pytest.mark.timeout(600)
 def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    with local_cluster(2, "rt-elg-", up_timeout=240, **SETTINGS) as state:
-        # 2 s a step: the cluster's autoscaling coordinator took 6 to 20 s to count the new node's CPU
-        proc = _start(read(state, "address"), work, 2.0)
-        try:
-            _wait_for("step 3", lambda: (s := _steps(work)) and s[-1][2] >= 3 and s, proc, 300)
-            env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_AUTH_MODE": "disabled",
-                   "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900",
-                   **{f"RAY_MN_{k}": v for k, v in SETTINGS.items()}}
-            added = subprocess.run(["bash", SCRIPT, "add"], env=env, capture_output=True, text=True,
-                                   timeout=240)
-            assert added.returncode == 0, added.stdout + added.stderr
-            added_at = _steps(work)[-1][2]
-            output, result = _finish(proc)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    # 2 s a step: the cluster's autoscaling coordinator took 6 to 20 s to count the new node's CPU
+    with (local_cluster(2, "rt-elg-", up_timeout=240, **SETTINGS) as state,
+          _driver(read(state, "address"), work, 2.0) as proc):
+        _wait_for("step 3", lambda: (s := _steps(work)) and s[-1][2] >= 3 and s, proc, 300)
+        env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_AUTH_MODE": "disabled",
+               "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900",
+               **{f"RAY_MN_{k}": v for k, v in SETTINGS.items()}}
+        added = subprocess.run(["bash", SCRIPT, "add"], env=env, capture_output=True, text=True,
+                               timeout=240)
+        assert added.returncode == 0, added.stdout + added.stderr
+        added_at = _steps(work)[-1][2]
+        output, result = _finish(proc)
     resumed_from, last = _check_history(work, output, result, before=2, after=3)
     assert added_at <= resumed_from and last == resumed_from, (added_at, resumed_from, last)  # none redone
     assert "the cluster has room for more workers: every rank saves a checkpoint" in output
