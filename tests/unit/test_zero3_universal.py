@@ -41,9 +41,14 @@ def _weights(engine) -> list[torch.Tensor]:
 @pytest.mark.timeout(180)
 def test_a_universal_zero3_resume_steps_each_group_once_and_follows_the_uninterrupted_run(
         tmp_path, gloo_group, monkeypatch):
+    import deepspeed.utils.groups as ds_groups
+
     from raytrainer.strategies.deepspeed import _convert_to_universal, _repair_zero3_load
 
     monkeypatch.setenv("LOCAL_RANK", "0")
+    # DeepSpeed caches the world's group from an earlier test's process group, destroyed since
+    monkeypatch.setattr(ds_groups, "_WORLD_GROUP", None)
+    monkeypatch.setattr(ds_groups, "_DATA_PARALLEL_GROUP", None)
     config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}
     first = _engine(config)
     for i in range(3):
