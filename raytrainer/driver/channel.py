@@ -114,10 +114,8 @@ class Channel:
             return True
         waiting = time.monotonic() - self._committed_at < GROWTH_HOLD_S  # the ranks hold that long
         whole = (self._latest_checkpoint or "").rstrip("/").endswith(f"checkpoint-{self._growth_step}")
-        if self._growth_committed >= self._growth > 0 and waiting and whole:
-            return True  # (a hosted trainer's checkpoint is whole once its last part is in storage)
         if self._growth_committed >= self._growth > 0 and waiting:
-            return False
+            return whole  # (a hosted trainer's checkpoint is whole once its last part is in storage)
         if self._growth == self._growth_committed:  # none asked for, or the ranks went on: ask (again)
             self._growth += 1
         return False
