@@ -35,7 +35,8 @@
 #   RAY_MN_AUTH_MODE=disabled         or "token" (uses ~/.ray/auth_token / RAY_AUTH_TOKEN*)
 #   RAY_MN_WORKER_PORT_BASE=23000     node i uses worker ports [base+1000i, base+1000i+999]: outside
 #                                     Ray's default 10002-19999 and the ephemeral ports (32768+) that
-#                                     free ports come from; shift it for a 2nd cluster on the host
+#                                     free ports come from (refused if it reaches in); shift it for a
+#                                     2nd cluster on the host
 set -euo pipefail
 
 STATE=${RAY_MN_STATE:-/tmp/ray-mn}
@@ -83,6 +84,16 @@ wait_log() {  # wait_log FILE PID SECONDS : until `ray start --block` reports re
   done
 }
 
+check_ports() {  # check_ports IDX : node IDX's worker ports stay below the ephemeral range
+  local pb=${RAY_MN_WORKER_PORT_BASE:-23000} eph
+  eph=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  if (( pb + $1 * 1000 + 999 >= eph )); then  # free ports (the agent's, a driver's) come from there: clash
+    echo "node $1's worker ports $((pb + $1 * 1000))-$((pb + $1 * 1000 + 999)) reach into the ephemeral" \
+         "port range (from $eph): set RAY_MN_WORKER_PORT_BASE to at most $((eph - 1000 * ($1 + 1)))" >&2
+    exit 2
+  fi
+}
+
 start_node() {  # start_node IDX ARGS... ; runs `ray start --block` in its own session
   local i=$1; shift
   local ip="$IP_BASE.$((IP_START + i))"
@@ -117,6 +128,7 @@ cmd_up() {
   if compgen -G "$STATE/node*.pid" >/dev/null; then
     echo "cluster state exists in $STATE; run '$0 down' first" >&2; exit 1
   fi
+  check_ports $((n - 1))
   mkdir -p "$STATE"
   rm -rf "$STATE"/n[0-9]* "$STATE"/node*.log   # previous run's per-node temp dirs + logs
   local t0; t0=$(now)
@@ -158,6 +170,7 @@ EOF
 cmd_add() {  # one more node joins the running cluster (a node an autoscaler or a spot market adds later)
   [[ -f "$STATE/address" ]] || { echo "no cluster in $STATE; run '$0 up' first" >&2; exit 1; }
   local i=0; while [[ -f "$STATE/node$i.pid" ]]; do i=$((i + 1)); done
+  check_ports "$i"
   start_node "$i" --address="$(cat "$STATE/address")"
   wait_log "$STATE/node$i.log" "$(cat "$STATE/node$i.pid")" "$UP_TIMEOUT" || exit 1
   echo "node $i ($IP_BASE.$((IP_START + i))) joined"

@@ -31,7 +31,7 @@ DRIVER = os.path.join(os.path.dirname(__file__), "elastic_driver.py")
 IP_START = 19
 SAMPLES, GLOBAL_BATCH = 360, 12
 STEPS = SAMPLES // GLOBAL_BATCH
-SETTINGS = {"IP_START": str(IP_START), "WORKER_PORT_BASE": "31000", "CPUS": "1"}
+SETTINGS = {"IP_START": str(IP_START), "WORKER_PORT_BASE": "20000", "CPUS": "1"}
 
 
 @pytest.fixture
