@@ -12,7 +12,8 @@ Sides, each in its own fresh process:
             on 2 pooled worker groups)
   rt1       raytrainer, backend="optuna", 2 Ray workers per trial, n_jobs=1: every trial on one warm group
   rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
-            per trial (every quarter epoch; grace 1, reduction factor 3 by default)
+            per trial (every quarter epoch; grace 1, reduction factor 3 by default); trials on warm groups
+  rt_asha_fresh  the same with reuse_actors=False: every trial's actor starts a worker group of its own
 
 Prints a Markdown table and writes the raw numbers as JSON. Not a test: nothing asserts.
 
@@ -163,7 +164,11 @@ def side_rt(cfg, n_jobs: int = 2) -> dict:
             **_study_record(kw, EPOCHS * _steps_per_epoch(train))}
 
 
-def side_rt_asha(cfg) -> dict:
+def side_rt_asha_fresh(cfg) -> dict:
+    return side_rt_asha(cfg, "rt_asha_fresh", reuse_actors=False)
+
+
+def side_rt_asha(cfg, name: str = "rt_asha", **search_kwargs) -> dict:
     from _common import collate
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -173,7 +178,7 @@ def side_rt_asha(cfg) -> dict:
     train, test = _data(cfg)
     per_epoch = _steps_per_epoch(train)
     args = TrainingArguments(eval_strategy="steps", eval_steps=max(per_epoch // 4, 1), num_workers=2,
-                             **_common_args(cfg, cfg["workdir"] + "/rt_asha", workers=2))
+                             **_common_args(cfg, f"{cfg['workdir']}/{name}", workers=2))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
                       data_collator=collate, compute_metrics=accuracy)
     best = trainer.hyperparameter_search(
@@ -181,8 +186,8 @@ def side_rt_asha(cfg) -> dict:
         compute_objective=objective, direction="maximize", backend="ray",
         max_concurrent_trials=cfg["asha_concurrency"],
         scheduler=ASHAScheduler(time_attr="training_iteration", max_t=8, grace_period=1,
-                                reduction_factor=cfg["reduction_factor"]))
-    analysis = tune.ExperimentAnalysis(cfg["workdir"] + "/rt_asha/tune")
+                                reduction_factor=cfg["reduction_factor"]), **search_kwargs)
+    analysis = tune.ExperimentAnalysis(f"{cfg['workdir']}/{name}/tune")
     steps = {str(df["run_id"].iloc[-1]): int(df["global_step"].iloc[-1])
              for df in analysis.trial_dataframes.values() if len(df)}
     return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],

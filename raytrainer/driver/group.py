@@ -327,8 +327,9 @@ class GroupPool:
     run folder is a folder of its own in the search's storage (``.raytrainer/group-<n>``: two live runs must
     not share one); raytrainer's own records do not depend on Ray's."""
 
-    def __init__(self, search_args):
+    def __init__(self, search_args, label: str = ""):
         self.search_args = search_args
+        self.label = label  # in the groups' run folder names: pools of other processes share the storage
         self._idle: list[WorkerGroup] = []
         self._lent: list[WorkerGroup] = []
         self._lock = threading.Lock()
@@ -354,7 +355,8 @@ class GroupPool:
         if group is None:
             # a Ray Train run folder of its own inside the search's (live runs must not share one)
             search = Storage.for_run(self.search_args)
-            group = WorkerGroup(args, ray_folder=search.state(f"group-{next(self._numbers)}").root)
+            folder = search.state(f"group-{self.label}{next(self._numbers)}").root
+            group = WorkerGroup(args, ray_folder=folder)
         with self._lock:
             self._lent.append(group)
         group.lent = True
@@ -369,14 +371,15 @@ class GroupPool:
             if group is not None and (group.alive or not group.started):
                 self._idle.append(group)
 
-    def close(self) -> None:
+    def close(self, idle: bool = True) -> None:
         """The search is over: its groups stay up, idle, for the next Trainer of this process (the final
-        training run with the best hyperparameters), as a collected Trainer's do."""
+        training run with the best hyperparameters), as a collected Trainer's do; ``idle=False``: they
+        close now (a Tune trial's actor that ends)."""
         with self._lock:
             groups, self._idle, self._lent = self._idle + self._lent, [], []
         for group in groups:
             group.lent = False
-            if group.alive:
+            if group.alive and idle:
                 _left_idle(group)
             else:
                 group.close()

@@ -1,12 +1,17 @@
 """The Ray Tune backend: a ``ray.tune.Tuner`` whose trainable runs one raytrainer trial.
 
 Each Tune trial's trainable (a light actor: 0 CPUs and 256 MiB by default) builds the model with
-``model_init(config)`` and calls the trial Trainer's ``train()``, which launches its own Ray Train v2
-run. Its workers are gang-scheduled in that run's placement group (all of them or none), so concurrent
-trials queue instead of deadlocking half-placed. Each evaluation reaches Tune through ``ray.tune.report``
-from the trial's driver-side ``TrialReporter`` (Ray Train v2 keeps only checkpoint reports, so Ray's
-Train -> Tune callback would see too little); when a scheduler such as ASHA stops a trial, Tune ends the
-trainable's actor, and the Train controller and workers it owns end with it.
+``model_init(config)`` and calls the trial Trainer's ``train()`` on a worker group the actor keeps (a Ray
+Train v2 run whose workers wait for commands, driver/group.py). Its workers are gang-scheduled in that run's
+placement group (all of them or none), so concurrent trials queue instead of deadlocking half-placed. Each
+evaluation reaches Tune through ``ray.tune.report`` from the trial's driver-side ``TrialReporter`` (Ray Train
+v2 keeps only checkpoint reports, so Ray's Train -> Tune callback would see too little).
+
+Trials run on warm workers: ``reuse_actors`` is on unless the search says otherwise, so when a trial ends, or
+a scheduler such as ASHA or PBT stops it, Tune hands its actor the next trial (``reset_config``). The stopped
+run winds down at the evaluation Tune decided on, its group goes back to the actor's pool, and the next trial
+runs its commands on the same worker processes (reset between commands) instead of starting a Ray Train run
+of its own -- 10-20 s per trial on a small cluster. When Tune ends the actor, its groups close.
 
 kwargs: ``search_alg``, ``scheduler``, ``max_concurrent_trials``, ``resources_per_trial``, any other
 ``tune.TuneConfig`` field (``time_budget_s``, ``reuse_actors``, ...) and ``tune.RunConfig`` field
@@ -30,6 +35,7 @@ from collections.abc import Callable
 
 import cloudpickle
 
+from raytrainer.driver.group import GroupPool
 from raytrainer.driver.spec import ship_dynamic_modules
 from raytrainer.search.common import (
     BestRun,
@@ -63,15 +69,30 @@ def _trainable_class():
 
     class RaytrainerTrial(tune.Trainable):
         def setup(self, config, spec: bytes = b"", compute_objective=None, hp_name=None):
-            self._trainer = cloudpickle.loads(spec)  # cloudpickle: it honours register_pickle_by_value
-            self._compute_objective = compute_objective
+            self._spec, self._compute_objective, self._hp_name = spec, compute_objective, hp_name
+            self._pool = None  # this actor's live worker groups, made at its first trial's start
+            self._begin(config)
+
+        def _begin(self, config) -> None:
+            """A trial's state: its Trainer (a fresh copy of the search's), run id, results, reporter."""
+            self._trainer = cloudpickle.loads(self._spec)  # cloudpickle: it honours register_pickle_by_value
+            hp_name = self._hp_name
             self._run_id = str(hp_name(config) if hp_name is not None else self.trial_id)
             self._results: queue.Queue = queue.Queue()
             # ASHA's STOP at max_t, on the run's last evaluation, is not an early stop
-            self._reporter = TrialReporter(compute_objective, self._report, stop_at_the_end_prunes=False)
+            self._reporter = TrialReporter(self._compute_objective, self._report,
+                                           stop_at_the_end_prunes=False)
             self._thread = None
             self._resume = None  # a checkpoint PBT restored this trial from
             self._verdict = None  # the evaluation Tune is deciding on
+
+        def reset_config(self, new_config) -> bool:
+            """Tune gives this actor (``reuse_actors``) the next trial: the last one's run stops where it is
+            (a scheduler stopped it, or it ended), its worker group goes back to this actor's pool, and the
+            new trial borrows it -- the same worker processes, reset between commands (worker/entry.py)."""
+            self._stop_run()
+            self._begin(new_config)
+            return True
 
         def _report(self, step, objective, metrics) -> bool:
             """Hand the evaluation to Tune and wait for its verdict: the next step() call means go on,
@@ -105,9 +126,14 @@ def _trainable_class():
 
         def _run(self):
             try:
+                if self._pool is None:  # Ray Train run folders of its own: other actors' groups live too
+                    import ray
+
+                    actor = (ray.get_runtime_context().get_actor_id() or "local")[-8:]
+                    self._pool = GroupPool(self._trainer.args, label=f"tune-{actor}-")
                 run_trial(self._trainer, self.config, self._run_id, dict(self.config),
                           self._compute_objective, reporter=self._reporter,
-                          resume_from_checkpoint=self._resume)
+                          resume_from_checkpoint=self._resume, pool=self._pool)
                 self._results.put(_DONE)
             except BaseException as exc:  # re-raised in step(), on the actor's main thread
                 self._results.put(exc)
@@ -152,7 +178,14 @@ def _trainable_class():
                 run.fs.delete_file(stale)
 
         def cleanup(self):
-            """Tune stops the trial (a scheduler's decision, or the end): stop the run, wait for it."""
+            """Tune ends this actor (its last trial stopped or ended, and no trial is left for it): stop the
+            run, wait for it, close the actor's worker groups."""
+            self._stop_run()
+            if self._pool is not None:
+                self._pool.close(idle=False)
+
+        def _stop_run(self) -> None:
+            """Stop the trial's run where it is (at the evaluation Tune decided on) and wait for it."""
             self._give_verdict(stop=True)
             self._reporter.stop()
             if self._thread is not None:
@@ -190,6 +223,8 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     tune_kwargs = {k: v for k, v in kwargs.items() if k in tune_fields}
     run_kwargs = {k: v for k, v in kwargs.items() if k in run_fields}
     tune_kwargs.setdefault("max_concurrent_trials", _default_concurrency(args))
+    # a trial's actor, and the worker group it drives, run the next trial (RaytrainerTrial.reset_config)
+    tune_kwargs.setdefault("reuse_actors", True)
     preset = any(getattr(x, "_metric", None) or getattr(x, "metric", None)
                  for x in (tune_kwargs.get("search_alg"), tune_kwargs.get("scheduler")) if x is not None)
     if not preset:

@@ -46,6 +46,14 @@ def _record_model_init(folder: str):
     return model_init
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _calls(folder: str) -> list[dict]:
     return [json.load(open(os.path.join(folder, n))) for n in sorted(os.listdir(folder))]
 
@@ -145,11 +153,13 @@ def _assert_token_nowhere(folder, bucket) -> None:
     assert places > 50  # the scan did read the run's files
 
 
-@pytest.mark.timeout(600)  # 4 trials, each a fresh Ray Train run (a Tune trial cannot borrow a live group):
-# 120-170 s on a quiet 2-core machine, over 300 s beside another CPU-heavy process
+@pytest.mark.timeout(600)
 def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch, capfd):
     """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's
-    run-<id> folder are there. A planted hub token is nowhere in them, nor in Ray's session files."""
+    run-<id> folder are there. A planted hub token is nowhere in them, nor in Ray's session files.
+    One trial at a time, so ASHA's decisions are known: trial 0.5 runs to the end (first at every rung),
+    trial 0.0 is stopped at its first evaluation (worse than 0.5 there), and every trial after it runs on
+    the same warm workers -- the stopped trial's group included."""
     import cloudpickle
     from ray import tune
     from ray.tune import with_parameters
@@ -172,7 +182,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
             hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
             scheduler=ASHAScheduler(time_attr="training_iteration", max_t=4, grace_period=1,
                                     reduction_factor=2),
-            max_concurrent_trials=2)
+            max_concurrent_trials=1)
     assert "the trials do not push to the Hub" in caplog.text and not (tmp_path / "hub").exists()
     # Tune's own Ctrl-C handler is gone again: the next Ctrl-C interrupts the caller's next call
     after = signal.getsignal(signal.SIGINT)
@@ -211,3 +221,17 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     assert sorted(c["learning_rate"] for c in made) == sorted(rates * 2)
     assert {c["type"] for c in made} == {"dict"}
     assert all(len({c["pid"] for c in made if c["learning_rate"] == lr}) == 2 for lr in rates)
+    # warm workers: every trial ran on the first trial's 2 worker processes, in the grid's order, and the one
+    # ASHA stopped at its first evaluation (0.0) left its group to the next trial (0.2)
+    assert len({c["pid"] for c in made}) == 2, made
+    in_time = sorted(os.listdir(calls), key=lambda n: int(n.rsplit("-", 1)[1].split(".")[0]))
+    assert [json.loads((calls / n).read_text())["learning_rate"] for n in in_time][::2] == rates
+    rate_of = {tid: TrialSummary.load(str(tmp_path / "search" / f"run-{tid}")).hyperparameters[
+        "learning_rate"] for tid in last}
+    evaluated = {rate_of[tid]: n for tid, n in iterations.items()}
+    assert evaluated[0.5] == 4 and evaluated[0.0] == 1, evaluated
+    # ...and no group outlives the search: Tune ended the trial's actor, which closed its group
+    deadline = time.time() + 60
+    while any(_alive(c["pid"]) for c in made) and time.time() < deadline:
+        time.sleep(1)
+    assert not any(_alive(c["pid"]) for c in made), made
