@@ -162,6 +162,26 @@ def test_every_training_step_trains_the_model_in_training_mode(make_args, make_e
     assert _CountsTrain.calls >= (6 if body is _CountsTrain else 0)
 
 
+def test_a_parameter_replaced_between_two_train_calls_is_clipped_and_zeroed(make_args, make_examples):
+    """The strategy lists a model's parameters once per training run (zero_grad and clipping walk no module
+    tree each step): a layer replaced between two ``train()`` calls is clipped and zeroed in the second. With
+    SGD at rate 0.5 and gradients clipped to norm 1e-3, 3 updates move all the weights together by at most
+    3 x 0.5 x 1e-3; an unclipped new layer would move by its whole gradient."""
+    torch.manual_seed(0)
+    model = _Head()
+    args = make_args(per_device_train_batch_size=4, max_steps=3, max_grad_norm=1e-3, optim="sgd",
+                     learning_rate=0.5, lr_scheduler_type="constant", gradient_accumulation_steps=2,
+                     save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=make_examples(24)[0])
+    trainer.train()
+    model.out = nn.Linear(8, 3)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(p.grad is None for p in model.parameters())
+    assert 0 < (after - before).norm() <= 3 * 0.5 * 1e-3 * (1 + 1e-5)
+
+
 def test_compute_loss_func_is_used_for_the_loss(make_args, make_classifier, make_examples):
     calls = []
 
