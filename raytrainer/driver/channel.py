@@ -3,13 +3,15 @@ progress and callback events, and each rank's result (ranks -> driver).
 
 Ray Train v2 keeps only metrics reported with a checkpoint, so live output travels through this small
 actor instead. Workers batch events and send them without waiting; the driver drains them a few times a
-second. Results are copied into the actor's heap on arrival, so they outlive the worker that sent them.
+second. Each rank's result reaches the actor pickled (bytes, kept in its heap, so they outlive the worker that
+sent them) and is unpickled on the driver: the actor never imports what a result holds (transformers'
+``TrainOutput``, which brings torch: 400 MB more in a process that only relays).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import pickle
 import time
 
 import ray
@@ -39,7 +41,7 @@ class Channel:
         self._fatal: Fatal | None = None  # the first deterministic failure of a rank
 
     def _reset_command_state(self) -> None:
-        self._results: dict[int, RankResult] = {}
+        self._results: dict[int, bytes] = {}  # rank -> its RankResult, pickled
         self._attempts = 0
         self._world_size: int | None = None  # the current attempt's
         self._latest_checkpoint: str | None = None
@@ -88,8 +90,9 @@ class Channel:
             return None
         return self._command
 
-    async def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
-        """Every rank's result for ``command_id`` once all are in; None if not within ``timeout`` seconds."""
+    async def wait_results(self, command_id: int, timeout: float) -> dict[int, bytes] | None:
+        """Every rank's result for ``command_id`` once all are in (pickled); None if not within ``timeout``
+        seconds."""
 
         def ready():
             return (self._command is not None and self._command.id == command_id
@@ -191,13 +194,11 @@ class Channel:
         events, self._events = self._events, []
         return events
 
-    async def set_result(self, rank: int, command_id: int, result: RankResult) -> None:
+    async def set_result(self, rank: int, command_id: int, result: bytes) -> None:
+        """A rank's ``RankResult``, pickled by the rank (worker/channel_client.py)."""
         if self._command is not None and self._command.id == command_id:
-            self._results[rank] = copy.deepcopy(result)
+            self._results[rank] = result
             await self._notify()
-
-    async def results(self) -> dict[int, RankResult]:
-        return self._results
 
 
 class RayChannel:
@@ -222,7 +223,8 @@ class RayChannel:
         return len(cloudpickle.dumps(command))
 
     def wait_results(self, command_id: int, timeout: float) -> dict[int, RankResult] | None:
-        return ray.get(self.actor.wait_results.remote(command_id, timeout))
+        results = ray.get(self.actor.wait_results.remote(command_id, timeout))
+        return None if results is None else {rank: pickle.loads(b) for rank, b in results.items()}
 
     def drain(self) -> list[Event]:
         return ray.get(self.actor.drain.remote())

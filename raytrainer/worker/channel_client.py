@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import cloudpickle
 import ray
 
 from raytrainer.protocol import Attempt, Command, Event, Fatal, Kind, RankResult
@@ -47,7 +48,8 @@ class ChannelClient:
     def set_result(self, command_id: int, result: RankResult) -> None:
         refuse_weights([result.output, result.state, result.callbacks])
         self.flush()
-        ray.get(self.handle.set_result.remote(self.rank, command_id, result))
+        # pickled here: the channel actor keeps bytes, never importing what a result holds (driver/channel.py)
+        ray.get(self.handle.set_result.remote(self.rank, command_id, cloudpickle.dumps(result)))
 
     def stop_requested(self):
         """The stop flag, asked without waiting: an object reference (``ray.wait`` / ``ray.get`` it)."""

@@ -19,7 +19,7 @@ CHANNEL_METHODS = {
     "put": "Event", "drain": "Event",
     "begin_attempt": "Attempt",
     "record_fatal": "Fatal", "fatal": "Fatal",
-    "set_result": "RankResult", "wait_results": "RankResult", "results": "RankResult",
+    "set_result": "RankResult", "wait_results": "RankResult",
     "request_stop": "stop request", "stop_requested": "stop request",
     "decide_evaluation": "evaluation decision", "evaluation_decision": "evaluation decision",
     "grow_when_ready": "growth request", "growth_requested": "growth request",
