@@ -133,7 +133,7 @@ def _controller_handle(channel):
 
 def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raytrainer.worker.entry import worker_main
 
@@ -148,7 +148,7 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
         scaling.elastic_resize_monitor_interval_s = float(os.environ.get(RESIZE_CHECK_ENV, 60.0))
     torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
     run_config = _run_config(args, config["channel"], config["ray_run_root"])
-    trainer_class = _elastic_trainer(config["channel"]) if args.elastic else TorchTrainer
+    trainer_class = _trainer_class(config["channel"], elastic=args.elastic)
     return trainer_class(worker_main, train_loop_config=config, scaling_config=scaling,
                          torch_config=torch_config, run_config=run_config, datasets=datasets)
 
@@ -158,18 +158,27 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
 RESIZE_CHECK_ENV = "RAYTRAINER_ELASTIC_RESIZE_CHECK_S"
 
 
-def _elastic_trainer(channel):
-    """``TorchTrainer`` whose controller grows the group only at a checkpoint (driver/elastic_policy.py)."""
+def _trainer_class(channel, elastic: bool):
+    """``TorchTrainer`` as raytrainer runs it: without Ray Train's dataset manager when the run has no Ray
+    Dataset (an actor per group that would hold ~200 MB and serve nothing), and for an elastic run a
+    controller that grows the group only at a checkpoint (driver/elastic_policy.py)."""
     from ray.train.torch import TorchTrainer
 
-    from raytrainer.driver.elastic_policy import GrowAtCheckpoints
+    class RaytrainerTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if not self.datasets:  # its DatasetManager actor starts whether or not there are datasets
+                callbacks = [c for c in callbacks if type(c).__name__ != "DatasetsCallback"]
+            return callbacks
 
-    class ElasticTorchTrainer(TorchTrainer):
         def _initialize_and_run_controller(self, **kwargs):
-            kwargs["scaling_policy"] = GrowAtCheckpoints(self.scaling_config, channel)
+            if elastic:
+                from raytrainer.driver.elastic_policy import GrowAtCheckpoints
+
+                kwargs["scaling_policy"] = GrowAtCheckpoints(self.scaling_config, channel)
             return super()._initialize_and_run_controller(**kwargs)
 
-    return ElasticTorchTrainer
+    return RaytrainerTorchTrainer
 
 
 def _check_cpus_for_ray_data(args) -> None:
