@@ -48,17 +48,19 @@ def worker_main(config: dict) -> None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
-        trainer = cloudpickle.loads(spec.trainer)
         session = RankSession(ctx, client, ray_data_rows=spec.ray_data_rows,
                               transformers_log_level=spec.transformers_log_level)
-        TIMES["spec"] = time.time()
         try:
-            # a Recipe: a transformers.Trainer subclass run by transformers' own loop (raytrainer/hosted.py)
-            hosted = isinstance(trainer, Recipe)
-            if not hosted:
-                forget_hosted()  # the group passed from a hosted trainer's search to a plain Trainer
-            run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
-            with as_on_the_driver(spec.cwd, spec.paths):  # relative paths mean what they mean there
+            # relative paths mean what they mean there, and the Trainer's classes import from where the
+            # driver's did (a folder the script put on sys.path, which Ray does not pass on)
+            with as_on_the_driver(spec.cwd, spec.paths):
+                trainer = cloudpickle.loads(spec.trainer)
+                TIMES["spec"] = time.time()
+                # a Recipe: a transformers.Trainer subclass that transformers' own loop runs (hosted.py)
+                hosted = isinstance(trainer, Recipe)
+                if not hosted:
+                    forget_hosted()  # the group passed from a hosted trainer's search to a plain Trainer
+                run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
                 result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
             if not failures.retryable(exc):

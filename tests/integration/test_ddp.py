@@ -296,3 +296,32 @@ def test_a_skeleton_on_the_driver_evaluates_and_trains_as_a_real_model(tmp_path,
     assert ddp.model is skeleton and not meta_model.is_skeleton(ddp.model)
     for name, ref_param in ref.model.state_dict().items():
         torch.testing.assert_close(ddp.model.state_dict()[name], ref_param, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_class_from_a_folder_the_script_put_on_sys_path_trains_on_the_workers(tmp_path, monkeypatch):
+    """A script that adds its source folder at run time (``sys.path.insert(0, "src")``): Ray passes its
+    workers only the script's folder and working directory, so the ranks unpickle the Trainer -- whose model
+    is of a class from that folder -- with the driver's import path (worker/place.py)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rt_src_folder_model.py").write_text(
+        "import torch\n\n\n"
+        "class SrcModel(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        torch.manual_seed(0)\n"
+        "        self.linear = torch.nn.Linear(6, 3)\n\n"
+        "    def forward(self, x, labels=None):\n"
+        "        logits = self.linear(x)\n"
+        "        return torch.nn.functional.cross_entropy(logits, labels), logits\n")
+    monkeypatch.syspath_prepend(str(src))
+    from rt_src_folder_model import SrcModel
+
+    model = SrcModel()
+    before = model.linear.weight.detach().clone()
+    trainer = Trainer(model=model, train_dataset=make_data(32),
+                      args=_args(tmp_path, "src", num_workers=2, max_steps=3, per_device_train_batch_size=4))
+    assert trainer.train().global_step == 3
+    assert not torch.equal(trainer.model.linear.weight, before)
+    trainer.close()
