@@ -69,9 +69,14 @@ def _trainable_class():
 
     class RaytrainerTrial(tune.Trainable):
         def setup(self, config, spec: bytes = b"", compute_objective=None, hp_name=None):
+            import ray
+
             self._spec, self._compute_objective, self._hp_name = spec, compute_objective, hp_name
-            self._pool = None  # this actor's live worker groups, made at its first trial's start
             self._begin(config)
+            # this actor's live worker groups; their Ray Train run folders named after it (other actors'
+            # groups live in the same storage)
+            actor = (ray.get_runtime_context().get_actor_id() or "local")[-8:]
+            self._pool = GroupPool(self._trainer.args, label=f"tune-{actor}-")
 
         def _begin(self, config) -> None:
             """A trial's state: its Trainer (a fresh copy of the search's), run id, results, reporter."""
@@ -126,11 +131,6 @@ def _trainable_class():
 
         def _run(self):
             try:
-                if self._pool is None:  # Ray Train run folders of its own: other actors' groups live too
-                    import ray
-
-                    actor = (ray.get_runtime_context().get_actor_id() or "local")[-8:]
-                    self._pool = GroupPool(self._trainer.args, label=f"tune-{actor}-")
                 run_trial(self._trainer, self.config, self._run_id, dict(self.config),
                           self._compute_objective, reporter=self._reporter,
                           resume_from_checkpoint=self._resume, pool=self._pool)
@@ -181,8 +181,7 @@ def _trainable_class():
             """Tune ends this actor (its last trial stopped or ended, and no trial is left for it): stop the
             run, wait for it, close the actor's worker groups."""
             self._stop_run()
-            if self._pool is not None:
-                self._pool.close(idle=False)
+            self._pool.close(idle=False)
 
         def _stop_run(self) -> None:
             """Stop the trial's run where it is (at the evaluation Tune decided on) and wait for it."""

@@ -42,6 +42,7 @@ class Strategy:
         self.ctx = ctx
         self.args = args
         self.precision = select_precision(args, ctx.device)
+        self._param_cache: tuple | None = None  # (a weak reference to the model, its parameters)
         if args.tf32 is not None and ctx.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = args.tf32
             torch.backends.cudnn.allow_tf32 = args.tf32
@@ -120,9 +121,8 @@ class Strategy:
         them in ``setup_model``, before the optimizer is made). Each training run lists them again
         (``setup_optimizer``): between two ``train()`` calls a model may gain or replace parameters (an
         adapter, resized embeddings)."""
-        cached = getattr(self, "_param_cache", None)
-        if cached is not None and cached[0]() is model:
-            return cached[1]
+        if self._param_cache is not None and self._param_cache[0]() is model:
+            return self._param_cache[1]
         params = list(model.parameters())
         self._param_cache = (weakref.ref(model), params)
         return params
