@@ -202,10 +202,11 @@ def check_moot(args) -> None:
                          f"sets {key}={value!r}, which raytrainer's loaders do not do (each rank reads its "
                          "own shard of every step's batch, evenly, from a seeded sampler)",
                          f"leave {key} at its default ({_ACCELERATOR_DEFAULTS.get(key)!r}) or drop it")
+    from raytrainer import parallelism
+
+    args.parallelism_config = parallelism.parse(args.parallelism_config)
     if args.parallelism_config is not None:
-        raise _error("parallelism_config", type(args.parallelism_config).__name__,
-                     "tensor, context and sequence parallelism are not part of raytrainer",
-                     "shard the model with --fsdp full_shard or a DeepSpeed ZeRO-3 config instead")
+        parallelism.check(args)
     if args.use_liger_kernel or args.liger_kernel_config:
         name = "use_liger_kernel" if args.use_liger_kernel else "liger_kernel_config"
         raise _error(name, getattr(args, name), "raytrainer does not patch models with Liger "

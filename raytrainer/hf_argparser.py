@@ -91,8 +91,10 @@ class ArgumentParser(_TransformersParser):
         field.metadata = types.MappingProxyType(metadata)
         if _is_dict(_without_none(field.type)):
             field.type = _json_object  # transformers' fallback branch hands field.type to argparse as is
-        elif _read_as_string(field.type):
-            field.type = str | None  # as transformers reads its own `None | str | X` fields
+        elif _read_as_string(field.type) or dataclasses.is_dataclass(_without_none(field.type)):
+            # as transformers reads its own `None | str | X` fields; a dataclass-typed field (accelerate's
+            # ParallelismConfig) as its JSON, which the arguments' __post_init__ builds the object from
+            field.type = str | None
         _TransformersParser._parse_dataclass_field(parser, field)
 
     def parse_args_into_dataclasses(self, args=None, return_remaining_strings=False, **kwargs) -> tuple:

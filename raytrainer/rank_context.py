@@ -21,6 +21,9 @@ class RankContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     on_ray: bool = False  # a Ray Train worker (dataset shards come from ray.train)
     ray_run_root: str | None = None  # the Ray Train run's folder: checkpoints under it are reported to Ray
+    #: consecutive ranks that read the same batch: one tensor (x context) parallel group of a
+    #: ``parallelism_config`` mesh, whose data-parallel dimensions are the outer ones (parallelism.py)
+    model_parallel: int = 1
 
     def reports_to_ray(self, path: str) -> bool:
         """Whether a checkpoint at ``path`` (a path on the run's filesystem) is reported to Ray Train, which
@@ -31,6 +34,21 @@ class RankContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many different batches each step reads."""
+        return self.world_size // self.model_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: the shard of the data it reads."""
+        return self.rank // self.model_parallel
+
+    @property
+    def is_dp_leader(self) -> bool:
+        """The first rank of its model-parallel group: the one whose outputs stand for the group's."""
+        return self.rank % self.model_parallel == 0
 
     @property
     def is_world_zero(self) -> bool:

@@ -505,8 +505,9 @@ class Trainer(DataLoadersMixin):
         if not normalised:
             if micro_steps > 1:  # a mean per micro-batch: average over the accumulation window
                 loss = loss / micro_steps
-        elif self.args.average_tokens_across_devices and self._ctx.world_size > 1:
-            loss = loss * self._ctx.world_size  # divided by the global count; DDP averages gradients
+        elif self.args.average_tokens_across_devices and self._ctx.dp_size > 1:
+            # divided by the global count; gradients are averaged over the data-parallel ranks
+            loss = loss * self._ctx.dp_size
         self._strategy.backward(loss)
         return loss.detach()
 

@@ -1,7 +1,8 @@
 """The Trainer's data loaders, as transformers' Trainer names them (``get_train_dataloader``,
 ``get_eval_dataloader``, ``get_test_dataloader``, ``_get_train_sampler``, ``num_examples``, ...): a mixin of
-``raytrainer.Trainer``, so a subclass's override is what runs on each rank. Each rank reads its share:
-``self._view`` is the rank's context on a worker, the whole run's in one process."""
+``raytrainer.Trainer``, so a subclass's override is what runs on each rank. Each data-parallel rank reads
+its share (the ranks of one tensor-parallel group read the same one): ``self._view`` is the rank's context
+on a worker, the whole run's in one process."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class DataLoadersMixin:
 
     def _get_train_sampler(self, dataset):
         a, ctx = self.args, self._view
-        common = {"num_replicas": ctx.world_size, "rank": ctx.rank, "seed": self._data_seed(),
+        common = {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank, "seed": self._data_seed(),
                   "drop_last": a.dataloader_drop_last}
         if a.train_sampling_strategy == "group_by_length":
             # grouped over B x GA per rank (x W ranks: the global batch), as transformers groups over B x GA
@@ -98,24 +99,24 @@ class DataLoadersMixin:
                 dataset = dataset.remove_columns([c for c in dataset.column_names if c not in keep])
         collator = self._collator_for(dataset)
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
-            shard = rdata.IterableShard(dataset, batch_size, ctx.world_size, ctx.rank,
+            shard = rdata.IterableShard(dataset, batch_size, ctx.dp_size, ctx.dp_rank,
                                         drop_last=a.dataloader_drop_last and train, pad_rounds=train)
             # evaluation counts the stream's examples as it reads them: read in this process
             loader_kwargs = self._loader_kwargs() if train else {}
             loader = DataLoader(shard, batch_size=batch_size, collate_fn=collator, **loader_kwargs)
-            return _with_total_batch_size(loader, batch_size * ctx.world_size)
+            return _with_total_batch_size(loader, batch_size * ctx.dp_size)
         if train:
             sampler = self._get_train_sampler(dataset)
             drop_last = a.dataloader_drop_last
         else:  # dataloader_drop_last: evaluation reads whole rounds of batches only, as transformers
             n = len(dataset)
             if a.dataloader_drop_last:
-                n -= n % (batch_size * ctx.world_size)
-            sampler = rdata.EvalBlockSampler(n, batch_size, ctx.world_size, ctx.rank)
+                n -= n % (batch_size * ctx.dp_size)
+            sampler = rdata.EvalBlockSampler(n, batch_size, ctx.dp_size, ctx.dp_rank)
             drop_last = False
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
                             drop_last=drop_last, **self._loader_kwargs())
-        return _with_total_batch_size(loader, batch_size * ctx.world_size)
+        return _with_total_batch_size(loader, batch_size * ctx.dp_size)
 
     def _ray_data_batches(self, dataset, batch_size: int) -> rdata.RayDataBatches:
         import ray.train

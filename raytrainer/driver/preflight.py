@@ -29,6 +29,8 @@ def check(trainer, method: str, kwargs: dict) -> None:
         require("ray.train", f"num_workers={args.num_workers} (training on Ray Train workers)")
     if args.deepspeed:
         require("deepspeed", "--deepspeed")
+    if getattr(args, "parallelism_config", None) is not None:
+        _check_parallelism(trainer)
     if method == "train":
         _check_train(trainer)
         _check_neftune(trainer)
@@ -48,6 +50,34 @@ def check(trainer, method: str, kwargs: dict) -> None:
         from raytrainer.storage import Storage
 
         Storage.for_run(args).check_writable()  # the new group's Ray Train run folder lives there
+
+
+def _check_parallelism(trainer) -> None:
+    """A tensor-parallel mesh needs the model's plan -- the driver's model, or a weightless one from
+    model_init (transformers' from_pretrained reads only the config then; a model_init that cannot build so
+    is checked on the ranks) -- and reads a data set each tensor-parallel group shares."""
+    from raytrainer import parallelism
+
+    config = trainer.args.parallelism_config
+    if rdata.is_ray_dataset(trainer.train_dataset) and parallelism.model_parallel_size(config) > 1:
+        raise ValueError(
+            "parallelism_config with tp_size > 1 reads each batch on every rank of a tensor-parallel group, "
+            "and a Ray Dataset gives each worker a different shard. Fix: pass the training set as a "
+            "datasets.Dataset or torch Dataset (raytrainer shards it by data-parallel rank), or drop "
+            "tp_size.")
+    if not config.tp_enabled:
+        return
+    model = trainer.model
+    if trainer.model_init is not None:
+        from raytrainer.meta_model import weightless_loading
+
+        try:
+            with weightless_loading():
+                model = trainer.call_model_init()
+        except Exception as exc:  # any failure only means: each rank checks the model it builds
+            logger.debug("parallelism_config: model_init builds no weightless model on the driver (%s)", exc)
+            return
+    parallelism.check_plan(config, model)
 
 
 # -- training ----------------------------------------------------------------------------------------

@@ -47,12 +47,14 @@ def worker_bundle(args) -> dict[str, float]:
     return {k: float(v) for k, v in scaling._resources_per_worker_not_none.items() if v}
 
 
+def per_node(bundle: dict[str, float], nodes: list[dict[str, float]]) -> list[int]:
+    """How many workers of ``bundle`` each node (its total resources) holds at most."""
+    return [min((math.floor(n.get(k, 0.0) / v + 1e-9) for k, v in bundle.items()), default=0) for n in nodes]
+
+
 def placeable(bundle: dict[str, float], nodes: list[dict[str, float]], strategy: str = "PACK") -> int:
     """How many workers of ``bundle`` the nodes (their total resources) hold at most, by ``strategy``."""
-    def per_node(resources: dict[str, float]) -> int:
-        return min((math.floor(resources.get(k, 0.0) / v + 1e-9) for k, v in bundle.items()), default=0)
-
-    counts = [per_node(n) for n in nodes]
+    counts = per_node(bundle, nodes)
     if strategy == "STRICT_PACK":
         return max(counts, default=0)
     if strategy == "STRICT_SPREAD":
@@ -94,6 +96,10 @@ def check(args, started_here: bool) -> None:
     """Before a worker group starts: refuse, or warn and wait (bounded), when the nodes cannot hold it."""
     bundle = worker_bundle(args)
     nodes = live_nodes()
+    if getattr(args, "parallelism_config", None) is not None:  # a tensor-parallel group within one node
+        from raytrainer.parallelism import check_fits
+
+        check_fits(args.parallelism_config, per_node(bundle, nodes))
     if placeable(bundle, nodes, args.placement_strategy) >= args.min_workers:  # an elastic run: its min
         return
     message = shortfall_message(args, bundle, nodes)

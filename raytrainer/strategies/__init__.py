@@ -6,8 +6,9 @@ from raytrainer.strategies.base import Strategy
 
 
 def strategy_class(args, world_size: int) -> type[Strategy]:
-    """DeepSpeed when ``deepspeed`` is set, FSDP when ``fsdp`` asks for sharding, else DDP with more than
-    one rank, else a single device.
+    """DeepSpeed when ``deepspeed`` is set, FSDP when ``fsdp`` asks for sharding or ``parallelism_config``
+    lays out a mesh (FSDP2 over its data-parallel dimensions, tensor parallelism inside), else DDP with more
+    than one rank, else a single device.
 
     ``fsdp="no_shard"`` is plain data parallelism, as in HF: DDP.
     """
@@ -15,7 +16,7 @@ def strategy_class(args, world_size: int) -> type[Strategy]:
         from raytrainer.strategies.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy
-    if args.fsdp and "no_shard" not in args.fsdp:
+    if (args.fsdp and "no_shard" not in args.fsdp) or getattr(args, "parallelism_config", None) is not None:
         from raytrainer.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy

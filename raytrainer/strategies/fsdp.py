@@ -8,6 +8,11 @@ Chosen the HF way, with ``fsdp="full_shard auto_wrap offload"``-style options an
   ``fsdp_config["transformer_layer_cls_to_wrap"]`` module (or each module with at least
   ``fsdp_config["min_num_params"]`` parameters) as its own unit, then the root.
 - ``fsdp_config["activation_checkpointing"]``: recompute the wrapped layers' activations in backward.
+- ``parallelism_config`` (accelerate's ``ParallelismConfig``; see raytrainer/parallelism.py): the mesh
+  comes from it -- tensor parallelism over its ``tp`` dimension from the model's ``tp_plan`` first, then
+  FSDP2 over its data-parallel dimensions (``dp_shard``; with ``dp_replicate``, HSDP), each layer
+  (``_no_split_modules``) its own unit. Parameters are then 2-D DTensors (``_StridedShard`` over
+  ``dp_shard``, ``Shard`` over ``tp``); checkpoints are DCP's, resharded on load to any mesh.
 
 The module is sharded in place (its class becomes an ``FSDPModule``); evaluation runs through it, so every
 rank takes part in each forward -- raytrainer's evaluation sharding gives every rank the same number of
@@ -49,6 +54,8 @@ class FSDPStrategy(Strategy):
         self._from_rank0 = False  # model_init built real weights on rank 0 only (build_model)
         self._init_shards = None  # model_init built on meta on every rank: (factory, initialise)
         self._pending_writes: list = []  # the background writes of the last save_sharded (futures)
+        self.parallelism = getattr(args, "parallelism_config", None)  # accelerate's ParallelismConfig
+        self.device_mesh = None  # the run's whole mesh, with parallelism_config (built in setup_model)
         kind = (args.fsdp_config or {}).get("state_dict_type", "SHARDED_STATE_DICT")
         # SHARDED_STATE_DICT: the optimizer state (2x the weights for Adam) stays sharded, one DCP file per
         # rank in optimizer_0/; FULL_STATE_DICT: consolidated into optimizer.pt on rank 0.
@@ -103,6 +110,14 @@ class FSDPStrategy(Strategy):
 
         ctx = self.ctx
         device_type = ctx.device.type
+        if self.parallelism is not None:  # FSDP2's part of the whole mesh: its data-parallel dimensions
+            from raytrainer.parallelism import build_mesh
+
+            if self.device_mesh is None:
+                self.device_mesh = build_mesh(self.parallelism, ctx)
+            if self.parallelism.data_parallel_size == 1:
+                return None  # tensor parallelism alone: nothing for FSDP to shard over
+            return self.device_mesh[tuple(self.parallelism.fsdp_dim_names)]
         if options & {"hybrid_shard", "hybrid_shard_zero2"}:
             nodes = ctx.world_size // ctx.local_world_size
             return init_device_mesh(device_type, (nodes, ctx.local_world_size),
@@ -182,23 +197,31 @@ class FSDPStrategy(Strategy):
 
         options = set(self.args.fsdp)
         config = self.args.fsdp_config or {}
-        kwargs = {"mesh": self._mesh(options),
+        mesh = self._mesh(options)
+        kwargs = {"mesh": mesh,
                   "reshard_after_forward": not options & {"shard_grad_op", "hybrid_shard_zero2"}}
         # rank 0's full weights, kept (the same tensors) until broadcast into every rank's shard
         full = ({n: p.detach() for n, p in model.named_parameters()}
                 if self._from_rank0 and self.ctx.is_world_zero else None)
+        if self.parallelism is not None and self.parallelism.tp_enabled:
+            from raytrainer.parallelism import apply_tensor_parallel, check_plan
+
+            check_plan(self.parallelism, model)
+            apply_tensor_parallel(model, self.device_mesh)
         if "offload" in options:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif not self._from_rank0 and not self._init_shards:
             model = model.to(self.ctx.device)
         # rank 0's full model stays where model_init built it (the CPU): fully_shard moves each unit's
         # tensors to the device as it shards them, so the device never holds more than one unit whole
-        units = self._units(model, config) if "auto_wrap" in options else []
+        wrap = "auto_wrap" in options or self.parallelism is not None
+        units = self._units(model, config) if wrap else []
         if config.get("activation_checkpointing"):
             _checkpoint_activations(model, units or self._units(model, config))
-        for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        if mesh is not None:
+            for unit in units:
+                fully_shard(unit, **kwargs)
+            fully_shard(model, **kwargs)
         if self._init_shards:
             if self._initialise_shards(model):
                 return model
@@ -238,7 +261,7 @@ class FSDPStrategy(Strategy):
         tensor at a time: a rank holds its shard plus one full tensor in flight, never the model. Buffers
         (non-persistent ones too: rotary tables, say) and the RNG follow rank 0's."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         if not self.ctx.is_world_zero:
             model.to_empty(device=self.ctx.device)
@@ -250,8 +273,7 @@ class FSDPStrategy(Strategy):
                     value = torch.empty(param.shape, dtype=param.dtype, device=self.ctx.device)
                 dist.broadcast(value, src=0)
                 if isinstance(param, DTensor):  # this rank's slice, cut locally (no further collective)
-                    shard = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-                    param.to_local().copy_(shard.to_local())
+                    param.to_local().copy_(_local_part(value, param))
                 else:
                     param.copy_(value)
                 del value
@@ -265,9 +287,35 @@ class FSDPStrategy(Strategy):
         return model  # sharded parameters are gathered in forward: every rank must run it
 
     def no_sync(self, model: torch.nn.Module, sync: bool):
-        if sync:
+        from torch.distributed.fsdp import FSDPModule
+
+        if sync or not isinstance(model, FSDPModule):  # tensor parallelism alone: no gradient sync to skip
             return contextlib.nullcontext()
         return _gradient_sync_off(model)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor | None:
+        """torch's clipping, over the gradients of every mesh: with tensor parallelism a layer's parameters
+        are DTensors over (dp_shard, tp) and a norm's over dp_shard alone, and torch's one-call norm cannot
+        stack norms of different meshes. Each mesh's total norm is reduced on it, then all are combined."""
+        from torch.distributed.tensor import DTensor
+
+        params = self._parameters(model)
+        groups: dict = {}
+        for p in params:
+            if p.grad is not None:
+                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+                groups.setdefault(mesh, []).append(p)
+        if len(groups) <= 1:
+            return super().clip_grad_norm(model, max_norm)
+        _quiet_redistribute_warning()
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Consolidated CPU weights (a collective). A PEFT model's are the entries PEFT saves, gathered alone
@@ -306,6 +354,21 @@ class FSDPStrategy(Strategy):
                 "strategy that saved it (model weights alone load under any strategy).")
         set_optimizer_state_dict(model, optimizer, state["fsdp_full_optimizer_state"],
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def _local_part(value: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of the whole tensor ``value`` for the DTensor ``param`` (any mesh and placements,
+    the strided shards of FSDP over tensor parallelism included), cut locally."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return value[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _quiet_redistribute_warning() -> None:
+    """A norm over a 2-D mesh is reduced one dimension after the other, and DTensor warns at every step that
+    one flattened collective would be faster -- for a scalar, which costs nothing either way."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _gathered(tensor: torch.Tensor) -> torch.Tensor:

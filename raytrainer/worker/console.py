@@ -35,7 +35,7 @@ def announce_training(trainer, dataloader, num_epochs: int, updates_per_epoch: i
                       resumed_at: tuple[int, int] | None) -> None:
     """transformers' lines at the start of ``train()``; ``resumed_at`` = (epochs done, batches to skip)."""
     args, num_examples = trainer.args, _num_examples(trainer, dataloader)
-    total = args.train_batch_size * args.gradient_accumulation_steps * trainer._ctx.world_size
+    total = args.train_batch_size * args.gradient_accumulation_steps * trainer._ctx.dp_size
     logger.info("***** Running training *****")
     logger.info("  Num examples: Unknown" if num_examples is None else f"  Num examples = {num_examples:,}")
     logger.info(f"  Num Epochs = {num_epochs:,}")

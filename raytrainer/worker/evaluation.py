@@ -101,16 +101,21 @@ class _Gatherer:
 
     def __init__(self, ctx, accumulators: list[_Accumulator], every: int | None):
         self.ctx, self.accumulators, self.every = ctx, accumulators, every
-        self.per_rank = [[[] for _ in accumulators] for _ in range(ctx.world_size)]  # rank -> output -> parts
+        # data-parallel rank -> output -> parts: the ranks of one tensor-parallel group read the same batches
+        # and compute the same outputs, which its first rank alone sends
+        self.per_rank = [[[] for _ in accumulators] for _ in range(ctx.dp_size)]
 
     def step_done(self, step: int) -> None:
         if self.every and (step + 1) % self.every == 0:
             self.flush()
 
     def flush(self) -> None:
-        gathered = self.ctx.gather_object([acc.take() for acc in self.accumulators])
+        mine = [acc.take() for acc in self.accumulators]
+        gathered = self.ctx.gather_object(mine if self.ctx.is_dp_leader else None)
         for rank, outputs in enumerate(gathered or []):
-            for parts, new in zip(self.per_rank[rank], outputs):
+            if outputs is None:
+                continue
+            for parts, new in zip(self.per_rank[rank // self.ctx.model_parallel], outputs):
                 parts.extend(new)
 
     def results(self) -> list[list] | None:
@@ -169,7 +174,7 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
 
     num_examples = _num_real_examples(dataloader)
     if num_examples is None:  # a loader of the user's own (get_eval_dataloader overridden): what it yielded
-        num_examples = int(ctx.sum([float(seen)])[0])
+        num_examples = int(ctx.sum([float(seen)])[0]) // ctx.model_parallel
     gathered = gatherer.results()
 
     metrics = None

@@ -432,12 +432,14 @@ def _checkpoint_activations(model: torch.nn.Module, args) -> None:
 def _num_items_in_batch(micro: list, args, ctx, global_count: bool, shifted: bool = False) -> int | None:
     """Label tokens (not -100) in one accumulation window, counted as transformers does (``shift_labels``
     when the batch has them, else ``labels[..., 1:]`` for a loss that shifts, else ``labels``); summed across
-    ranks (one all-reduce) only when the loss is normalised by it and ``average_tokens_across_devices``."""
+    data-parallel ranks (one all-reduce) only when the loss is normalised by it and
+    ``average_tokens_across_devices``."""
     if not micro or "labels" not in micro[0]:
         return None
     count = sum(int(label_targets(b, shifted).ne(-100).sum()) for b in micro)
-    if global_count and args.average_tokens_across_devices and ctx.world_size > 1:
-        count = int(ctx.sum([float(count)])[0])
+    if global_count and args.average_tokens_across_devices and ctx.dp_size > 1:
+        # the ranks of one model-parallel group read the same batch: its tokens are counted once
+        count = int(ctx.sum([float(count)])[0]) // ctx.model_parallel
     return count
 
 

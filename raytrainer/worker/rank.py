@@ -10,6 +10,7 @@ import torch
 
 from raytrainer import final_weights
 from raytrainer.callbacks import runs_on_driver, state_to_dict
+from raytrainer.parallelism import model_parallel_size
 from raytrainer.protocol import Kind, RankResult
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.session import RankSession
@@ -22,6 +23,7 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
     Trainer refers to the session while the method runs (``trainer._session``), and only then."""
     ctx, channel = session.ctx, session.channel
     trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
+    ctx.model_parallel = model_parallel_size(getattr(trainer.args, "parallelism_config", None))
     if getattr(trainer.args, "elastic", False):  # the global batch of max workers, on this many
         from raytrainer.elastic import fit_batch
 

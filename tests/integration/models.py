@@ -858,3 +858,23 @@ class SlowThenFullDisk(TrainerCallback):
                               for d in ("optimizer_0", "pytorch_model_fsdp_0"))
             with open(os.path.join(args.output_dir, "written-at-save.jsonl"), "a") as f:
                 f.write(json.dumps({"step": state.global_step, "written": written}) + "\n")
+
+
+class ReportMesh(TrainerCallback):
+    """On every rank before the first step: how the first attention's query projection and the final norm
+    are laid out -- the mesh dimensions, the placements, this rank's local shape against the whole."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        params = dict(model.named_parameters())
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+            p = params[name]
+            if not isinstance(p, DTensor):
+                log.error("rank %d: %s plain %s", args.process_index, name, tuple(p.shape))
+                continue
+            placements = ",".join(type(x).__name__.lstrip("_") + str(getattr(x, "dim", ""))
+                                  for x in p.placements)
+            log.error("rank %d: %s mesh=%s placements=%s local=%s of %s", args.process_index, name,
+                      ",".join(p.device_mesh.mesh_dim_names), placements, tuple(p.to_local().shape),
+                      tuple(p.shape))

@@ -119,7 +119,7 @@ def test_an_unknown_sampling_strategy_is_named(tmp_path):
 # Fields raytrainer refuses (a value that changes what transformers would do is an error naming the field and
 # the way to get it with raytrainer); each with a value that must be refused and the words of the error.
 REFUSED = {
-    "parallelism_config": (object(), "tensor, context and sequence parallelism"),
+    "parallelism_config": ({"sp_size": 2}, "num_workers=0. Fix: pass --num_workers 2"),
     "use_liger_kernel": (True, "apply them in model_init"),
     "liger_kernel_config": ({"rope": True}, "apply them in model_init"),
     "accelerator_config": ({"split_batches": True}, "sets split_batches=True"),

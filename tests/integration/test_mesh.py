@@ -1,0 +1,73 @@
+"""transformers' ``parallelism_config`` on 4 Ray workers (gloo, CPU): FSDP2 x tensor parallelism and HSDP
+train a pretrained tiny Llama as DDP does on the same global batch, its parameters really 2-D DTensors, and
+a checkpoint saved on one mesh resumes on another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import FromPretrained, ReportMesh, counting_data, save_tiny_llama
+
+from raytrainer import Trainer, TrainingArguments
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+NORM = "model.norm.weight"
+
+
+def _args(out, **kw) -> TrainingArguments:
+    base = {"output_dir": str(out), "num_workers": 4, "per_device_train_batch_size": 2, "max_steps": 6,
+            "learning_rate": 0.01, "optim": "adamw_torch", "logging_steps": 1, "save_strategy": "no",
+            "disable_tqdm": True, "report_to": "none", "seed": 3}
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def _close(a: dict, b: dict, tol: float = 2e-3) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol for k in a)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_x_tp_and_hsdp_train_like_ddp_and_a_checkpoint_resumes_on_another_mesh(tmp_path, capfd):
+    path = save_tiny_llama(tmp_path / "pretrained")
+    data = counting_data(48)
+
+    def run(name, resume=None, **kw):
+        trainer = Trainer(model_init=FromPretrained(path), args=_args(tmp_path / name, **kw),
+                          train_dataset=data, callbacks=[ReportMesh()])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, "".join(capfd.readouterr())
+
+    ddp, _ = run("ddp")  # 4 ranks x 2 examples: the same global batch of 8 at every step as the meshes below
+    # dp_shard=2 x tp=2: 2 data-parallel ranks x 4 examples, each pair of tensor-parallel ranks the same batch
+    tp, console = run("tp", per_device_train_batch_size=4, save_strategy="steps", save_steps=3,
+                      parallelism_config={"dp_shard_size": 2, "tp_size": 2})
+    for rank in range(4):  # q_proj (32 x 32): rows split over tp, then over dp_shard -- 8 rows per rank
+        assert (f"rank {rank}: {Q} mesh=dp_shard_cp,tp placements=StridedShard0,Shard0 local=(8, 32) of "
+                f"(32, 32)") in console, console[-3000:]
+        assert f"rank {rank}: {NORM} mesh=dp_shard_cp placements=Shard0 local=(16,) of (32,)" in console
+    # HSDP: replicated over dp_replicate, sharded over dp_shard -- 4 data-parallel ranks of 2 examples
+    hsdp, console = run("hsdp", parallelism_config={"dp_replicate_size": 2, "dp_shard_size": 2})
+    for rank in range(4):
+        assert (f"rank {rank}: {Q} mesh=dp_replicate,dp_shard_cp placements=Replicate,Shard0 local=(16, 32) "
+                "of (32, 32)") in console, console[-3000:]
+
+    reference = _losses(ddp)
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6] and reference[6] < reference[1] - 0.1, reference
+    assert _close(_losses(tp), reference), (_losses(tp), reference)
+    assert _close(_losses(hsdp), reference), (_losses(hsdp), reference)
+    # the driver's model holds the consolidated trained weights, as DDP's does
+    ddp_weights = ddp.model.state_dict()
+    for trained in (tp, hsdp):
+        for name, tensor in trained.model.state_dict().items():
+            assert torch.allclose(tensor, ddp_weights[name], atol=2e-3), name
+
+    # the checkpoint of the dp_shard=2 x tp=2 mesh (DCP: each rank's 2-D shards) resumes on dp_shard=4
+    # (no tensor parallelism) and continues the loss curve
+    resumed, _ = run("resumed", parallelism_config={"dp_shard_size": 4},
+                     resume=str(tmp_path / "tp" / "checkpoint-3"))
+    after = {k: v for k, v in _losses(resumed).items() if k > 3}
+    assert _close(after, {k: v for k, v in _losses(tp).items() if k > 3}), (after, _losses(tp))
