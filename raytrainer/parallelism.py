@@ -165,8 +165,9 @@ def build_mesh(config, ctx):
             raise RuntimeError(
                 f"parallelism_config: the tensor-parallel group of ranks {split[0]}..{split[0] + group - 1} "
                 f"spans nodes {sorted(set(nodes[split[0]:split[0] + group]))}: Ray placed "
-                f"{nodes.count(nodes[0])} workers on the first node, not a multiple of tp_size x cp_size = {group}. Use "
-                "placement_strategy='STRICT_PACK' or nodes whose worker counts are multiples of it.")
+                f"{nodes.count(nodes[0])} workers on the first node, not a multiple of tp_size x cp_size = "
+                f"{group}. Use nodes whose worker counts are multiples of it (resources_per_worker, "
+                "num_workers).")
     return mesh
 
 

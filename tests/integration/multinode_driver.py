@@ -3,9 +3,10 @@
     python multinode_driver.py ADDRESS WORKDIR
 
 Run 1 (log_on_each_node=True, save_on_each_node=True, report_to tensorboard, pushes to a file:// hub with
-a hub token); run 2 (log_on_each_node=False). Every rank logs one INFO line naming its ranks; log_level
-is info for main processes and warning for replicas, so which lines reach this driver's output shows the
-log_on_each_node behaviour. Prints ``RESULT <json>`` at the end.
+a hub token); run 2 (log_on_each_node=False); run 3 (HSDP on 4 workers: parallelism_config). Every rank
+logs one INFO line naming its ranks; log_level is info for main processes and warning for replicas, so
+which lines reach this driver's output shows the log_on_each_node behaviour. Prints ``RESULT <json>`` at
+the end.
 """
 
 from __future__ import annotations
@@ -60,14 +61,35 @@ class RankReport(TrainerCallback):
             json.dump(info, f)
 
 
+class MeshReport(TrainerCallback):
+    """On every rank of a ``parallelism_config`` run: the ranks of its dp_replicate and dp_shard groups, read
+    from the mesh its parameters are sharded over, and the node of every rank, in a JSON file."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import ray
+        import torch.distributed as dist
+
+        mesh = next(model.parameters()).device_mesh
+        ips = [None] * dist.get_world_size()
+        dist.all_gather_object(ips, ray.util.get_node_ip_address())
+        info = {"rank": dist.get_rank(), "dims": list(mesh.mesh_dim_names), "ips": ips,
+                **{dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in mesh.mesh_dim_names}}
+        with open(os.path.join(self.out_dir, f"mesh-rank{info['rank']}.json"), "w") as f:
+            json.dump(info, f)
+
+
 def run(address: str, work: str, tag: str, **overrides) -> Trainer:
-    args = TrainingArguments(
-        output_dir=os.path.join(work, tag), num_workers=2, placement_strategy="STRICT_SPREAD",
-        ray_address=address, max_steps=6, per_device_train_batch_size=8, learning_rate=0.05,
-        logging_steps=2, save_strategy="steps", save_steps=6, log_level="info", log_level_replica="warning",
-        disable_tqdm=True, **overrides)
-    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(96),
-                      callbacks=[RankReport(work, tag)])
+    values = {"num_workers": 2, "placement_strategy": "STRICT_SPREAD", "max_steps": 6,
+              "per_device_train_batch_size": 8, "learning_rate": 0.05, "logging_steps": 2,
+              "save_strategy": "steps", "save_steps": 6, "log_level": "info", "log_level_replica": "warning",
+              "disable_tqdm": True}
+    values.update(overrides)
+    args = TrainingArguments(output_dir=os.path.join(work, tag), ray_address=address, **values)
+    callbacks = [RankReport(work, tag)] + ([MeshReport(work)] if args.parallelism_config is not None else [])
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(96), callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -79,6 +101,9 @@ def main() -> None:
                 report_to="tensorboard", push_to_hub=True,
                 hub_model_id=f"file://{work}/hub", hub_strategy="every_save", hub_token=TOKEN)
     run(address, work, "main-only", log_on_each_node=False)
+    # HSDP over both nodes' 4 workers (2 each): replicas across the nodes, shards within one
+    run(address, work, "hsdp", num_workers=4, placement_strategy="PACK", per_device_train_batch_size=4,
+        parallelism_config={"dp_replicate_size": 2, "dp_shard_size": 2})
     from safetensors.torch import load_file
 
     pushed = load_file(os.path.join(work, "hub", "main", "model.safetensors"))

@@ -5,8 +5,9 @@ the pytest session is not disturbed (a process can attach to one Ray cluster onl
 
 Checks: node ranks 0 and 1 on distinct node IPs; log_on_each_node (each node's local main logs at
 log_level when true, only the global main when false) in the driver's captured output; save_on_each_node
-with both nodes' files in one committed checkpoint; a hub push and tensorboard logging done once, from
-the driver, with the hub token nowhere in output or files."""
+with both nodes' files in one committed checkpoint; HSDP's replicas across the nodes (parallelism_config);
+a hub push and tensorboard logging done once, from the driver, with the hub token nowhere in output or
+files."""
 
 from __future__ import annotations
 
@@ -83,6 +84,16 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
     losses = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert [s for s, _ in losses] == [2, 4, 6]
     assert [v for _, v in losses] == pytest.approx(result["logged_losses"], rel=1e-6)
+
+    # HSDP (parallelism_config dp_replicate=2 x dp_shard=2 on 2 nodes of 2 workers): each rank's replicate
+    # group spans both nodes, its shard group lies within its own node -- read from the parameters' mesh
+    meshes = [json.load(open(p)) for p in sorted(glob.glob(str(work / "mesh-rank*.json")))]  # noqa: SIM115
+    assert [m["rank"] for m in meshes] == [0, 1, 2, 3]
+    for m in meshes:
+        ips = m["ips"]
+        assert m["dims"] == ["dp_replicate", "dp_shard_cp"], m
+        assert len(m["dp_replicate"]) == 2 and len({ips[r] for r in m["dp_replicate"]}) == 2, m
+        assert len(m["dp_shard_cp"]) == 2 and {ips[r] for r in m["dp_shard_cp"]} == {ips[m["rank"]]}, m
 
     # the hub token: not in the driver's output, the rank logs, checkpoints, the hub copy or event files
     assert TOKEN not in output
