@@ -254,7 +254,34 @@ class FSDPStrategy(Strategy):
                 "FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
                 "broadcasts it instead", type(model).__name__, error or "on another rank")
             return False
+        self._agree_on_replicas(model)
         return True
+
+    def _agree_on_replicas(self, model: torch.nn.Module) -> None:
+        """Each rank drew its own values above, also where ranks hold copies of the same values -- HSDP's
+        replicas, a tensor-parallel group's replicated parameters (norms, biases of rowwise layers, layers
+        without a plan) and buffers: those copies take the values of the first rank that holds them (a
+        broadcast over each dimension a tensor is not sharded on; replicated tensors are the small ones)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        tp_group = None
+        if self.parallelism is not None and self.parallelism.tp_enabled:
+            tp_group = self.device_mesh.get_group("tp")
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                groups = []
+                if isinstance(tensor, DTensor):
+                    mesh, local = tensor.device_mesh, tensor.to_local()
+                    groups = [mesh.get_group(i) for i, p in enumerate(tensor.placements) if p.is_replicate()]
+                    if tp_group is not None and "tp" not in mesh.mesh_dim_names:
+                        groups.append(tp_group)  # sharded over the data-parallel ranks only: copies over tp
+                else:
+                    local = tensor
+                    groups = [None]  # a plain tensor: one copy per rank
+                for group in groups:
+                    source = 0 if group is None else dist.get_global_rank(group, 0)
+                    dist.broadcast(local, src=source, group=group)
 
     def _fill_from_rank0(self, model: torch.nn.Module, full: dict | None) -> None:
         """Allocate the meta ranks' shards, then fill every rank's shard from rank 0's full weights one

@@ -878,3 +878,50 @@ class ReportMesh(TrainerCallback):
             log.error("rank %d: %s mesh=%s placements=%s local=%s of %s", args.process_index, name,
                       ",".join(p.device_mesh.mesh_dim_names), placements, tuple(p.to_local().shape),
                       tuple(p.shape))
+
+
+class TPBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(h)))
+
+
+class TPBlocks(torch.nn.Module):
+    """A plain torch classifier with a tensor-parallel plan in transformers' names (``*`` for a layer
+    number) and its layers named for FSDP's units, as a user's own model would declare them."""
+
+    tp_plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+    _no_split_modules = ["TPBlock"]
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(TPBlock(16) for _ in range(2))
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x, labels=None):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.out(h)
+        if labels is None:
+            return (logits,)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+class ReportBlocks(TrainerCallback):
+    """On every rank before the first step: the layout of TPBlocks' first block (mesh dimensions,
+    placements, local shape), the largest value of its up projection's local shard and its first value."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        block = model.blocks[0]
+        for name, p in (("up", block.up.weight), ("down", block.down.weight)):
+            placements = ",".join(type(x).__name__.lstrip("_") + str(getattr(x, "dim", ""))
+                                  for x in p.placements)
+            local = p.to_local()
+            log.error("rank %d: %s mesh=%s %s local=%s max=%.4f first=%.6f", args.process_index, name,
+                      ",".join(p.device_mesh.mesh_dim_names), placements, tuple(local.shape),
+                      float(local.abs().max()), float(local.flatten()[0]))

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import FromPretrained, ReportMesh, counting_data, save_tiny_llama
+from models import (
+    FromPretrained,
+    ReportBlocks,
+    ReportMesh,
+    TPBlocks,
+    counting_data,
+    make_data,
+    save_tiny_llama,
+)
 
 from raytrainer import Trainer, TrainingArguments
 
@@ -71,3 +79,43 @@ def test_fsdp_x_tp_and_hsdp_train_like_ddp_and_a_checkpoint_resumes_on_another_m
                      resume=str(tmp_path / "tp" / "checkpoint-3"))
     after = {k: v for k, v in _losses(resumed).items() if k > 3}
     assert _close(after, {k: v for k, v in _losses(tp).items() if k > 3}), (after, _losses(tp))
+
+    # evaluation on the tensor-parallel mesh: each tensor-parallel pair reads one batch, and its outputs
+    # count once -- the loss and every prediction as DDP's (13 examples: a last, partial batch)
+    held_out = counting_data(61)[48:]
+    ddp_eval, tp_eval = ddp.evaluate(held_out), tp.evaluate(held_out)
+    assert abs(ddp_eval["eval_loss"] - tp_eval["eval_loss"]) < 2e-3, (ddp_eval, tp_eval)
+    ddp_pred, tp_pred = ddp.predict(held_out), tp.predict(held_out)
+    assert tp_pred.predictions.shape == ddp_pred.predictions.shape == (13, 16, 32)
+    assert abs(tp_pred.predictions - ddp_pred.predictions).max() < 2e-2
+
+
+def test_a_plain_torch_model_with_a_tp_plan_initialises_its_shards_on_each_rank(tmp_path, capfd):
+    """model_init building a plain torch model: every rank builds it on the meta device, tensor parallelism
+    then FSDP shard the skeleton, and each rank initialises only its own shards (each module's own
+    reset_parameters)."""
+    args = _args(tmp_path, per_device_train_batch_size=8, max_steps=12, learning_rate=0.05,
+                 parallelism_config={"dp_shard_size": 2, "tp_size": 2})
+    trainer = Trainer(model_init=TPBlocks, args=args, train_dataset=make_data(64), callbacks=[ReportBlocks()])
+    trainer.train()
+    console = "".join(capfd.readouterr())
+    import re
+
+    for rank in range(4):  # up (64 x 16): colwise over tp, then dp_shard; down (16 x 64): rowwise
+        assert f"rank {rank}: up mesh=dp_shard_cp,tp StridedShard0,Shard0 local=(16, 16)" in console, console
+        assert f"rank {rank}: down mesh=dp_shard_cp,tp Shard0,Shard1 local=(8, 32)" in console
+    ups = {int(r): (float(m), float(f)) for r, m, f in re.findall(
+        r"rank (\d): up .* max=([\d.]+) first=(-?[\d.]+)", console)}
+    assert sorted(ups) == [0, 1, 2, 3]
+    assert all(0.1 < m <= 0.25 for m, _ in ups.values()), ups  # nn.Linear's U(-1/sqrt(16), 1/sqrt(16))
+    assert len({f for _, f in ups.values()}) == 4, ups  # each rank drew its own shard
+    assert "rank 0 builds the model" not in console and "initialising each rank's shard" not in console
+    losses = _losses(trainer)
+    assert losses[12] < 0.7 * losses[1], losses
+    # the driver's model: the consolidated whole weights, which predict as the workers trained them
+    assert trainer.model.blocks[0].up.weight.shape == (64, 16)
+    data = make_data(64)
+    x = torch.stack([d["x"] for d in data])
+    labels = torch.tensor([d["labels"] for d in data])
+    accuracy = (trainer.model(x)[0].argmax(-1) == labels).float().mean()
+    assert accuracy > 0.8, accuracy
