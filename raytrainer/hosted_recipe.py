@@ -32,6 +32,8 @@ def plain_config(args, **overrides):
     cls = base_config_class(args)
     given = args.given_values()
     values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.init}
+    if "parallelism_config" in values:  # as given it may be a dict or JSON: accelerate takes the object
+        values["parallelism_config"] = getattr(args, "parallelism_config", None)
     values.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them

@@ -493,3 +493,24 @@ def test_seq2seq_generation_on_a_ray_gpu_worker(tmp_path, ray_instance, trained_
     assert len(np.unique(local.predictions)) > 5
     np.testing.assert_array_equal(remote.predictions, local.predictions)
     assert remote.metrics["test_token_accuracy"] == local.metrics["test_token_accuracy"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="tensor parallelism needs 2 GPUs (nccl gives each rank its own GPU)")
+def test_tensor_parallelism_on_two_gpus_trains_as_ddp(tmp_path, ray_instance):
+    """parallelism_config tp_size=2 over nccl: the LLaMA's projections split across two GPUs, its losses
+    those of DDP on the same global batch (rank 0 builds the model and fills both ranks' shards, so both
+    runs start from the same weights)."""
+    data = token_data()
+    common = {"num_workers": 2, "use_gpu": True, "max_steps": 8}
+    ddp = Trainer(model_init=tiny_llama, train_dataset=data,
+                  args=make_args(tmp_path / "ddp", per_device_train_batch_size=2, **common))
+    ddp.train()
+    tp = Trainer(model_init=tiny_llama, train_dataset=data,
+                 args=make_args(tmp_path / "tp", per_device_train_batch_size=4,
+                                parallelism_config={"tp_size": 2},
+                                fsdp_config={"cpu_ram_efficient_loading": True}, **common))
+    tp.train()
+    assert_learns(tp)
+    assert losses(tp) == pytest.approx(losses(ddp), rel=2e-3)

@@ -925,3 +925,9 @@ class ReportBlocks(TrainerCallback):
             log.error("rank %d: %s mesh=%s %s local=%s max=%.4f first=%.6f", args.process_index, name,
                       ",".join(p.device_mesh.mesh_dim_names), placements, tuple(local.shape),
                       float(local.abs().max()), float(local.flatten()[0]))
+
+
+def seeded_tp_blocks() -> TPBlocks:
+    """model_init: the same TPBlocks weights at every call."""
+    torch.manual_seed(0)
+    return TPBlocks()

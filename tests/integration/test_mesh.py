@@ -14,6 +14,7 @@ from models import (
     counting_data,
     make_data,
     save_tiny_llama,
+    seeded_tp_blocks,
 )
 
 from raytrainer import Trainer, TrainingArguments
@@ -119,3 +120,22 @@ def test_a_plain_torch_model_with_a_tp_plan_initialises_its_shards_on_each_rank(
     labels = torch.tensor([d["labels"] for d in data])
     accuracy = (trainer.model(x)[0].argmax(-1) == labels).float().mean()
     assert accuracy > 0.8, accuracy
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallelism_alone_from_rank_0s_model_trains_as_ddp(tmp_path):
+    """tp_size=2 on 2 workers: no data-parallel dimension (nothing for FSDP to shard), the model built once
+    by rank 0 (cpu_ram_efficient_loading) and each rank's tensor-parallel shard filled from it. The run is
+    DDP's on the same global batch: the same losses and weights."""
+    data = make_data(32)
+    kw = {"num_workers": 2, "max_steps": 6, "learning_rate": 0.05}
+    ddp = Trainer(model_init=seeded_tp_blocks, train_dataset=data,
+                  args=_args(tmp_path / "ddp", per_device_train_batch_size=4, **kw))
+    ddp.train()
+    tp = Trainer(model_init=seeded_tp_blocks, train_dataset=data, callbacks=[ReportBlocks()],
+                 args=_args(tmp_path / "tp", per_device_train_batch_size=8, parallelism_config={"tp_size": 2},
+                            fsdp_config={"cpu_ram_efficient_loading": True}, **kw))
+    tp.train()
+    assert _close(_losses(tp), _losses(ddp), tol=1e-4), (_losses(tp), _losses(ddp))
+    for name, tensor in ddp.model.state_dict().items():
+        assert torch.allclose(tp.model.state_dict()[name], tensor, atol=1e-4), name

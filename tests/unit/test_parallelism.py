@@ -88,3 +88,20 @@ def test_tensor_parallelism_for_a_model_without_a_plan_is_refused_on_the_driver(
 
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+def test_a_hosted_trainers_ranks_get_accelerates_object_whatever_form_it_was_given_in(tmp_path):
+    """TRL's trainers run transformers' own loop on each rank, where accelerate reads parallelism_config: the
+    arguments the ranks build hold the ParallelismConfig, not the dict or JSON the script passed."""
+    pytest.importorskip("trl")
+    from accelerate import ParallelismConfig
+
+    from raytrainer.hosted_recipe import plain_config
+    from raytrainer.trl import SFTConfig
+
+    for given in ({"dp_shard_size": 2, "tp_size": 2}, '{"dp_shard_size": 2, "tp_size": 2}'):
+        plain = plain_config(SFTConfig(output_dir=str(tmp_path), num_workers=4, bf16=False,
+                                       parallelism_config=given))
+        assert type(plain).__module__.startswith("trl.")
+        assert isinstance(plain.parallelism_config, ParallelismConfig)
+        assert (plain.parallelism_config.dp_shard_size, plain.parallelism_config.tp_size) == (2, 2)
