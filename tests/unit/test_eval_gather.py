@@ -14,6 +14,7 @@ class TwoRanks:
     """Rank 0's view of a 2-rank gather_object: its own object plus what rank 1 sends at that call."""
 
     world_size, is_world_zero = 2, True
+    dp_size, model_parallel, is_dp_leader = 2, 1, True
 
     def __init__(self, peer_sends: list):
         self.peer_sends, self.calls = peer_sends, 0
@@ -62,4 +63,28 @@ def test_without_eval_accumulation_steps_one_gather_at_the_end():
     ctx.peer_sends[0].append([])  # rank 1 has no second output either
     per_rank, empty = gatherer.results()
     assert ctx.calls == 1 and empty == [None, None]
+    np.testing.assert_array_equal(per_rank[1], nested_concat([t.numpy() for t in theirs]))
+
+
+class TensorParallelPairs(TwoRanks):
+    """Rank 0's view of 4 ranks in 2 tensor-parallel pairs: ranks 1 and 3 compute what 0 and 2 do, and send
+    nothing (None); rank 2 sends its pair's outputs."""
+
+    world_size, dp_size, model_parallel = 4, 2, 2
+
+    def gather_object(self, obj):
+        self.calls += 1
+        return [obj, None, self.peer_sends.pop(0), None]
+
+
+def test_a_tensor_parallel_pair_s_outputs_count_once():
+    mine, theirs = _batches(0, 2), _batches(1, 2)
+    ctx = TensorParallelPairs([[[t.numpy() for t in theirs]]])
+    acc = _Accumulator()
+    gatherer = _Gatherer(ctx, [acc], None)
+    for batch in mine:
+        acc.add(batch)
+    (per_rank,) = gatherer.results()
+    assert len(per_rank) == 2  # one entry per data-parallel rank, not per rank
+    np.testing.assert_array_equal(per_rank[0], nested_concat([t.numpy() for t in mine]))
     np.testing.assert_array_equal(per_rank[1], nested_concat([t.numpy() for t in theirs]))
