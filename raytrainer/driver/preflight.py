@@ -53,9 +53,9 @@ def check(trainer, method: str, kwargs: dict) -> None:
 
 
 def _check_parallelism(trainer) -> None:
-    """A tensor-parallel mesh needs the model's plan -- the driver's model, or a weightless one from
-    model_init (transformers' from_pretrained reads only the config then; a model_init that cannot build so
-    is checked on the ranks) -- and reads a data set each tensor-parallel group shares."""
+    """A tensor-parallel mesh needs the model's plan -- checked on the driver's model (model_init's too: the
+    Trainer built it at construction, a skeleton when big) -- and reads a data set each tensor-parallel
+    group shares."""
     from raytrainer import parallelism
 
     config = trainer.args.parallelism_config
@@ -65,19 +65,9 @@ def _check_parallelism(trainer) -> None:
             "and a Ray Dataset gives each worker a different shard. Fix: pass the training set as a "
             "datasets.Dataset or torch Dataset (raytrainer shards it by data-parallel rank), or drop "
             "tp_size.")
-    if not config.tp_enabled:
-        return
-    model = trainer.model
-    if trainer.model_init is not None:
-        from raytrainer.meta_model import weightless_loading
-
-        try:
-            with weightless_loading():
-                model = trainer.call_model_init()
-        except Exception as exc:  # any failure only means: each rank checks the model it builds
-            logger.debug("parallelism_config: model_init builds no weightless model on the driver (%s)", exc)
-            return
-    parallelism.check_plan(config, model)
+    model = vars(trainer).get("_model")  # not trainer.model: that would load a finished run's weights
+    if model is not None:
+        parallelism.check_plan(config, model)
 
 
 # -- training ----------------------------------------------------------------------------------------
