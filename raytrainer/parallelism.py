@@ -145,19 +145,28 @@ def check_plan(config, model) -> None:
         "model_init (transformers' style names), or drop tp_size and shard with dp_shard_size alone.")
 
 
+_meshes: dict = {}  # (sizes, device type) -> (the default group it was built over, the mesh)
+
+
 def build_mesh(config, ctx):
     """The run's device mesh (a collective), with accelerate's flattened ``dp`` and ``dp_shard_cp``
-    dimensions; each rank checks that its tensor-parallel group lies within one node."""
+    dimensions; each rank checks that its tensor-parallel group lies within one node. Built once per
+    worker group and shape: every later Trainer and search trial on the same warm group reuses it (each
+    build makes a process group per dimension slice, which would pile up over a search's trials)."""
     import warnings
 
+    import torch.distributed as dist
+
+    key = (*(getattr(config, k) for k in SIZES), ctx.device.type)
+    made = _meshes.get(key)
+    if made is not None and made[0] is dist.group.WORLD:
+        return made[1]
     mesh = config.build_device_mesh(ctx.device.type)
     # FSDP takes its dimensions as accelerate flattened them (dp_shard_cp); torch warns at every slice of a
     # flattened dimension from the root that a later release will want the flattened mesh kept instead
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     group = model_parallel_size(config)
     if group > 1 and ctx.distributed:
-        import torch.distributed as dist
-
         nodes = [None] * ctx.world_size
         dist.all_gather_object(nodes, ctx.node_rank)
         split = [r for r in range(0, ctx.world_size, group) if len(set(nodes[r:r + group])) > 1]
@@ -168,6 +177,7 @@ def build_mesh(config, ctx):
                 f"{nodes.count(nodes[0])} workers on the first node, not a multiple of tp_size x cp_size = "
                 f"{group}. Use nodes whose worker counts are multiples of it (resources_per_worker, "
                 "num_workers).")
+    _meshes[key] = (dist.group.WORLD, mesh)
     return mesh
 
 
