@@ -76,6 +76,13 @@ class NoPlan(torch.nn.Module):
 
 
 def test_tensor_parallelism_for_a_model_without_a_plan_is_refused_on_the_driver(tmp_path):
+    import sys
+
+    def ray_up() -> bool:
+        ray = sys.modules.get("ray")
+        return ray is not None and ray.is_initialized()
+
+    up_before = ray_up()  # a whole-suite run has the integration tests' Ray instance up already
     data = [{"x": torch.zeros(4), "labels": torch.zeros(2)} for _ in range(8)]
     args = _args(tmp_path, parallelism_config={"dp_shard_size": 2, "tp_size": 2})
     for trainer in (Trainer(model=NoPlan(), args=args, train_dataset=data),
@@ -83,11 +90,8 @@ def test_tensor_parallelism_for_a_model_without_a_plan_is_refused_on_the_driver(
         with pytest.raises(ValueError, match="NoPlan has no tensor-parallel plan") as info:
             trainer.train()
         assert "model.tp_plan = " in str(info.value)
-    # no worker was started for it: the check runs before Ray is asked for anything
-    import sys
-
-    ray = sys.modules.get("ray")
-    assert ray is None or not ray.is_initialized()
+        assert "_group" not in vars(trainer)  # no worker group was started for it
+    assert ray_up() == up_before  # the check runs before Ray is asked for anything
 
 
 def test_a_hosted_trainers_ranks_get_accelerates_object_whatever_form_it_was_given_in(tmp_path):
