@@ -15,7 +15,7 @@ What the mixin changes in transformers' behaviour, and why:
 
 - Values are checked on the driver before transformers derives anything: each mistake is a `ValueError` that
   reads "<field>=<value>: <what is wrong>; <how to fix it>" (`raytrainer/arg_types.py`), and the values
-  raytrainer cannot honour (XLA FSDP, tensor parallelism, an optimizer whose package is not installed) are
+  raytrainer cannot honour (XLA FSDP, context parallelism, an optimizer whose package is not installed) are
   refused by name.
 - The process view (`world_size`, `process_index`, `device`, `should_log`, ...) describes the run, not the
   driver's process: on the driver it is rank 0's view of `num_workers` workers, and each worker calls
