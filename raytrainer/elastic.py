@@ -26,7 +26,7 @@ import re
 logger = logging.getLogger(__name__)
 
 #: How long the ranks wait, after committing the checkpoint a growth asked for, for Ray Train to restart
-#: the group bigger (driver/elastic_policy.py); past it they train on, and a later growth asks again.
+#: the group bigger (driver/scaling_policy.py); past it they train on, and a later growth asks again.
 GROWTH_HOLD_S = 60.0
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")

@@ -37,6 +37,7 @@ class Channel:
         self._expected = 0  # the results the latest command needs (the world size)
         self._closing = False
         self._controller = None  # Ray Train's controller actor, to abort the run (after_controller_start)
+        self._placement_group = None  # the current worker group's (after_worker_group_start)
         self._reset_command_state()
         self._fatal: Fatal | None = None  # the first deterministic failure of a rank
 
@@ -105,7 +106,7 @@ class Channel:
                 return None
         return self._results
 
-    # -- an elastic run's growth, at a checkpoint boundary (driver/elastic_policy.py) ---------------------
+    # -- an elastic run's growth, at a checkpoint boundary (driver/scaling_policy.py) ---------------------
     async def grow_when_ready(self) -> bool:
         """The scaling policy (in Ray Train's controller) has room for more workers: whether the group may
         be restarted bigger now -- no ``train`` in flight, or the ranks have committed a checkpoint for it
@@ -138,6 +139,12 @@ class Channel:
 
     async def controller(self):
         return self._controller
+
+    async def set_placement_group(self, group) -> None:
+        self._placement_group = group
+
+    async def placement_group(self):
+        return self._placement_group
 
     # -- events and the run's bookkeeping (ranks -> driver) ---------------------------------------------
     async def put(self, events: list[Event]) -> None:
@@ -240,6 +247,9 @@ class RayChannel:
 
     def controller(self):
         return ray.get(self.actor.controller.remote(), timeout=10)
+
+    def placement_group(self):
+        return ray.get(self.actor.placement_group.remote(), timeout=10)
 
     def close(self) -> None:
         """No more commands (each rank's loop returns); quietly nothing when Ray or the actor is gone."""

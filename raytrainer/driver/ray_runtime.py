@@ -15,10 +15,15 @@ _LOCAL_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # print() on a worker appears once on the driver
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "RAY_DEDUP_LOGS": "0",
+    "RAYTRAINER_LOCAL_RAY": "1",  # in_local_instance(), in every process of the instance
 }
 
 
 _STARTED_HERE = False  # this process started the local Ray instance it uses (no autoscaler behind it)
+
+#: ``RAYTRAINER_RAY_DASHBOARD=1`` starts the local instance with Ray's dashboard and its State API (without
+#: it, Ray runs a dashboard process that serves nothing but usage statistics).
+DASHBOARD_ENV = "RAYTRAINER_RAY_DASHBOARD"
 
 
 def cpus_needed(args) -> float:
@@ -28,6 +33,18 @@ def cpus_needed(args) -> float:
 
 def gpus_needed(args) -> float:
     return args.num_workers * (args.resources_per_worker or {}).get("GPU", 1) if args.use_gpu else 0
+
+
+def serves_state_api() -> bool:
+    """Whether the Ray instance runs Ray's State API: not where raytrainer started it without the dashboard.
+    Read from the environment, which the instance's processes (a Tune trial's actor too) inherit."""
+    return os.environ.get(DASHBOARD_ENV, "1") == "1"
+
+
+def in_local_instance() -> bool:
+    """Whether this process (the driver, a Tune trial's actor) runs in a local instance raytrainer started:
+    one machine, no autoscaler behind it."""
+    return os.environ.get("RAYTRAINER_LOCAL_RAY") == "1"
 
 
 def started_here() -> bool:
@@ -63,6 +80,8 @@ def ensure_ray(args) -> None:
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("connecting to the Ray cluster at %s", address)
+        for key in ("RAYTRAINER_LOCAL_RAY", DASHBOARD_ENV):  # inherited from a process that started one
+            os.environ.pop(key, None)
         ray.init(address=address, log_to_driver=True)
         return
     for key, value in _LOCAL_ENV.items():
@@ -73,13 +92,17 @@ def ensure_ray(args) -> None:
     logger.info("starting a local Ray instance with %d CPUs", num_cpus)
     global _STARTED_HERE
     _STARTED_HERE = True
-    # The dashboard serves the State API that Ray Train's placement-group cleaner polls (~1 s to start).
+    # Without the dashboard unless asked for: its head and modules are about 1 GB of the process tree and a
+    # second of a 2-core machine's start, and a local run needs nothing it serves. Ray Train's
+    # placement-group cleaner, the one user of its State API here, is left out with it (driver/ray_train.py).
     # Ray's own output (its controller's progress lines, helper actors' errors, workers' stdout and stderr)
     # stays in the instance's log files: the console shows raytrainer's output, which reaches the driver
     # through the run's channel -- the workers' log records and what their Python code prints.
+    dashboard = os.environ.get(DASHBOARD_ENV, "0") == "1"
+    os.environ[DASHBOARD_ENV] = "1" if dashboard else "0"
     with _without_secrets():  # only the driver pushes to the Hub: its processes need no token
-        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=None, log_to_driver=False,
-                           logging_level=logging.WARNING, configure_logging=True)
+        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+                           log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
     logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
     print(f"raytrainer: started a local Ray instance ({num_cpus} CPUs); Ray's own output: {logs}",
           file=sys.stderr)

@@ -54,7 +54,10 @@ class RayBackend:
         """Run the group as a Ray Train run in ``ray_folder`` (blocks until it ends)."""
         _forget_previous_ray_run(args, ray_folder)
         config = {"channel": channel.actor, "use_gpu": bool(args.use_gpu), "ray_run_root": ray_folder}
-        _torch_trainer(args, config, datasets).fit()
+        try:
+            _torch_trainer(args, config, datasets).fit()
+        finally:
+            _remove_placement_group(channel)
 
     def abort(self, channel) -> None:
         """Abort the Ray Train run now (as Ray Train's own Ctrl-C handler does), through its controller."""
@@ -72,6 +75,22 @@ class RayBackend:
         from ray.train import TrainingFailedError
 
         return worker_error(ended) if isinstance(ended, TrainingFailedError) else ended
+
+
+def _remove_placement_group(channel) -> None:
+    """The run has ended: its controller removed the worker group's placement group, unless it died first
+    (killed, out of memory). Then the group's CPUs and GPUs stay reserved for as long as the driver lives:
+    Ray scopes a placement group to its job, not to the actor that made it. Ray Train's placement-group
+    cleaner actor covers this where Ray's State API is served; the driver does it for every run."""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    try:
+        group = channel.placement_group()
+        if group is not None and placement_group_table(group).get("state") != "REMOVED":
+            logger.warning("the run's controller ended without removing its placement group: removing it")
+            remove_placement_group(group)
+    except Exception as exc:  # the channel or Ray is gone: so is the placement group
+        logger.debug("placement group: %s", exc)
 
 
 def _forget_previous_ray_run(args, folder: str) -> None:
@@ -116,10 +135,11 @@ def _run_config(args, channel, folder: str):
 def _controller_handle(channel):
     """A Ray Train controller callback that gives the group's channel the controller's handle, so the
     driver can abort a run it follows from another thread (Ray Train's own Ctrl-C handler is installed only
-    when ``fit()`` runs in the main thread)."""
-    from ray.train.v2._internal.execution.callback import ControllerCallback
+    when ``fit()`` runs in the main thread), and the worker group's placement group, which the driver removes
+    if the controller dies without removing it (``RayBackend.launch``)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-    class ControllerHandle(ControllerCallback):
+    class ControllerHandle(ControllerCallback, WorkerGroupCallback):
         def __init__(self, channel):
             self.channel = channel
 
@@ -127,6 +147,10 @@ def _controller_handle(channel):
             import ray
 
             self.channel.set_controller.remote(ray.get_runtime_context().current_actor)
+
+        def after_worker_group_start(self, worker_group):
+            state = worker_group.get_worker_group_state()
+            self.channel.set_placement_group.remote(state.placement_group_handle.placement_group)
 
     return ControllerHandle(channel)
 
@@ -159,23 +183,31 @@ RESIZE_CHECK_ENV = "RAYTRAINER_ELASTIC_RESIZE_CHECK_S"
 
 
 def _trainer_class(channel, elastic: bool):
-    """``TorchTrainer`` as raytrainer runs it: without Ray Train's dataset manager when the run has no Ray
-    Dataset (an actor per group that would hold ~200 MB and serve nothing), and for an elastic run a
-    controller that grows the group only at a checkpoint (driver/elastic_policy.py)."""
+    """``TorchTrainer`` as raytrainer runs it: without the helper actors that would serve nothing -- Ray
+    Train's dataset manager when the run has no Ray Dataset (~200 MB a group), its placement-group cleaner
+    where there is no State API, its autoscaling coordinator on the local instance raytrainer started -- and
+    for an elastic run a controller that grows the group only at a checkpoint (driver/scaling_policy.py)."""
     from ray.train.torch import TorchTrainer
+
+    from raytrainer.driver.ray_runtime import in_local_instance, serves_state_api
 
     class RaytrainerTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
+            left_out = set()
             if not self.datasets:  # its DatasetManager actor starts whether or not there are datasets
-                callbacks = [c for c in callbacks if type(c).__name__ != "DatasetsCallback"]
-            return callbacks
+                left_out.add("DatasetsCallback")
+            if not serves_state_api():  # its cleaner actor polls the State API, which needs the dashboard
+                left_out.add("PlacementGroupCleanerCallback")
+            return [c for c in callbacks if type(c).__name__ not in left_out]
 
         def _initialize_and_run_controller(self, **kwargs):
-            if elastic:
-                from raytrainer.driver.elastic_policy import GrowAtCheckpoints
+            from raytrainer.driver import scaling_policy
 
-                kwargs["scaling_policy"] = GrowAtCheckpoints(self.scaling_config, channel)
+            if elastic:
+                kwargs["scaling_policy"] = scaling_policy.GrowAtCheckpoints(self.scaling_config, channel)
+            elif in_local_instance():
+                kwargs["scaling_policy"] = scaling_policy.FixedWithoutAutoscaler(self.scaling_config)
             return super()._initialize_and_run_controller(**kwargs)
 
     return RaytrainerTorchTrainer

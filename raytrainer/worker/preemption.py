@@ -3,7 +3,7 @@
 Ray Train (2.60 and later) watches the nodes its workers run on for drains -- a spot instance's reclaim, a
 preemptible VM's notice, ``ray drain-node`` -- and hands every worker the notice (``PreemptionInfo``). On a
 notice, each rank flags it (and rank 0 flags an elastic run's request to grow, polled from the group's
-channel: driver/elastic_policy.py); the ranks agree without waiting on each other: at a check every rank
+channel: driver/scaling_policy.py); the ranks agree without waiting on each other: at a check every rank
 starts an all-reduce (MAX) of its flag on a gloo group beside the training group and reads the result of
 the previous check's, long finished by then. The ranks compare at every step at first, then about once a
 second of training (``CHECK_EVERY_S``: a step count set once from the ranks' mean step time over the

@@ -931,3 +931,17 @@ def seeded_tp_blocks() -> TPBlocks:
     """model_init: the same TPBlocks weights at every call."""
     torch.manual_seed(0)
     return TPBlocks()
+
+
+class MarkThenWait(TrainerCallback):
+    """Rank 0 writes ``<output_dir>/at-step`` at the end of step ``step``, then waits ``seconds``: a run
+    caught mid-command, for a test to act on from outside."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and state.is_world_process_zero:
+            with open(os.path.join(args.output_dir, "at-step"), "w") as f:
+                f.write(str(state.global_step))
+            time.sleep(self.seconds)

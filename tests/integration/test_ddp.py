@@ -124,7 +124,7 @@ def test_predict_two_workers_every_example_once_in_order(tmp_path, caplog):
 
 def test_bad_input_fails_on_the_driver_before_any_worker(tmp_path, ray_session):
     """An unpicklable model_init is named on the driver; no Ray actor is created."""
-    from ray.util.state import list_actors
+    from ray_state import alive_actors
 
     lock = threading.Lock()
 
@@ -132,10 +132,8 @@ def test_bad_input_fails_on_the_driver_before_any_worker(tmp_path, ray_session):
         with lock:
             return Regressor()
 
-    address = ray_session.get_runtime_context().gcs_address  # this session's instance, not another's
-
-    def alive():
-        return {a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])}
+    def alive():  # this session's instance, not another's
+        return {a["ActorID"] for a in alive_actors()}
 
     before = alive()
     trainer = Trainer(model_init=model_init, train_dataset=make_data(16),

@@ -97,10 +97,11 @@ def _losses(folder) -> list[tuple[int, float]]:
 @pytest.mark.full  # the full tier: three 2-worker runs; CI kills a worker mid-run (test_failures.py)
 @pytest.mark.timeout(600)
 def test_a_killed_ray_driver_leaves_no_actor_and_the_rerun_resumes_the_same_steps(tmp_path, ray_session):
-    from ray.util.state import list_actors, list_placement_groups
+    from ray_state import alive_actors, live_placement_groups
 
     address = ray_session.get_runtime_context().gcs_address
     reference = _run(tmp_path, address, "reference")
+    groups_before = live_placement_groups()
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     # the run's checkpoints in its storage (storage_path), apart from the driver's output_dir
@@ -108,11 +109,9 @@ def test_a_killed_ray_driver_leaves_no_actor_and_the_rerun_resumes_the_same_step
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-3000:]
     job = killed.stdout.split("JOB ", 1)[1].split()[0]
 
-    def left():  # the killed job's actors and placement groups that Ray has not yet ended
-        return ([a.class_name for a in list_actors(address=address, filters=[("job_id", "=", job),
-                                                                              ("state", "=", "ALIVE")])],
-                [p.placement_group_id for p in list_placement_groups(address=address, detail=True)
-                 if p.creator_job_id == job and p.state == "CREATED"])
+    def left():  # the killed job's actors, and the placement groups made since, that Ray has not yet ended
+        return ([a["ActorClassName"] for a in alive_actors(job=job)],
+                sorted(live_placement_groups() - groups_before))
 
     deadline = time.monotonic() + 60
     while left() != ([], []) and time.monotonic() < deadline:

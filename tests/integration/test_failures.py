@@ -135,20 +135,16 @@ def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_pat
     the run with an error naming rank 1; the last committed checkpoint is intact and resumes; the run leaves
     no actor and no placement group behind."""
     from models import DieOnceOnRank
-    from ray.util.state import list_actors, list_placement_groups
+    from ray_state import alive_actors, live_placement_groups
 
     from raytrainer import Trainer
     from raytrainer.checkpoint import committed_checkpoints
     from raytrainer.storage import Storage
 
-    address = ray_session.get_runtime_context().gcs_address
-
     def alive():  # the run's own actors (Ray's singletons, made on first use, live as long as Ray)
-        return ({f"{a.class_name} {a.actor_id}" for a in list_actors(address=address,
-                                                                     filters=[("state", "=", "ALIVE")])
-                 if a.class_name in ("TrainController", "RayTrainWorker", "Channel")},
-                {p.placement_group_id for p in list_placement_groups(address=address,
-                                                                     filters=[("state", "=", "CREATED")])})
+        return ({f"{a['ActorClassName']} {a['ActorID']}"
+                 for a in alive_actors(("TrainController", "RayTrainWorker", "Channel"))},
+                live_placement_groups())
 
     before = alive()
     with pytest.raises(Exception) as info:  # whatever its class, it must name the rank
@@ -171,3 +167,55 @@ def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_pat
                              per_device_train_batch_size=8, report_to="none", disable_tqdm=True, seed=3)
     resumed = Trainer(model=Regressor(), args=args, train_dataset=make_data(32))
     assert resumed.train(resume_from_checkpoint=True).global_step == 8  # from checkpoint-2, one process
+
+
+@pytest.mark.timeout(240)
+def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ray_session):
+    """Ray Train's controller killed mid-run (as the kernel's OOM killer would): its placement group outlives
+    it (Ray scopes it to the job), and the driver removes it, so the cluster's CPUs are free again. On the
+    local instance raytrainer starts, the run has no placement-group cleaner actor (it would poll a State
+    API that instance does not serve) and no autoscaling coordinator actor (no autoscaler to tell)."""
+    import threading
+    import time
+
+    import ray
+    from models import MarkThenWait
+    from ray_state import alive_actors, live_placement_groups
+
+    from raytrainer import Trainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, max_steps=6, max_failures=0,
+                             per_device_train_batch_size=4, save_strategy="no", report_to="none",
+                             disable_tqdm=True)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(32),
+                      callbacks=[MarkThenWait(step=2, seconds=120)])
+    actors_before, groups_before = {a["ActorID"] for a in alive_actors()}, live_placement_groups()
+    free_before = ray.available_resources().get("CPU", 0)
+    seen = {}
+
+    def kill_the_controller():
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "at-step").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen["actors"] = sorted(a["ActorClassName"] for a in alive_actors()
+                                if a["ActorID"] not in actors_before)
+        seen["groups"] = live_placement_groups() - groups_before
+        ray.kill(trainer.__dict__["_group"].channel.controller())
+
+    killer = threading.Thread(target=kill_the_controller)
+    killer.start()
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        trainer.train()
+    killer.join()
+    assert seen["actors"].count("RayTrainWorker") == 2 and "TrainController" in seen["actors"], seen
+    assert "PlacementGroupCleaner" not in seen["actors"], seen
+    assert "_AutoscalingCoordinatorActor" not in seen["actors"], seen  # vacuous if Ray Data made one earlier
+    assert len(seen["groups"]) == 1, seen  # the run's placement group, while it ran
+    deadline = time.monotonic() + 30
+    while live_placement_groups() & seen["groups"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not live_placement_groups() & seen["groups"]
+    while ray.available_resources().get("CPU", 0) < free_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= free_before
+    trainer.close()

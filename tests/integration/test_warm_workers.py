@@ -29,21 +29,16 @@ def _args(tmp_path, name: str, **kw) -> TrainingArguments:
 
 
 def _state(ray_session):
-    from ray.util.state import list_actors, list_placement_groups
-
-    address = ray_session.get_runtime_context().gcs_address
+    from ray_state import alive_actors, live_placement_groups
 
     def workers():
-        return sorted((a.actor_id, a.pid) for a in list_actors(
-            address=address, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]))
+        return sorted((a["ActorID"], a["Pid"]) for a in alive_actors(("RayTrainWorker",)))
 
     def run_actors():
-        return {a.actor_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
-                if a.class_name in ("TrainController", "RayTrainWorker", "Channel")}
+        return {a["ActorID"] for a in alive_actors(("TrainController", "RayTrainWorker", "Channel"))}
 
     def placement_groups():
-        return {p.placement_group_id for p in list_placement_groups(
-            address=address, filters=[("state", "!=", "REMOVED")])}
+        return live_placement_groups()
 
     return workers, run_actors, placement_groups
 

@@ -24,8 +24,9 @@ CHANNEL_METHODS = {
     "decide_evaluation": "evaluation decision", "evaluation_decision": "evaluation decision",
     "grow_when_ready": "growth request", "growth_requested": "growth request",
     "growth_committed": "growth request",
-    # not a worker message: the driver's handle on Ray Train's controller, to abort a run
-    "set_controller": None, "controller": None,
+    # not worker messages: the driver's handles on Ray Train's controller, to abort a run, and on the worker
+    # group's placement group, to remove it if the controller dies first
+    "set_controller": None, "controller": None, "set_placement_group": None, "placement_group": None,
 }
 
 

@@ -1,5 +1,12 @@
-"""An elastic run's scaling policy: Ray Train's own (``ElasticScalingPolicy``), except that a group grows
-only at a checkpoint boundary.
+"""The scaling policies raytrainer gives Ray Train's controller in place of its own.
+
+**A fixed group on the local instance raytrainer starts** (``FixedWithoutAutoscaler``): Ray Train's
+``FixedScalingPolicy`` without its resource requests. Ray Train sends them, at the start and every few
+seconds, to an autoscaling coordinator actor it starts once per Ray instance (a process of ~120 MiB PSS),
+which hands them to the cluster's autoscaler; a local instance has none.
+
+**An elastic run** (``GrowAtCheckpoints``): Ray Train's own (``ElasticScalingPolicy``), except that a group
+grows only at a checkpoint boundary.
 
 Ray Train's policy, in its controller, checks the cluster every ``elastic_resize_monitor_interval_s`` and
 restarts a running group bigger as soon as more workers fit: the steps since the last checkpoint would be
@@ -10,7 +17,7 @@ restarts the group at the bigger size, which resumes from that checkpoint: no st
 group between calls grows at once. Shrinking is Ray Train's: a lost node's worker fails, the group restarts
 on what is left (within ``max_failures``).
 
-This object is built on the driver and pickled to the controller actor, where it runs; it holds the
+Both are built on the driver and pickled to the controller actor, where they run; the elastic one holds the
 channel's actor handle and asks it one short question per check while a growth is pending.
 """
 
@@ -21,8 +28,20 @@ import logging
 import ray
 from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
 logger = logging.getLogger(__name__)
+
+
+class FixedWithoutAutoscaler(FixedScalingPolicy):
+    def after_controller_start(self, train_run_context):
+        self._requester_id = f"train-{train_run_context.run_id}"  # no coordinator client: nothing to cancel
+
+    def _maybe_send_resource_request(self):
+        pass
+
+    def _send_resource_request(self):
+        pass
 
 
 class GrowAtCheckpoints(ElasticScalingPolicy):
