@@ -15,11 +15,20 @@ _LOCAL_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # print() on a worker appears once on the driver
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "RAY_DEDUP_LOGS": "0",
+}
+
+# Environment of the local instance's processes only, not of the driver after the start: a Ray cluster the
+# driver's script starts later (``ray start``) inherits the driver's environment, and must not get these.
+_INSTANCE_ENV = {
     "RAYTRAINER_LOCAL_RAY": "1",  # in_local_instance(), in every process of the instance
+    # Ray Train's preemption watcher (an actor per group) polls Ray for drained nodes: a local instance's
+    # one node is never drained for a preemption (raytrainer acts on a notice however it comes)
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 
 
 _STARTED_HERE = False  # this process started the local Ray instance it uses (no autoscaler behind it)
+_DASHBOARD = False  # ... with Ray's dashboard
 
 #: ``RAYTRAINER_RAY_DASHBOARD=1`` starts the local instance with Ray's dashboard and its State API (without
 #: it, Ray runs a dashboard process that serves nothing but usage statistics).
@@ -37,14 +46,16 @@ def gpus_needed(args) -> float:
 
 def serves_state_api() -> bool:
     """Whether the Ray instance runs Ray's State API: not where raytrainer started it without the dashboard.
-    Read from the environment, which the instance's processes (a Tune trial's actor too) inherit."""
+    In the instance's processes (a Tune trial's actor) read from the environment they inherit."""
+    if _STARTED_HERE:
+        return _DASHBOARD
     return os.environ.get(DASHBOARD_ENV, "1") == "1"
 
 
 def in_local_instance() -> bool:
     """Whether this process (the driver, a Tune trial's actor) runs in a local instance raytrainer started:
     one machine, no autoscaler behind it."""
-    return os.environ.get("RAYTRAINER_LOCAL_RAY") == "1"
+    return _STARTED_HERE or os.environ.get("RAYTRAINER_LOCAL_RAY") == "1"
 
 
 def started_here() -> bool:
@@ -80,8 +91,6 @@ def ensure_ray(args) -> None:
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("connecting to the Ray cluster at %s", address)
-        for key in ("RAYTRAINER_LOCAL_RAY", DASHBOARD_ENV):  # inherited from a process that started one
-            os.environ.pop(key, None)
         ray.init(address=address, log_to_driver=True)
         return
     for key, value in _LOCAL_ENV.items():
@@ -90,7 +99,7 @@ def ensure_ray(args) -> None:
     # would wait forever behind training workers holding every CPU of a small machine.
     num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999) + 2)
     logger.info("starting a local Ray instance with %d CPUs", num_cpus)
-    global _STARTED_HERE
+    global _STARTED_HERE, _DASHBOARD
     _STARTED_HERE = True
     # Without the dashboard unless asked for: its head and modules are about 1 GB of the process tree and a
     # second of a 2-core machine's start, and a local run needs nothing it serves. Ray Train's
@@ -98,10 +107,10 @@ def ensure_ray(args) -> None:
     # Ray's own output (its controller's progress lines, helper actors' errors, workers' stdout and stderr)
     # stays in the instance's log files: the console shows raytrainer's output, which reaches the driver
     # through the run's channel -- the workers' log records and what their Python code prints.
-    dashboard = os.environ.get(DASHBOARD_ENV, "0") == "1"
-    os.environ[DASHBOARD_ENV] = "1" if dashboard else "0"
-    with _without_secrets():  # only the driver pushes to the Hub: its processes need no token
-        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+    _DASHBOARD = os.environ.get(DASHBOARD_ENV, "0") == "1"
+    instance_env = {**_INSTANCE_ENV, DASHBOARD_ENV: "1" if _DASHBOARD else "0"}
+    with _without_secrets(), _environment(instance_env):  # only the driver pushes to the Hub
+        context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=_DASHBOARD,
                            log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
     logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
     print(f"raytrainer: started a local Ray instance ({num_cpus} CPUs); Ray's own output: {logs}",
@@ -109,6 +118,19 @@ def ensure_ray(args) -> None:
 
 
 _SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """``values`` in the environment while the local instance starts (its raylet and GCS inherit them, and
+    every worker the raylet starts), then the driver's own environment back. A variable the user set wins."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager

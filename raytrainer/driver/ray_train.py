@@ -157,8 +157,8 @@ def _controller_handle(channel):
 
 def _torch_trainer(args, config: dict, datasets: dict | None = None):
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig
 
+    from raytrainer.driver.torch_backend import ProcessGroupConfig
     from raytrainer.worker.entry import worker_main
 
     scaling = ScalingConfig(
@@ -170,7 +170,7 @@ def _torch_trainer(args, config: dict, datasets: dict | None = None):
     )
     if args.elastic:  # how often Ray Train's controller looks for room to grow (its default: 60 s)
         scaling.elastic_resize_monitor_interval_s = float(os.environ.get(RESIZE_CHECK_ENV, 60.0))
-    torch_config = TorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
+    torch_config = ProcessGroupConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout)
     run_config = _run_config(args, config["channel"], config["ray_run_root"])
     trainer_class = _trainer_class(config["channel"], elastic=args.elastic)
     return trainer_class(worker_main, train_loop_config=config, scaling_config=scaling,

@@ -174,7 +174,8 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
     """Ray Train's controller killed mid-run (as the kernel's OOM killer would): its placement group outlives
     it (Ray scopes it to the job), and the driver removes it, so the cluster's CPUs are free again. On the
     local instance raytrainer starts, the run has no placement-group cleaner actor (it would poll a State
-    API that instance does not serve) and no autoscaling coordinator actor (no autoscaler to tell)."""
+    API that instance does not serve), no preemption watcher (its one node is not drained), no autoscaling
+    coordinator actor (no autoscaler to tell), and its controller has not imported torch."""
     import threading
     import time
 
@@ -200,7 +201,9 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
         seen["actors"] = sorted(a["ActorClassName"] for a in alive_actors()
                                 if a["ActorID"] not in actors_before)
         seen["groups"] = live_placement_groups() - groups_before
-        ray.kill(trainer.__dict__["_group"].channel.controller())
+        controller = trainer.__dict__["_group"].channel.controller()
+        seen["torch in the controller"] = ray.get(controller.__ray_call__.remote(_imports_torch))
+        ray.kill(controller)
 
     killer = threading.Thread(target=kill_the_controller)
     killer.start()
@@ -208,7 +211,8 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
         trainer.train()
     killer.join()
     assert seen["actors"].count("RayTrainWorker") == 2 and "TrainController" in seen["actors"], seen
-    assert "PlacementGroupCleaner" not in seen["actors"], seen
+    assert "PlacementGroupCleaner" not in seen["actors"] and "PreemptionWatcher" not in seen["actors"], seen
+    assert seen["torch in the controller"] is False  # driver/torch_backend.py
     assert "_AutoscalingCoordinatorActor" not in seen["actors"], seen  # vacuous if Ray Data made one earlier
     assert len(seen["groups"]) == 1, seen  # the run's placement group, while it ran
     deadline = time.monotonic() + 30
@@ -219,3 +223,9 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) >= free_before
     trainer.close()
+
+
+def _imports_torch(actor) -> bool:
+    import sys
+
+    return "torch" in sys.modules
