@@ -194,6 +194,11 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
     free_before = ray.available_resources().get("CPU", 0)
     seen = {}
 
+    def imports_torch(actor) -> bool:  # run in the controller's process (pickled by value: a local function)
+        import sys
+
+        return "torch" in sys.modules
+
     def kill_the_controller():
         deadline = time.monotonic() + 150
         while not (tmp_path / "at-step").exists() and time.monotonic() < deadline:
@@ -202,7 +207,7 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
                                 if a["ActorID"] not in actors_before)
         seen["groups"] = live_placement_groups() - groups_before
         controller = trainer.__dict__["_group"].channel.controller()
-        seen["torch in the controller"] = ray.get(controller.__ray_call__.remote(_imports_torch))
+        seen["torch in the controller"] = ray.get(controller.__ray_call__.remote(imports_torch))
         ray.kill(controller)
 
     killer = threading.Thread(target=kill_the_controller)
@@ -223,9 +228,3 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) >= free_before
     trainer.close()
-
-
-def _imports_torch(actor) -> bool:
-    import sys
-
-    return "torch" in sys.modules
