@@ -71,10 +71,18 @@ class RayBackend:
             logger.debug("abort: %s", exc)
 
     def failure(self, ended: BaseException | None) -> BaseException | None:
-        """The error to raise for a run that ended with ``ended``: the failing worker's own exception."""
+        """The error to raise for a run that ended with ``ended``: the failing worker's own exception, or
+        Ray's for a controller that died, with a note saying so."""
+        from ray.exceptions import ActorDiedError
         from ray.train import TrainingFailedError
 
-        return worker_error(ended) if isinstance(ended, TrainingFailedError) else ended
+        if isinstance(ended, TrainingFailedError):
+            return worker_error(ended)
+        if isinstance(ended, ActorDiedError):
+            ended.add_note("(Ray Train's controller of this run died -- killed, or out of memory: Ray's logs "
+                           "say which; its workers ended with it and raytrainer removed its placement group. "
+                           "The Trainer's next call starts a new worker group.)")
+        return ended
 
 
 def _remove_placement_group(channel) -> None:
@@ -91,6 +99,29 @@ def _remove_placement_group(channel) -> None:
             remove_placement_group(group)
     except Exception as exc:  # the channel or Ray is gone: so is the placement group
         logger.debug("placement group: %s", exc)
+
+
+def placement_groups_of_this_job() -> set[str]:
+    """The ids of the live placement groups this driver's job made (a placement group's id ends with its
+    job's): those of its worker groups, and of its Tune trials and their worker groups."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    job = ray.get_runtime_context().get_job_id()
+    return {pg_id for pg_id, pg in placement_group_table().items()
+            if pg_id.endswith(job) and pg["state"] != "REMOVED"}
+
+
+def remove_placement_groups(ids: set[str]) -> None:
+    """Remove the placement groups ``ids``: what the worker groups of Tune trials killed at the end of a
+    search left (their controllers died with the trials' actors) where Ray Train's cleaner does not run."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    if ids:
+        logger.info("removing %d placement group(s) left by trials that Ray Tune ended", len(ids))
+    for pg_id in ids:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 def _forget_previous_ray_run(args, folder: str) -> None:

@@ -199,7 +199,8 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
                  hp_name: Callable | None = None, **kwargs) -> BestRun:
     from ray import tune
 
-    from raytrainer.driver.ray_runtime import ensure_ray
+    from raytrainer.driver.ray_runtime import ensure_ray, serves_state_api
+    from raytrainer.driver.ray_train import placement_groups_of_this_job, remove_placement_groups
 
     if isinstance(direction, list):
         raise ValueError("backend='ray' optimises one objective; for a list of directions use "
@@ -243,8 +244,13 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
                        run_config=tune.RunConfig(**run_kwargs))
-    with _tune_output(quiet=run_kwargs["verbose"] == 0), _signal_handlers_restored():
-        results = tuner.fit()
+    groups_before = placement_groups_of_this_job()
+    try:
+        with _tune_output(quiet=run_kwargs["verbose"] == 0), _signal_handlers_restored():
+            results = tuner.fit()
+    finally:  # Tune kills the trials still stopping 5 s after the end; Ray Train's cleaner may not run
+        if not serves_state_api():
+            remove_placement_groups(placement_groups_of_this_job() - groups_before)
     if not any(METRIC in (r.metrics or {}) for r in results):
         errors = [e for e in results.errors if e is not None]
         if errors:

@@ -212,8 +212,9 @@ def test_a_run_whose_controller_dies_gives_back_its_placement_group(tmp_path, ra
 
     killer = threading.Thread(target=kill_the_controller)
     killer.start()
-    with pytest.raises(ray.exceptions.ActorDiedError):
+    with pytest.raises(ray.exceptions.ActorDiedError) as info:
         trainer.train()
+    assert any("Ray Train's controller of this run died" in note for note in info.value.__notes__)
     killer.join()
     assert seen["actors"].count("RayTrainWorker") == 2 and "TrainController" in seen["actors"], seen
     assert "PlacementGroupCleaner" not in seen["actors"] and "PreemptionWatcher" not in seen["actors"], seen

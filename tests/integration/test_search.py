@@ -164,6 +164,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     from ray import tune
     from ray.tune import with_parameters
     from ray.tune.schedulers import ASHAScheduler
+    from ray_state import live_placement_groups
 
     calls = tmp_path / "calls"
     calls.mkdir()
@@ -177,6 +178,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     monkeypatch.setattr(tune, "with_parameters",
                         lambda trainable, **kw: given.append(kw) or with_parameters(trainable, **kw))
     sigint_before = signal.getsignal(signal.SIGINT)
+    groups_before = live_placement_groups()
     with caplog.at_level("WARNING", logger="raytrainer"):
         best = trainer.hyperparameter_search(
             hp_space=lambda _: {"learning_rate": tune.grid_search(rates)}, n_trials=1, backend="ray",
@@ -235,3 +237,8 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     while any(_alive(c["pid"]) for c in made) and time.time() < deadline:
         time.sleep(1)
     assert not any(_alive(c["pid"]) for c in made), made
+    # nor a placement group: the trials' and their worker groups' are gone (no State API, so no Ray Train
+    # cleaner on this instance: Ray Train's controllers and the search remove them)
+    while live_placement_groups() - groups_before and time.time() < deadline:
+        time.sleep(1)
+    assert not live_placement_groups() - groups_before
