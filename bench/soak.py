@@ -56,7 +56,7 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def _sample(address: str) -> dict:
+def _sample() -> dict:
     import ray  # the GCS's tables: Ray's State API needs the dashboard, which a local instance runs without
 
     return {
@@ -78,20 +78,18 @@ def _one_run(out: str) -> float:
 
 
 def soak(runs: int) -> dict:
-    import ray
 
     from raytrainer.driver.ray_runtime import ensure_ray
 
     ensure_ray(TrainingArguments(output_dir=tempfile.gettempdir(), num_workers=2))
-    address = ray.get_runtime_context().gcs_address
     samples, seconds = [], []
     with tempfile.TemporaryDirectory(prefix="raytrainer-soak-") as root:
         for i in range(runs):
             started = time.monotonic()
             loss = _one_run(os.path.join(root, f"run-{i}"))
             seconds.append(time.monotonic() - started)
-            time.sleep(1.0)  # Ray's state API reports actor deaths asynchronously
-            samples.append(_sample(address))
+            time.sleep(1.0)  # Ray records actor deaths asynchronously
+            samples.append(_sample())
             print(f"run {i + 1}/{runs}: {seconds[-1]:.1f}s eval_loss={loss:.4f} {samples[-1]}", flush=True)
     half = samples[runs // 2:]
     report = {}

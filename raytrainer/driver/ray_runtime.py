@@ -19,8 +19,9 @@ _LOCAL_ENV = {
 
 # Environment of the local instance's processes only, not of the driver after the start: a Ray cluster the
 # driver's script starts later (``ray start``) inherits the driver's environment, and must not get these.
+LOCAL_MARK_ENV = "RAYTRAINER_LOCAL_RAY"
 _INSTANCE_ENV = {
-    "RAYTRAINER_LOCAL_RAY": "1",  # in_local_instance(), in every process of the instance
+    LOCAL_MARK_ENV: "1",  # in_local_instance(), in every process of the instance
     # Ray Train's preemption watcher (an actor per group) polls Ray for drained nodes: a local instance's
     # one node is never drained for a preemption (raytrainer acts on a notice however it comes)
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
@@ -55,7 +56,7 @@ def serves_state_api() -> bool:
 def in_local_instance() -> bool:
     """Whether this process (the driver, a Tune trial's actor) runs in a local instance raytrainer started:
     one machine, no autoscaler behind it."""
-    return _STARTED_HERE or os.environ.get("RAYTRAINER_LOCAL_RAY") == "1"
+    return _STARTED_HERE or os.environ.get(LOCAL_MARK_ENV) == "1"
 
 
 def started_here() -> bool:

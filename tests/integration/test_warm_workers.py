@@ -37,10 +37,7 @@ def _state(ray_session):
     def run_actors():
         return {a["ActorID"] for a in alive_actors(("TrainController", "RayTrainWorker", "Channel"))}
 
-    def placement_groups():
-        return live_placement_groups()
-
-    return workers, run_actors, placement_groups
+    return workers, run_actors, live_placement_groups
 
 
 def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_path, ray_session):
