@@ -177,6 +177,7 @@ class TreeSampler(threading.Thread):
         self.seen: dict[int, int] = {}  # pid -> start time (ticks), to tell a reused pid apart
         self.names: dict[int, str] = {}
         self.cpu_s: dict[int, float] = {}  # user + system CPU seconds per process, as last read
+        self.cpu_timeline: list[tuple[float, float]] = []  # (time.time(), the tree's CPU seconds so far)
         self.peak_tree_rss = 0
         self.peak_tree_pss = 0
         self.peak_proc_rss = 0
@@ -207,6 +208,11 @@ class TreeSampler(threading.Thread):
                 del self.seen[pid]
             else:
                 self.cpu_s[pid] = stats[pid][1]
+        self.cpu_timeline.append((time.time(), sum(self.cpu_s.values())))
+
+    def cpu_at(self, when: float) -> float | None:
+        """The tree's CPU seconds up to ``when`` (the first scan at or after it; None past the last)."""
+        return next((cpu for t, cpu in self.cpu_timeline if t >= when), None)
 
     def sample(self) -> None:
         if self.samples % self.scan_every == 0:
@@ -424,6 +430,9 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
             final = next((log for log in reversed(record["logs"]) if "train_loss" in log), {})
             result.update(samples_per_s=sps, samples_per_s_median_step=sps_median_step,
                           time_to_first_step_s=record["time_to_first_step_s"],
+                          # every process of the run, from the launch to the first step: on a machine of
+                          # C cores the first step cannot come sooner than this / C
+                          tree_cpu_s_to_first_step=sampler.cpu_at(t0 + record["time_to_first_step_s"]),
                           steps=len(record["step_ends"]), steady_from_step=k0,
                           world_size=record["world_size"], train_loss=final.get("train_loss"),
                           torch_threads=record.get("torch_threads"), marks_s=record.get("marks_s"))
@@ -439,7 +448,8 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
         shutil.rmtree(cfg["output_dir"], ignore_errors=True)
     status = "ok" if "error" not in result else f"FAILED ({result['error']}; log: {log_path})"
     print(f"  {tag:<22} wall {result.get('wall_s', float('nan')):6.1f}s  "
-          f"first step {_fmt(result.get('time_to_first_step_s'), 1)}s  "
+          f"first step {_fmt(result.get('time_to_first_step_s'), 1)}s "
+          f"(CPU {_fmt(result.get('tree_cpu_s_to_first_step'), 1)}s)  "
           f"samples/s {_fmt(result.get('samples_per_s'), 0)}  "
           f"peak tree RSS {_fmt(result.get('peak_tree_rss_mib'), 0)} MiB  {status}", flush=True)
     if "error" in result and os.path.exists(log_path):
@@ -450,7 +460,8 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
 
 # -- summary ---------------------------------------------------------------------------------------------
 METRICS = ("samples_per_s", "samples_per_s_median_step", "time_to_first_step_s", "wall_s",
-           "peak_tree_rss_mib", "peak_tree_pss_mib", "peak_proc_rss_mib", "tree_cpu_s", "train_loss")
+           "peak_tree_rss_mib", "peak_tree_pss_mib", "peak_proc_rss_mib", "tree_cpu_s",
+           "tree_cpu_s_to_first_step", "train_loss")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -510,9 +521,10 @@ def markdown(summary: dict, info: dict, opts, configs: dict) -> str:
         ref = sides.get("a", {})
         lines += [
             f"### {title}", "",
-            "| side | samples/s | x(a) | samples/s, median step | first step (s) | x(a) | wall (s) | x(a) "
-            f"| peak RSS tree (MiB) | x(a) |{pss_head} max RSS one process (MiB) | x(a) | train loss |",
-            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if opts.pss else ""),
+            "| side | samples/s | x(a) | samples/s, median step | first step (s) | x(a) "
+            "| CPU s to first step | wall (s) | x(a) | peak RSS tree (MiB) | x(a) |"
+            f"{pss_head} max RSS one process (MiB) | x(a) | train loss |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if opts.pss else ""),
         ]
         for side in SIDES:
             if side not in sides:
@@ -523,6 +535,7 @@ def markdown(summary: dict, info: dict, opts, configs: dict) -> str:
                 f"{_ratio(e.get('samples_per_s'), ref.get('samples_per_s'))} | "
                 f"{_fmt(e.get('samples_per_s_median_step'), 0)} | {_fmt(e.get('time_to_first_step_s'), 1)} | "
                 f"{_ratio(e.get('time_to_first_step_s'), ref.get('time_to_first_step_s'))} | "
+                f"{_fmt(e.get('tree_cpu_s_to_first_step'), 1)} | "
                 f"{_fmt(e.get('wall_s'), 1)} | {_ratio(e.get('wall_s'), ref.get('wall_s'))} | "
                 f"{_fmt(e.get('peak_tree_rss_mib'), 0)} | "
                 f"{_ratio(e.get('peak_tree_rss_mib'), ref.get('peak_tree_rss_mib'))} | "

@@ -36,6 +36,8 @@ from transformers.trainer_callback import (
     TrainerState,
 )
 
+from raytrainer.callback_scan import leaves_control_alone
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -70,10 +72,16 @@ def runs_on_driver(callback) -> bool:
 
 
 def same_on_every_rank(callback) -> bool:
-    """Whether ``callback``'s control decisions are the same on every rank (they need no agreement)."""
-    default = isinstance(callback, (DefaultFlowCallback, EarlyStoppingCallback, hf.ProgressCallback,
-                                    PrinterCallback)) or runs_on_driver(callback)
-    return bool(getattr(callback, "same_on_every_rank", default))
+    """Whether ``callback``'s control decisions are the same on every rank (they need no agreement): a
+    callback's own ``same_on_every_rank``, else yes for transformers' flow, early-stopping, progress and
+    printer callbacks, for the driver's, and for one whose code never writes a control flag
+    (``callback_scan``)."""
+    declared = getattr(callback, "same_on_every_rank", None)
+    if declared is not None:
+        return bool(declared)
+    return (isinstance(callback, (DefaultFlowCallback, EarlyStoppingCallback, hf.ProgressCallback,
+                                  PrinterCallback))
+            or runs_on_driver(callback) or leaves_control_alone(callback))
 
 
 def state_to_dict(state: TrainerState) -> dict[str, Any]:

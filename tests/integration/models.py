@@ -95,6 +95,42 @@ class FlagsOnOneRank(TrainerCallback):
                   state.global_step)
 
 
+class FlagSyncCounter(TrainerCallback):
+    """Counts, on each rank, the all-reduces of the control flags during training (the loop's agreement:
+    one int32 tensor of the five flags and the busy bit), by wrapping ``torch.distributed.all_reduce``
+    between on_train_begin and on_train_end. Never touches ``control``."""
+
+    def __init__(self):
+        self.flag_syncs = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        self.flag_syncs, real = 0, dist.all_reduce
+
+        def counting(tensor, *a, **kw):
+            if tensor.dtype == torch.int32 and tensor.numel() == 6:
+                self.flag_syncs += 1
+            return real(tensor, *a, **kw)
+
+        counting.real = real
+        dist.all_reduce = counting
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        dist.all_reduce = dist.all_reduce.real
+
+
+class FlagSyncCounterThatMayStop(FlagSyncCounter):
+    """The same, and a stop it would ask for at a step the run never reaches: it may decide, so the ranks
+    agree on the flags after every step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step > 10**6:
+            control.should_training_stop = True
+
+
 class LoggingTrainer(Trainer):
     """compute_loss override that says where it runs, at WARNING and at ERROR level, once per rank."""
 

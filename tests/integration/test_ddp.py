@@ -251,6 +251,22 @@ def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, ca
         assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
 
 
+def test_callbacks_that_never_write_a_flag_cost_no_agreement_per_step(tmp_path):
+    """A user callback that only looks (it counts all-reduces) lets the ranks skip the per-step agreement
+    on the control flags; one whose code may set a flag gets it after every step (8 here)."""
+    from models import FlagSyncCounter, FlagSyncCounterThatMayStop
+
+    counts = {}
+    for callback in (FlagSyncCounter(), FlagSyncCounterThatMayStop()):
+        trainer = Trainer(model=Regressor(), train_dataset=make_data(64), callbacks=[callback],
+                          args=_args(tmp_path, type(callback).__name__, num_workers=2, max_steps=8,
+                                     logging_steps=4))
+        assert trainer.train().global_step == 8
+        counts[type(callback).__name__] = callback.flag_syncs  # rank 0's count, brought back to the driver
+    assert counts["FlagSyncCounter"] == 0, counts
+    assert counts["FlagSyncCounterThatMayStop"] >= 8, counts  # after each step, and after logs and epochs
+
+
 def test_a_slow_worker_is_named_by_the_straggler_warning(tmp_path, capfd):
     """Rank 1 reads each batch 0.15 s slower: the driver names rank 1 and its node once, and not rank 0;
     the run's result is the same as the even run's (pace is only measured)."""
