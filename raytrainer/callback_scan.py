@@ -2,7 +2,7 @@
 
 On a Ray run every rank calls the callbacks, and a decision one rank takes (stop, save, evaluate, log) must
 be every rank's in the same step. Where a callback might decide differently on different ranks, the ranks
-agree on the control flags after each step's events: one all-reduce and one host sync per step (a quarter
+agree on the control flags after each step's events: one all-reduce and one host sync per step (a fifth
 of a 2-worker CPU run's throughput on a small model). A callback that never writes a control flag needs no
 agreement, and most user callbacks only look: they log, time, record, print.
 
