@@ -78,7 +78,6 @@ def _one_run(out: str) -> float:
 
 
 def soak(runs: int) -> dict:
-
     from raytrainer.driver.ray_runtime import ensure_ray
 
     ensure_ray(TrainingArguments(output_dir=tempfile.gettempdir(), num_workers=2))

@@ -70,6 +70,10 @@ def _functions(attr) -> list[types.FunctionType] | None:
     return None if callable(attr) else []
 
 
+def _names(argval) -> tuple:
+    return argval if isinstance(argval, tuple) else (argval,)
+
+
 def _code_leaves_control_alone(code: types.CodeType, event: bool) -> bool:
     control = None
     if event:
@@ -87,12 +91,11 @@ def _code_leaves_control_alone(code: types.CodeType, event: bool) -> bool:
             return False
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and ins.argval in _NAMES:
             return False
-        if control is not None and ins.opname.startswith("LOAD_FAST"):
-            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-            if control in names and not (
-                    isinstance(ins.argval, str) and after is not None
-                    and (after.opname == "RETURN_VALUE"
-                         or (after.opname == "LOAD_ATTR" and after.argval in _FLAGS))):
+        if control is not None and ins.opname.startswith("LOAD_FAST") and control in _names(ins.argval):
+            # only ``return control`` or ``control.<flag>`` (a pair of locals loaded at once: another use)
+            read = after is not None and (after.opname == "RETURN_VALUE"
+                                          or (after.opname == "LOAD_ATTR" and after.argval in _FLAGS))
+            if ins.argval != control or not read:
                 return False
         if ins.opname in ("STORE_FAST", "DELETE_FAST") and control is not None and ins.argval == control:
             return False

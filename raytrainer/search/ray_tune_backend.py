@@ -244,12 +244,14 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
                        tune_config=tune.TuneConfig(num_samples=n_trials, **tune_kwargs),
                        run_config=tune.RunConfig(**run_kwargs))
-    groups_before = placement_groups_of_this_job()
+    # Tune kills the trials still stopping 5 s after the end; without a State API no Ray Train cleaner runs
+    cleanup = not serves_state_api()
+    groups_before = placement_groups_of_this_job() if cleanup else set()
     try:
         with _tune_output(quiet=run_kwargs["verbose"] == 0), _signal_handlers_restored():
             results = tuner.fit()
-    finally:  # Tune kills the trials still stopping 5 s after the end; Ray Train's cleaner may not run
-        if not serves_state_api():
+    finally:
+        if cleanup:
             remove_placement_groups(placement_groups_of_this_job() - groups_before)
     if not any(METRIC in (r.metrics or {}) for r in results):
         errors = [e for e in results.errors if e is not None]
