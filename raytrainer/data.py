@@ -1,7 +1,9 @@
 """Collation, column removal and per-rank sharding of datasets.
 
-Training shards with ``DistributedSampler`` (one permutation per epoch from ``data_seed``/``seed``, so a
-run with W ranks of batch B sees the same global batches as one rank of batch W*B). Evaluation shards in
+Training deals batches out as accelerate does under ``torchrun`` (``BatchSamplerShard``): one order over
+the whole dataset per epoch (``data_seed``/``seed`` + epoch), cut into batches of B, rank r taking batches
+r, r+W, r+2W..., so each rank reads what it would read under transformers' Trainer and a run with W ranks of
+batch B sees the same global batches as one rank of batch W*B. Evaluation shards in
 contiguous blocks of one batch, rank r taking blocks r, r+W, r+2W...; every rank runs the same number of
 batches, and ``unshard`` puts the gathered rows back at their dataset positions, so every example is
 counted exactly once and in order.
@@ -14,7 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from transformers.data.data_collator import default_data_collator as _default_data_collator
 from transformers.trainer_pt_utils import DistributedLengthGroupedSampler, find_batch_size
 from transformers.trainer_utils import RemoveColumnsCollator as _RemoveColumnsCollator
@@ -97,15 +100,43 @@ def example_lengths(dataset, length_column_name: str = "length") -> list[int]:
     return lengths
 
 
-def length_grouped_sampler(dataset, batch_size: int, num_replicas: int, rank: int, seed: int,
-                           drop_last: bool, length_column_name: str = "length", lengths=None):
-    """``group_by_length``: transformers' ``DistributedLengthGroupedSampler`` over the GLOBAL batch
-    (``batch_size`` examples per rank): its order depends on the global batch only, so a run with W ranks of
-    batch B sees the same global batches as one rank of batch W*B."""
+def length_grouped_sampler(dataset, global_batch: int, seed: int, length_column_name: str = "length",
+                           lengths=None):
+    """``group_by_length``: the whole dataset in transformers' length-grouped order over the GLOBAL batch
+    (``get_length_grouped_indices``, seeded ``seed`` + epoch): it depends on the global batch only, so a run
+    with W ranks of batch B sees the same global batches as one rank of batch W*B."""
     if lengths is None:
         lengths = example_lengths(dataset, length_column_name)
-    return DistributedLengthGroupedSampler(batch_size * num_replicas, num_replicas=num_replicas, rank=rank,
-                                           seed=seed, drop_last=drop_last, lengths=lengths)
+    return DistributedLengthGroupedSampler(global_batch, num_replicas=1, rank=0, seed=seed, lengths=lengths)
+
+
+def rank_batches(sampler, batch_size: int, drop_last: bool, num_replicas: int, rank: int) -> BatchSampler:
+    """This rank's batches of ``sampler``'s order, as accelerate shards a loader under ``torchrun``: every
+    rank walks the same batches of ``batch_size`` and keeps those at positions ``rank``, ``rank +
+    num_replicas``...; the last round is filled from the epoch's first examples (none dropped) unless
+    ``drop_last``, so every rank runs the same number of steps. Never stepped, set_epoch reaches ``sampler``
+    through it (``set_epoch``)."""
+    batches = BatchSampler(sampler, batch_size, drop_last)
+    if num_replicas == 1:  # one rank reads every batch, the last one as short as it comes
+        return batches
+    return BatchSamplerShard(batches, num_processes=num_replicas, process_index=rank)
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Tell a training loader which epoch it reads, as accelerate's loaders do: the loader itself where it
+    knows how (a Ray Data stream, accelerate's own), else its sampler however deep in its batch samplers,
+    else its dataset."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+        return
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for holder in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None),
+                   getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+        if hasattr(holder, "set_epoch"):
+            holder.set_epoch(epoch)
+            return
+    if hasattr(getattr(loader, "dataset", None), "set_epoch"):
+        loader.dataset.set_epoch(epoch)
 
 
 # -- resuming mid-epoch ----------------------------------------------------------------------------------
@@ -134,6 +165,30 @@ def skip_first_batches(loader, num_batches: int) -> DataLoader | None:
     settings["persistent_workers"] = False  # it serves one epoch: its workers end with it
     return DataLoader(loader.dataset, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches),
                       **settings)
+
+
+def shard_loader(loader, num_replicas: int, rank: int, seed: int):
+    """``loader`` as accelerate's ``prepare`` hands it to one of ``num_replicas`` processes: a map-style
+    loader reads this rank's batches (``rank_batches``; a ``RandomSampler`` becomes accelerate's seeded one,
+    so every rank shuffles alike), an iterable one this rank's share of each round (accelerate's
+    ``IterableDatasetShard``). What is not a plain ``DataLoader`` comes back as given, as does any loader
+    on one rank."""
+    if type(loader) is not DataLoader or num_replicas == 1:
+        return loader
+    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+
+    settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS if hasattr(loader, name)}
+    if isinstance(loader.dataset, IterableDataset):
+        shard = IterableDatasetShard(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                     num_processes=num_replicas, process_index=rank)
+        return DataLoader(shard, batch_size=loader.batch_size, drop_last=loader.drop_last, **settings)
+    batches = loader.batch_sampler
+    if type(batches) is BatchSampler and type(batches.sampler) is torch.utils.data.RandomSampler:
+        order = SeedableRandomSampler(loader.dataset, replacement=batches.sampler.replacement,
+                                      num_samples=batches.sampler._num_samples, data_seed=seed)
+        batches = BatchSampler(order, batches.batch_size, batches.drop_last)
+    batches = BatchSamplerShard(batches, num_replicas, rank)
+    return DataLoader(loader.dataset, batch_sampler=batches, **settings)
 
 
 # -- evaluation sharding ---------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ step: the per-device batch as given where it divides that, else the largest that
 memory it was sized for), with ``gradient_accumulation_steps`` making up the rest. A step is then the same
 number of samples on every world size, so ``max_steps``, the epoch's length in steps and the learning-rate
 schedule keep their meaning, and the data position carries over as samples seen: each optimizer step
-trains a contiguous block of the epoch's one permutation (``DistributedSampler``'s, the same for every world
-size), whatever W is. A ``(min, max)`` whose global batch some W in between cannot split evenly is refused
-before any worker starts.
+trains a contiguous block of the epoch's one permutation (the same for every world size: the ranks deal out
+its batches in turn, data.rank_batches), whatever W is. A ``(min, max)`` whose global batch some W in
+between cannot split evenly is refused before any worker starts.
 """
 
 from __future__ import annotations

@@ -61,8 +61,18 @@ class RankAccelerator:
 
     # -- what the training step uses --------------------------------------------------------------------
     def prepare(self, *objects):
-        """Models, optimizers and loaders are placed by raytrainer's strategy: returned as given."""
-        return objects[0] if len(objects) == 1 else objects
+        """Models and optimizers are placed by raytrainer's strategy: returned as given. A ``DataLoader`` is
+        sharded as accelerate shards it, each data-parallel rank reading its own batches
+        (``data.shard_loader``): a subclass that builds its loader as transformers' does and prepares it
+        trains each example once per epoch on Ray too."""
+        from torch.utils.data import DataLoader
+
+        from raytrainer.data import shard_loader
+
+        ctx = self._ctx
+        prepared = tuple(shard_loader(o, ctx.dp_size, ctx.dp_rank, self._trainer._data_seed())
+                         if isinstance(o, DataLoader) else o for o in objects)
+        return prepared[0] if len(prepared) == 1 else prepared
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Backward the way the run's strategy does it (loss scaling for fp16, a DeepSpeed engine's own)."""

@@ -10,7 +10,8 @@ import functools
 import logging
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from accelerate.data_loader import SeedableRandomSampler
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from raytrainer import data as rdata
 from raytrainer.trainer_utils import has_length, seed_worker
@@ -47,15 +48,19 @@ class DataLoadersMixin:
         """The seed of the training data's order: ``data_seed``, else ``seed`` (as transformers)."""
         return self.args.data_seed if self.args.data_seed is not None else self.args.seed
 
-    def _get_train_sampler(self, dataset):
+    def _get_train_sampler(self, train_dataset=None):
+        """The training examples' order over the whole dataset, as transformers' Trainer returns it: the
+        loader then deals its batches out to the data-parallel ranks (``_dataloader``), so an override that
+        returns a sampler of its own is sharded the same way."""
         a, ctx = self.args, self._view
-        common = {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank, "seed": self._data_seed(),
-                  "drop_last": a.dataloader_drop_last}
+        dataset = self.train_dataset if train_dataset is None else train_dataset
         if a.train_sampling_strategy == "group_by_length":
-            # grouped over B x GA per rank (x W ranks: the global batch), as transformers groups over B x GA
-            return rdata.length_grouped_sampler(dataset, a.train_batch_size * a.gradient_accumulation_steps,
-                                                length_column_name=a.length_column_name, **common)
-        return DistributedSampler(dataset, shuffle=a.train_sampling_strategy != "sequential", **common)
+            # grouped over the global batch (B x GA x W ranks): the order depends on it only
+            return rdata.length_grouped_sampler(dataset, a.train_batch_size * a.gradient_accumulation_steps
+                                                * ctx.dp_size, self._data_seed(), a.length_column_name)
+        if a.train_sampling_strategy == "sequential":
+            return SequentialSampler(dataset)
+        return SeedableRandomSampler(dataset, data_seed=self._data_seed())
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -107,15 +112,19 @@ class DataLoadersMixin:
             return _with_total_batch_size(loader, batch_size * ctx.dp_size)
         if train:
             sampler = self._get_train_sampler(dataset)
+            if sampler is None:  # an override's "no sampler": the dataset's order, as a DataLoader's default
+                sampler = SequentialSampler(dataset)
             drop_last = a.dataloader_drop_last
-        else:  # dataloader_drop_last: evaluation reads whole rounds of batches only, as transformers
-            n = len(dataset)
-            if a.dataloader_drop_last:
-                n -= n % (batch_size * ctx.dp_size)
-            sampler = rdata.EvalBlockSampler(n, batch_size, ctx.dp_size, ctx.dp_rank)
-            drop_last = False
+            batches = rdata.rank_batches(sampler, batch_size, drop_last, ctx.dp_size, ctx.dp_rank)
+            loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collator, **self._loader_kwargs())
+            return _with_total_batch_size(loader, batch_size * ctx.dp_size)
+        # dataloader_drop_last: evaluation reads whole rounds of batches only, as transformers
+        n = len(dataset)
+        if a.dataloader_drop_last:
+            n -= n % (batch_size * ctx.dp_size)
+        sampler = rdata.EvalBlockSampler(n, batch_size, ctx.dp_size, ctx.dp_rank)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collator,
-                            drop_last=drop_last, **self._loader_kwargs())
+                            **self._loader_kwargs())
         return _with_total_batch_size(loader, batch_size * ctx.dp_size)
 
     def _ray_data_batches(self, dataset, batch_size: int) -> rdata.RayDataBatches:

@@ -26,7 +26,7 @@ import time
 import torch
 
 from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, same_on_every_rank
-from raytrainer.data import batch_size_of, skip_first_batches
+from raytrainer.data import batch_size_of, set_epoch, skip_first_batches
 from raytrainer.optim import METRIC_SCHEDULERS, reapply_hyperparameters
 from raytrainer.strategies import select_strategy
 from raytrainer.trainer_utils import (
@@ -200,13 +200,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
     start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):
-        sampler = getattr(train_dataloader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        elif hasattr(getattr(train_dataloader, "dataset", None), "set_epoch"):
-            train_dataloader.dataset.set_epoch(epoch)
-        elif hasattr(train_dataloader, "set_epoch"):  # a Ray Data stream (data.RayDataBatches)
-            train_dataloader.set_epoch(epoch)
+        set_epoch(train_dataloader, epoch)
         first_resumed_epoch = resume is not None and epoch == epochs_trained
         if first_resumed_epoch and skip_updates == 0:
             resume.restore_rng()  # before the epoch's iterator draws its seed, as at save time

@@ -10,7 +10,7 @@ Counted in both: every sample of the epoch is trained exactly once in the run's 
 the checkpoint the restart resumed from, then the restart's), each step trains the global batch of 12 (3
 ranks x 4, or 2 ranks x 3 x 2 accumulation steps), and the final loss and weights match the same training
 uninterrupted with the same global batch (the driver's own process, one rank of batch 12: the same global
-batches in the same order, ``DistributedSampler``'s permutation being the same for every world size). The
+batches in the same order, the epoch's permutation being the same for every world size). The
 tolerance is float summation order only (1e-4 relative): the trajectory is the same arithmetic.
 """
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
 from transformers.trainer_pt_utils import find_batch_size, get_length_grouped_indices
 from transformers.trainer_utils import RemoveColumnsCollator as TransformersRemoveColumnsCollator
 
@@ -21,6 +20,7 @@ from raytrainer.data import (
     default_label_names,
     eval_positions,
     length_grouped_sampler,
+    set_epoch,
     signature_columns,
     unshard,
 )
@@ -277,60 +277,116 @@ def test_iterable_shard_blocks_are_contiguous_per_rank():
     assert list(IterableShard(_Stream(8), 2, 2, 1)) == [2, 3, 6, 7]
 
 
-# -- training sampler equivalence: W ranks x batch B == 1 rank x batch W*B -----------------------------------
-class _Sized:
-    def __init__(self, n: int):
-        self.n = n
+# -- training batches: each rank reads what it reads under transformers' Trainer and torchrun ---------------
+def _on_rank(make_args, dataset, world_size: int, rank: int, **overrides):
+    """A ``Trainer`` as it stands on rank ``rank`` of a ``world_size``-rank run."""
+    from raytrainer import Trainer
+    from raytrainer.rank_context import RankContext
 
-    def __len__(self):
-        return self.n
+    class OnRank(Trainer):
+        _view = RankContext(world_size=world_size, rank=rank)
+
+    return OnRank(model=torch.nn.Linear(1, 1), train_dataset=dataset,
+                  args=make_args(remove_unused_columns=False, **overrides))
 
 
-@pytest.mark.parametrize("seed", [0, 42, 1234])
-@pytest.mark.parametrize("epoch", [0, 1])
-def test_distributed_sampler_two_by_eight_equals_one_by_sixteen(seed, epoch):
-    n = 64
-    samplers = [
-        DistributedSampler(_Sized(n), num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)
-    ]
-    single = DistributedSampler(_Sized(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
-    for s in [*samplers, single]:
-        s.set_epoch(epoch)
-    per_rank = [list(s) for s in samplers]
-    whole = list(single)
-    for step in range(n // 16):
-        ranks_batch = set(per_rank[0][step * 8 : (step + 1) * 8]) | set(
-            per_rank[1][step * 8 : (step + 1) * 8]
-        )
-        assert ranks_batch == set(whole[step * 16 : (step + 1) * 16])
-    # and the permutation really depends on the seed and the epoch (the test is not vacuous)
-    other = DistributedSampler(_Sized(n), num_replicas=1, rank=0, shuffle=True, seed=seed + 1)
-    other.set_epoch(epoch)
-    assert list(other) != whole
+def _rank_loader(make_args, dataset, world_size: int, rank: int, **overrides):
+    """The training loader ``Trainer`` builds on that rank."""
+    return _on_rank(make_args, dataset, world_size, rank, **overrides).get_train_dataloader()
+
+
+def _epoch(loader, epoch: int) -> list[list[int]]:
+    set_epoch(loader, epoch)
+    return [batch["idx"].tolist() for batch in loader]
+
+
+@pytest.mark.parametrize(("n", "drop_last", "strategy"), [(65, False, "random"), (65, True, "random"),
+                                                         (64, False, "random"), (9, False, "random"),
+                                                         (65, False, "sequential")])
+def test_each_rank_reads_the_batches_accelerate_deals_it_under_torchrun(make_args, n, drop_last, strategy):
+    """transformers' Trainer hands accelerate a loader over the whole dataset (a RandomSampler, or a
+    SequentialSampler) and accelerate deals its batches out to the processes, seeded ``data_seed`` + epoch:
+    every rank's batches here, epoch after epoch, are those, the short last round included."""
+    from accelerate.data_loader import prepare_data_loader
+    from accelerate.state import PartialState
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+    dataset = [{"idx": i} for i in range(n)]
+    plain = list(range(n))
+    order = RandomSampler(plain) if strategy == "random" else SequentialSampler(plain)
+    try:
+        for rank in (0, 1):
+            ours = _rank_loader(make_args, dataset, 2, rank, per_device_train_batch_size=4, data_seed=11,
+                                dataloader_drop_last=drop_last, train_sampling_strategy=strategy)
+            theirs = prepare_data_loader(DataLoader(plain, batch_size=4, sampler=order, drop_last=drop_last),
+                                         num_processes=2, process_index=rank, use_seedable_sampler=True,
+                                         data_seed=11)
+            assert len(ours) == len(theirs)
+            for epoch in (0, 1, 2):
+                theirs.set_epoch(epoch)
+                expected = [b.tolist() for b in theirs]
+                assert _epoch(ours, epoch) == expected
+            assert (_epoch(ours, 0) != _epoch(ours, 1)) == (strategy == "random")
+    finally:
+        PartialState._reset_state()
+
+
+class _Count(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(23))
+
+
+def test_a_loader_a_subclass_prepares_is_sharded_as_accelerate_shards_it(make_args):
+    """A subclass building its loader as transformers' get_train_dataloader does (a DataLoader over the
+    whole dataset, then ``self.accelerator.prepare``) reads on each rank what accelerate gives that rank."""
+    from accelerate.data_loader import prepare_data_loader
+    from accelerate.state import PartialState
+    from torch.utils.data import DataLoader, RandomSampler
+
+    plain = list(range(30))
+    try:
+        for rank in (0, 1):
+            trainer = _on_rank(make_args, plain, 2, rank, data_seed=3)
+            for dataset, sampler in ((plain, RandomSampler(plain)), (_Count(), None)):
+                mine = trainer.accelerator.prepare(DataLoader(dataset, batch_size=4, sampler=sampler))
+                theirs = prepare_data_loader(DataLoader(dataset, batch_size=4, sampler=sampler),
+                                             num_processes=2, process_index=rank, use_seedable_sampler=True,
+                                             data_seed=3)
+                for epoch in (0, 1):
+                    set_epoch(mine, epoch)
+                    theirs.set_epoch(epoch)
+                    assert [b.tolist() for b in mine] == [b.tolist() for b in theirs]
+                assert sampler is None or len(mine) == len(theirs) == 4
+            model = torch.nn.Linear(1, 1)
+            assert trainer.accelerator.prepare(model) is model  # placed by the strategy, not here
+    finally:
+        PartialState._reset_state()
+
+
+def test_two_ranks_of_eight_train_the_global_batches_of_one_rank_of_sixteen(make_args):
+    dataset = [{"idx": i} for i in range(64)]
+    one = _epoch(_rank_loader(make_args, dataset, 1, 0, per_device_train_batch_size=16, seed=5), 1)
+    two = [_epoch(_rank_loader(make_args, dataset, 2, r, per_device_train_batch_size=8, seed=5), 1)
+           for r in (0, 1)]
+    assert [sorted(a + b) for a, b in zip(*two)] == [sorted(batch) for batch in one]
+    assert sorted(itertools.chain.from_iterable(one)) == list(range(64))
 
 
 @pytest.mark.parametrize("seed", [0, 7])
-def test_length_grouped_sampler_two_by_eight_equals_one_by_sixteen(seed):
+def test_length_grouped_batches_two_by_eight_equal_one_by_sixteen(make_args, seed):
     n = 64
     lengths = [(i * 37) % 23 + 1 for i in range(n)]
-    dataset = [{"input_ids": [0] * length} for length in lengths]
-    two = [length_grouped_sampler(dataset, 8, lengths=lengths, num_replicas=2, rank=r, seed=seed,
-                                  drop_last=False) for r in (0, 1)]
-    one = length_grouped_sampler(dataset, 16, lengths=lengths, num_replicas=1, rank=0, seed=seed,
-                                 drop_last=False)
-    per_rank = [list(s) for s in two]
-    whole = list(one)
-    assert sorted(whole) == list(range(n))
-    for step in range(n // 16):
-        ranks_batch = set(per_rank[0][step * 8 : (step + 1) * 8]) | set(
-            per_rank[1][step * 8 : (step + 1) * 8]
-        )
-        assert ranks_batch == set(whole[step * 16 : (step + 1) * 16])
+    dataset = [{"idx": i, "length": length} for i, length in enumerate(lengths)]
+    settings = {"train_sampling_strategy": "group_by_length", "seed": seed}
+    one = _epoch(_rank_loader(make_args, dataset, 1, 0, per_device_train_batch_size=16, **settings), 3)
+    two = [_epoch(_rank_loader(make_args, dataset, 2, r, per_device_train_batch_size=8, **settings), 3)
+           for r in (0, 1)]
+    assert [sorted(a + b) for a, b in zip(*two)] == [sorted(batch) for batch in one]
     # one rank's order is transformers' get_length_grouped_indices over the global batch, seeded seed + epoch
-    one.set_epoch(3)
     generator = torch.Generator()
     generator.manual_seed(seed + 3)
-    assert list(one) == get_length_grouped_indices(lengths, 16, generator=generator)
+    expected = get_length_grouped_indices(lengths, 16, generator=generator)
+    assert list(itertools.chain.from_iterable(one)) == expected
     # the lengths may also come from the examples themselves
-    derived = length_grouped_sampler(dataset, 16, num_replicas=1, rank=0, seed=seed, drop_last=False)
+    derived = length_grouped_sampler([{"input_ids": [0] * length} for length in lengths], 16, seed=seed)
     assert derived.lengths == lengths
