@@ -114,8 +114,8 @@ def rank_batches(sampler, batch_size: int, drop_last: bool, num_replicas: int, r
     """This rank's batches of ``sampler``'s order, as accelerate shards a loader under ``torchrun``: every
     rank walks the same batches of ``batch_size`` and keeps those at positions ``rank``, ``rank +
     num_replicas``...; the last round is filled from the epoch's first examples (none dropped) unless
-    ``drop_last``, so every rank runs the same number of steps. Never stepped, set_epoch reaches ``sampler``
-    through it (``set_epoch``)."""
+    ``drop_last``, so every rank runs the same number of steps. ``set_epoch`` reaches ``sampler`` through
+    it."""
     batches = BatchSampler(sampler, batch_size, drop_last)
     if num_replicas == 1:  # one rank reads every batch, the last one as short as it comes
         return batches
