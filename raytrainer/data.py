@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-from accelerate.data_loader import BatchSamplerShard
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from transformers.data.data_collator import default_data_collator as _default_data_collator
 from transformers.trainer_pt_utils import DistributedLengthGroupedSampler, find_batch_size
@@ -168,15 +168,14 @@ def skip_first_batches(loader, num_batches: int) -> DataLoader | None:
 
 
 def shard_loader(loader, num_replicas: int, rank: int, seed: int):
-    """``loader`` as accelerate's ``prepare`` hands it to one of ``num_replicas`` processes: a map-style
-    loader reads this rank's batches (``rank_batches``; a ``RandomSampler`` becomes accelerate's seeded one,
-    so every rank shuffles alike), an iterable one this rank's share of each round (accelerate's
-    ``IterableDatasetShard``). What is not a plain ``DataLoader`` comes back as given, as does any loader
-    on one rank."""
+    """``loader`` as accelerate's ``prepare`` hands it to one of ``num_replicas`` processes, from the same
+    pieces (its ``prepare_data_loader`` would also create accelerate's process state, which raytrainer's
+    ranks do without): a map-style loader keeps this rank's batches of its batch sampler
+    (``BatchSamplerShard``; a ``RandomSampler`` becomes accelerate's seeded one, so every rank shuffles
+    alike), an iterable one reads this rank's share of each round (``IterableDatasetShard``). What is not a
+    plain ``DataLoader`` comes back as given, as does any loader on one rank."""
     if type(loader) is not DataLoader or num_replicas == 1:
         return loader
-    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-
     settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS if hasattr(loader, name)}
     if isinstance(loader.dataset, IterableDataset):
         shard = IterableDatasetShard(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
