@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -182,7 +183,9 @@ class Recorder:
     def write(self, world_size: int, batch_size: int, **extra) -> None:
         record = {"time_to_first_step_s": self.first_step_s, "marks_s": self.marks,
                   "step_ends": self.step_ends, "world_size": world_size, "per_device_batch_size": batch_size,
-                  "logs": self.logs, "pid": os.getpid(), "torch_threads": torch.get_num_threads(), **extra}
+                  "logs": self.logs, "pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                  # which raytrainer this process (rank 0) imported: a --tree side's own checkout
+                  "raytrainer_file": getattr(sys.modules.get("raytrainer"), "__file__", None), **extra}
         tmp = self.out_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)

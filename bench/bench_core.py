@@ -11,6 +11,8 @@ synthetic data). Sides:
     d_warm  raytrainer num_workers=2 on a Ray instance that is already running (started by this driver)
     e       transformers.Trainer, 1 process
     f       transformers.Trainer under torchrun, 2 processes (gloo)
+    b@NAME  (also c@NAME, d@NAME, d_warm@NAME) that side, with raytrainer imported from the checkout given
+            as ``--tree NAME=PATH`` (a ``git archive`` of another commit): a before/after in one run
 
 Every side uses fused torch AdamW, a linear schedule without warmup, the same data, model, collator and
 batch size per process, no evaluation, no checkpoints, logging every 50 steps, OMP_NUM_THREADS=1.
@@ -81,14 +83,16 @@ def workload_configs(opts, workdir: str) -> dict[str, dict]:
     return {"mlp": mlp, "bert": bert}
 
 
-def child_env(extra: dict | None = None) -> dict:
+def child_env(extra: dict | None = None, tree: str | None = None) -> dict:
+    """A side's environment; ``tree``: a checkout whose raytrainer the side (and its Ray workers, which
+    inherit the environment) imports instead of this one's."""
     env = dict(os.environ)
     for key in ("RAY_ADDRESS", "BENCH_T0", "BENCH_OUT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                 "MASTER_PORT"):
         env.pop(key, None)
     env.update({
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (HERE, REPO, os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (HERE, tree, REPO, os.environ.get("PYTHONPATH")) if p),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
@@ -178,6 +182,7 @@ class TreeSampler(threading.Thread):
         self.names: dict[int, str] = {}
         self.cpu_s: dict[int, float] = {}  # user + system CPU seconds per process, as last read
         self.cpu_timeline: list[tuple[float, float]] = []  # (time.time(), the tree's CPU seconds so far)
+        self.cpu_by_pid: list[tuple[float, dict[int, float]]] = []  # (time.time(), each process's so far)
         self.peak_tree_rss = 0
         self.peak_tree_pss = 0
         self.peak_proc_rss = 0
@@ -208,11 +213,18 @@ class TreeSampler(threading.Thread):
                 del self.seen[pid]
             else:
                 self.cpu_s[pid] = stats[pid][1]
-        self.cpu_timeline.append((time.time(), sum(self.cpu_s.values())))
+        now = time.time()
+        self.cpu_timeline.append((now, sum(self.cpu_s.values())))
+        self.cpu_by_pid.append((now, dict(self.cpu_s)))
 
     def cpu_at(self, when: float) -> float | None:
         """The tree's CPU seconds up to ``when`` (the first scan at or after it; None past the last)."""
         return next((cpu for t, cpu in self.cpu_timeline if t >= when), None)
+
+    def cpu_by_process_at(self, when: float) -> list[tuple[str, float]]:
+        """Each process's CPU seconds up to ``when`` (as ``cpu_at``), by name, the busiest first."""
+        snap = next((cpu for t, cpu in self.cpu_by_pid if t >= when), {})
+        return sorted(((self.name(pid), round(cpu, 2)) for pid, cpu in snap.items()), key=lambda r: -r[1])
 
     def sample(self) -> None:
         if self.samples % self.scan_every == 0:
@@ -374,13 +386,15 @@ def steady_state(record: dict) -> tuple[float | None, float | None, int]:
 
 
 def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: str) -> dict:
-    tag = f"{workload}-{side}-r{repeat}"
+    tag = f"{workload}-{side.replace('@', '-at-')}-r{repeat}"
+    side, _, tree = side.partition("@")  # "d@before": side d, raytrainer from --tree before=PATH
+    label = f"{side}@{tree}" if tree else side
     out_path = os.path.join(workdir, f"{tag}.json")
     log_path = os.path.join(workdir, "logs", f"{tag}.log")
     cfg = {**cfg, "output_dir": os.path.join(workdir, "out", tag),
            "num_workers": {"b": 0, "c": 1, "d": 2, "d_warm": 2}.get(side, 0)}
     head = None
-    result: dict = {"workload": workload, "side": side, "repeat": repeat, "log": log_path}
+    result: dict = {"workload": workload, "side": label, "repeat": repeat, "log": log_path}
     try:
         if side == "d_warm":
             head = RayHead(workdir, opts.warm_settle)
@@ -394,7 +408,7 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
         cmd = side_command(side, cfg_path)
         with open(log_path, "w") as log:
             t0 = time.time()
-            env = child_env({"BENCH_T0": repr(t0), "BENCH_OUT": out_path})
+            env = child_env({"BENCH_T0": repr(t0), "BENCH_OUT": out_path}, opts.trees.get(tree))
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=workdir)
             roots = [proc.pid] + ([head.proc.pid] if head else [])
@@ -433,9 +447,12 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
                           # every process of the run, from the launch to the first step: on a machine of
                           # C cores the first step cannot come sooner than this / C
                           tree_cpu_s_to_first_step=sampler.cpu_at(t0 + record["time_to_first_step_s"]),
+                          cpu_s_to_first_step_by_process=sampler.cpu_by_process_at(
+                              t0 + record["time_to_first_step_s"]),
                           steps=len(record["step_ends"]), steady_from_step=k0,
                           world_size=record["world_size"], train_loss=final.get("train_loss"),
-                          torch_threads=record.get("torch_threads"), marks_s=record.get("marks_s"))
+                          torch_threads=record.get("torch_threads"), marks_s=record.get("marks_s"),
+                          raytrainer_file=record.get("raytrainer_file"))
             if record["world_size"] != WORLD[side]:
                 result["error"] = f"world size {record['world_size']}, expected {WORLD[side]}"
         else:
@@ -491,6 +508,10 @@ def _ratio(value, ref) -> str:
     return "-" if value is None or not ref else f"{value / ref:.2f}x"
 
 
+def _side_order(side: str) -> tuple[int, str]:
+    return list(SIDES).index(side.partition("@")[0]), side
+
+
 def machine_info() -> dict:
     from _machine import machine_info as common
 
@@ -526,12 +547,12 @@ def markdown(summary: dict, info: dict, opts, configs: dict) -> str:
             f"{pss_head} max RSS one process (MiB) | x(a) | train loss |",
             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if opts.pss else ""),
         ]
-        for side in SIDES:
-            if side not in sides:
-                continue
+        for side in sorted(sides, key=_side_order):
             e = sides[side]
+            base, _, tree = side.partition("@")
+            name = SIDES[base] + (f" ({tree})" if tree else "")
             lines.append(
-                f"| ({side}) {SIDES[side]} | {_fmt(e.get('samples_per_s'), 0)} | "
+                f"| ({side}) {name} | {_fmt(e.get('samples_per_s'), 0)} | "
                 f"{_ratio(e.get('samples_per_s'), ref.get('samples_per_s'))} | "
                 f"{_fmt(e.get('samples_per_s_median_step'), 0)} | {_fmt(e.get('time_to_first_step_s'), 1)} | "
                 f"{_ratio(e.get('time_to_first_step_s'), ref.get('time_to_first_step_s'))} | "
@@ -583,6 +604,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-interval", type=float, default=0.05, help="memory sampling period (s)")
     p.add_argument("--pss", action="store_true",
                    help="also sample PSS every 2 s (costs ~5 ms of kernel time per process per read)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="a raytrainer checkout for the sides b@NAME, c@NAME, d@NAME, d_warm@NAME")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a side is stopped")
     p.add_argument("--warm-settle", type=float, default=5.0,
                    help="seconds the pre-started Ray head idles before side d_warm starts")
@@ -598,9 +621,16 @@ def parse_args(argv=None):
     for w in opts.workloads:
         if w not in ("mlp", "bert"):
             p.error(f"unknown workload {w!r}")
+    opts.trees = {}
+    for tree in opts.tree:
+        name, _, path = tree.partition("=")
+        if not name or not os.path.isdir(os.path.join(path, "raytrainer")):
+            p.error(f"--tree {tree!r}: give NAME=PATH, PATH holding a raytrainer package")
+        opts.trees[name] = os.path.abspath(path)
     for s in opts.sides:
-        if s not in SIDES:
-            p.error(f"unknown side {s!r}")
+        base, at, tree = s.partition("@")
+        if base not in SIDES or (at and (base not in ("b", "c", "d", "d_warm") or tree not in opts.trees)):
+            p.error(f"unknown side {s!r} (a raytrainer side @ a --tree name: d@before)")
     return opts
 
 

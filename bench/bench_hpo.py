@@ -14,6 +14,8 @@ Sides, each in its own fresh process:
   rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
             per trial (every quarter epoch; grace 1, reduction factor 3 by default); trials on warm groups
   rt_asha_fresh  the same with reuse_actors=False: every trial's actor starts a worker group of its own
+  SIDE@NAME a raytrainer side with raytrainer imported from the checkout given as ``--tree NAME=PATH`` (a
+            ``git archive`` of another commit): a before/after in one run
 
 Prints a Markdown table and writes the raw numbers as JSON. Not a test: nothing asserts.
 
@@ -136,9 +138,11 @@ def side_hf(cfg) -> dict:
     trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
                       data_collator=collate, compute_metrics=accuracy)
     kw = _study(cfg, "hf")
+    start = time.perf_counter()
     best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
                                          n_trials=N_TRIALS, direction="maximize", backend="optuna", **kw)
     return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
+            "search_s": round(time.perf_counter() - start, 1),
             **_study_record(kw, EPOCHS * _steps_per_epoch(train))}
 
 
@@ -157,10 +161,12 @@ def side_rt(cfg, n_jobs: int = 2) -> dict:
     trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
                       data_collator=collate, compute_metrics=accuracy)
     kw = _study(cfg, f"rt{n_jobs}")
+    start = time.perf_counter()
     best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
                                          n_trials=N_TRIALS, direction="maximize", backend="optuna",
                                          n_jobs=n_jobs, **kw)
     return {"best_objective": best.objective, "best_lr": best.hyperparameters["learning_rate"],
+            "search_s": round(time.perf_counter() - start, 1),
             **_study_record(kw, EPOCHS * _steps_per_epoch(train))}
 
 
@@ -196,11 +202,16 @@ def side_rt_asha(cfg, name: str = "rt_asha", **search_kwargs) -> dict:
 
 
 # -- the driver ---------------------------------------------------------------------------------------
-def run_side(side: str, cfg: dict, timeout: float) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": HERE}
-    out = os.path.join(cfg["workdir"], f"{side}.json")
+def run_side(side: str, cfg: dict, timeout: float, trees: dict[str, str]) -> dict:
+    name, _, tree = side.partition("@")  # "rt1@before": side rt1, raytrainer from --tree before=PATH
+    path = os.pathsep.join([HERE] + ([trees[tree]] if tree else []))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": path}
+    if tree:  # its own output folders and study
+        cfg = {**cfg, "workdir": os.path.join(cfg["workdir"], tree)}
+        os.makedirs(cfg["workdir"], exist_ok=True)
+    out = os.path.join(cfg["workdir"], f"{name}.json")
     start = time.time()
-    command = [sys.executable, __file__, "--side", side, "--cfg", json.dumps(cfg), "--side-out", out]
+    command = [sys.executable, __file__, "--side", name, "--cfg", json.dumps(cfg), "--side-out", out]
     proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
     wall = time.time() - start
     if proc.returncode != 0:
@@ -219,6 +230,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="a raytrainer checkout for the sides SIDE@NAME (rt1@before)")
     p.add_argument("--reduction-factor", type=float, default=3, help="ASHA's (side rt_asha)")
     p.add_argument("--asha-concurrency", type=int, default=2, help="max_concurrent_trials of side rt_asha")
     a = p.parse_args()
@@ -240,7 +253,8 @@ def main() -> None:
            "reduction_factor": a.reduction_factor, "asha_concurrency": a.asha_concurrency}
     machine = machine_info(os.path.dirname(HERE))
     load_start = os.getloadavg()
-    results = [run_side(side, cfg, a.timeout) for side in a.sides.split(",")]
+    trees = {name: os.path.abspath(path) for name, _, path in (t.partition("=") for t in a.tree)}
+    results = [run_side(side, cfg, a.timeout, trees) for side in a.sides.split(",")]
     record = {"machine": machine, "load_start": load_start, "load_end": os.getloadavg(), "config": cfg,
               "results": results}
     if a.out:
@@ -248,13 +262,15 @@ def main() -> None:
             json.dump(record, f, indent=2)
     print(f"machine: {machine.get('cpu')}, {machine.get('nproc')} cores; load {load_start} -> "
           f"{record['load_end']}")
-    print("| side | wall (s) | total training steps | best eval accuracy | best learning rate |")
-    print("|---|---|---|---|---|")
+    print("| side | wall (s) | inside hyperparameter_search (s) | total training steps | best eval accuracy "
+          "| best learning rate |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['side']} | failed ({r['error']}) after {r['wall_s']:.0f} s | | | |")
+            print(f"| {r['side']} | failed ({r['error']}) after {r['wall_s']:.0f} s | | | | |")
             continue
-        print(f"| {r['side']} | {r['wall_s']:.1f} | {r['total_steps']} | {r['best_objective']:.4f} | "
+        print(f"| {r['side']} | {r['wall_s']:.1f} | {r.get('search_s', '-')} | {r['total_steps']} | "
+              f"{r['best_objective']:.4f} | "
               f"{r['best_lr']:.2e} |")
 
 
