@@ -211,8 +211,12 @@ def run_side(side: str, cfg: dict, timeout: float, trees: dict[str, str]) -> dic
         os.makedirs(cfg["workdir"], exist_ok=True)
     out = os.path.join(cfg["workdir"], f"{name}.json")
     start = time.time()
-    command = [sys.executable, __file__, "--side", name, "--cfg", json.dumps(cfg), "--side-out", out]
-    proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+    command = [sys.executable, os.path.abspath(__file__), "--side", name, "--cfg", json.dumps(cfg),
+               "--side-out", out]
+    # run in the work dir: Ray's workers start in the driver's working directory and import from it first,
+    # so a checkout's own folder there would shadow a --tree side's raytrainer
+    proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True,
+                          cwd=cfg["workdir"])
     wall = time.time() - start
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
