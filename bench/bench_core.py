@@ -294,9 +294,10 @@ class RayHead:
     """`ray start --head --block` in its own session (127.0.0.2: Ray rewrites 127.0.0.1 here); stopped by
     signalling the processes of that session only (Ray workers change their process group, not session)."""
 
-    def __init__(self, workdir: str, settle_s: float):
+    def __init__(self, workdir: str, settle_s: float, tree: str | None = None):
         self.workdir = workdir
         self.settle_s = settle_s
+        self.tree = tree  # a --tree checkout: the head's workers import its raytrainer, as the side does
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
 
@@ -311,7 +312,7 @@ class RayHead:
                f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port(ip)}",
                f"--temp-dir={temp_dir}", "--disable-usage-stats"]
         env = child_env({"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                         "RAY_DEDUP_LOGS": "0"})
+                         "RAY_DEDUP_LOGS": "0"}, self.tree)
         self.temp_dir = temp_dir
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -397,7 +398,7 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
     result: dict = {"workload": workload, "side": label, "repeat": repeat, "log": log_path}
     try:
         if side == "d_warm":
-            head = RayHead(workdir, opts.warm_settle)
+            head = RayHead(workdir, opts.warm_settle, opts.trees.get(tree))
             head.start()
             cfg["ray_address"] = head.address
             idle_rss, head_cpu_before = head.usage()
