@@ -85,7 +85,8 @@ def main() -> None:
     del second
     import raytrainer
 
-    raytrainer.shutdown()  # the group, wherever it is now
+    if hasattr(raytrainer, "shutdown"):  # an older checkout on PYTHONPATH may not have it (nor shared groups)
+        raytrainer.shutdown()  # the group, wherever it is now
     trainer.close()
     for i in range(a.cold_repeats):
         with Trainer(model=model, args=args(f"cold{i}"), eval_dataset=test, data_collator=collate) as cold:
