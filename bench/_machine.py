@@ -43,3 +43,15 @@ def machine_info(repo: str) -> dict:
         "raytrainer_commit": commit.strip() + ("+dirty" if dirty else ""),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def parse_trees(specs: list[str], error) -> dict[str, str]:
+    """``--tree NAME=PATH`` values as {NAME: absolute PATH}; ``error`` (argparse's) refuses a value without a
+    name or whose PATH holds no raytrainer package."""
+    trees = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not (name and path) or not os.path.isdir(os.path.join(path, "raytrainer")):
+            error(f"--tree {spec!r}: give NAME=PATH, PATH holding a raytrainer package")
+        trees[name] = os.path.abspath(path)
+    return trees

@@ -181,8 +181,7 @@ class TreeSampler(threading.Thread):
         self.seen: dict[int, int] = {}  # pid -> start time (ticks), to tell a reused pid apart
         self.names: dict[int, str] = {}
         self.cpu_s: dict[int, float] = {}  # user + system CPU seconds per process, as last read
-        self.cpu_timeline: list[tuple[float, float]] = []  # (time.time(), the tree's CPU seconds so far)
-        self.cpu_by_pid: list[tuple[float, dict[int, float]]] = []  # (time.time(), each process's so far)
+        self.cpu_timeline: list[tuple[float, dict[int, float]]] = []  # (time.time(), each process's so far)
         self.peak_tree_rss = 0
         self.peak_tree_pss = 0
         self.peak_proc_rss = 0
@@ -213,17 +212,20 @@ class TreeSampler(threading.Thread):
                 del self.seen[pid]
             else:
                 self.cpu_s[pid] = stats[pid][1]
-        now = time.time()
-        self.cpu_timeline.append((now, sum(self.cpu_s.values())))
-        self.cpu_by_pid.append((now, dict(self.cpu_s)))
+        self.cpu_timeline.append((time.time(), dict(self.cpu_s)))
 
-    def cpu_at(self, when: float) -> float | None:
-        """The tree's CPU seconds up to ``when`` (the first scan at or after it; None past the last)."""
+    def _cpu_snapshot(self, when: float) -> dict[int, float] | None:
+        """Each process's CPU seconds at the first scan at or after ``when`` (None past the last)."""
         return next((cpu for t, cpu in self.cpu_timeline if t >= when), None)
 
+    def cpu_at(self, when: float) -> float | None:
+        """The tree's CPU seconds up to ``when``."""
+        snap = self._cpu_snapshot(when)
+        return None if snap is None else sum(snap.values())
+
     def cpu_by_process_at(self, when: float) -> list[tuple[str, float]]:
-        """Each process's CPU seconds up to ``when`` (as ``cpu_at``), by name, the busiest first."""
-        snap = next((cpu for t, cpu in self.cpu_by_pid if t >= when), {})
+        """Each process's CPU seconds up to ``when``, by name, the busiest first."""
+        snap = self._cpu_snapshot(when) or {}
         return sorted(((self.name(pid), round(cpu, 2)) for pid, cpu in snap.items()), key=lambda r: -r[1])
 
     def sample(self) -> None:
@@ -622,12 +624,9 @@ def parse_args(argv=None):
     for w in opts.workloads:
         if w not in ("mlp", "bert"):
             p.error(f"unknown workload {w!r}")
-    opts.trees = {}
-    for tree in opts.tree:
-        name, _, path = tree.partition("=")
-        if not name or not os.path.isdir(os.path.join(path, "raytrainer")):
-            p.error(f"--tree {tree!r}: give NAME=PATH, PATH holding a raytrainer package")
-        opts.trees[name] = os.path.abspath(path)
+    from _machine import parse_trees
+
+    opts.trees = parse_trees(opts.tree, p.error)
     for s in opts.sides:
         base, at, tree = s.partition("@")
         if base not in SIDES or (at and (base not in ("b", "c", "d", "d_warm") or tree not in opts.trees)):

@@ -248,7 +248,7 @@ def main() -> None:
 
     sys.path.insert(0, HERE)
     from _common import write_digits
-    from _machine import machine_info
+    from _machine import machine_info, parse_trees
 
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench-hpo-")
     digits = os.path.join(workdir, "digits.npz")
@@ -257,7 +257,7 @@ def main() -> None:
            "reduction_factor": a.reduction_factor, "asha_concurrency": a.asha_concurrency}
     machine = machine_info(os.path.dirname(HERE))
     load_start = os.getloadavg()
-    trees = {name: os.path.abspath(path) for name, _, path in (t.partition("=") for t in a.tree)}
+    trees = parse_trees(a.tree, p.error)
     results = [run_side(side, cfg, a.timeout, trees) for side in a.sides.split(",")]
     record = {"machine": machine, "load_start": load_start, "load_end": os.getloadavg(), "config": cfg,
               "results": results}

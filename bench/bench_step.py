@@ -174,10 +174,9 @@ def main() -> None:
         pstats.Stats(opts.profile).sort_stats("tottime").print_stats(30)
         return None
 
-    sides = {"hand": None, "raytrainer": None}
-    for tree in opts.tree:
-        name, _, path = tree.partition("=")
-        sides[name] = os.path.abspath(path)
+    from _machine import parse_trees
+
+    sides = {"hand": None, "raytrainer": None, **parse_trees(opts.tree, p.error)}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     load_start = os.getloadavg()
     for r in range(opts.repeats):
