@@ -274,6 +274,9 @@ class RayArgumentsMixin:
         _check_one_of("log_level_replica", self.log_level_replica, tuple(LOG_LEVELS))
         _check_one_of("ddp_backend", self.ddp_backend, DDP_BACKENDS)
         _check_one_of("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if not isinstance(self.include_num_input_tokens_seen, bool):  # transformers reads True as "all"
+            _check_one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen,
+                          ("all", "non_padding", "no"))
         self.include_for_metrics = list(self.include_for_metrics or [])
         for item in self.include_for_metrics:
             _check_one_of("include_for_metrics", item, INCLUDE_FOR_METRICS)

@@ -1,4 +1,4 @@
-"""`ArgumentParser`: transformers' `HfArgumentParser`, with three additions and three fixes.
+"""`ArgumentParser`: transformers' `HfArgumentParser`, with three additions and four fixes.
 
     parser = ArgumentParser((ModelArguments, TrainingArguments))
     model_args, training_args = parser.parse_args_into_dataclasses()
@@ -20,7 +20,9 @@ The fixes, each to something transformers' parser gets wrong on a dataclass that
 metadata keys that are not argparse's (another library's) are not handed to
 argparse, which would refuse them; a `list[X]` field declared with `default=` keeps its default; and
 `X | str | None` in an order other than transformers' `None | str | X`, or `dict | str`, is read as a string
-(as transformers reads its own such fields) instead of raising.
+(as transformers reads its own such fields) instead of raising. And one on transformers' own arguments: a
+`str | bool` field (`include_num_input_tokens_seen`) takes its strings (`non_padding`), which transformers'
+parser refuses, reading it as a bool; a bool word (`true`, `no`...) or the bare flag is still a bool.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ def _read_as_string(hint: Any) -> bool:
     return (len(members) > 2 and type(None) in members) or any(_is_dict(m) for m in others)
 
 
+def _bool_or_string(value: str) -> bool | str:
+    """A `str | bool` field's value: True / False for a bool word (as transformers reads a bool flag), else
+    the string."""
+    try:
+        return string_to_bool(value)
+    except argparse.ArgumentTypeError:
+        return value
+
+
 def _is_dict(hint: Any) -> bool:
     return hint is dict or get_origin(hint) is dict
 
@@ -88,6 +99,10 @@ class ArgumentParser(_TransformersParser):
             # factory): without this, no flag gives None, not the default. (A string default, as
             # transformers' own `debug: str | list[DebugOption] = ""`, would be run through X by argparse.)
             metadata.setdefault("default", field.default)
+        if field.type == str | bool or field.type == bool | str:
+            field.type = _bool_or_string  # `--field`, `--field no`, `--field non_padding`
+            metadata.setdefault("nargs", "?")
+            metadata.setdefault("const", True)
         field.metadata = types.MappingProxyType(metadata)
         if _is_dict(_without_none(field.type)):
             field.type = _json_object  # transformers' fallback branch hands field.type to argparse as is

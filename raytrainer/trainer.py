@@ -593,6 +593,18 @@ class Trainer(DataLoadersMixin):
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else rdata.batch_size_of(inputs)
         return 6 * tokens * self._parameter_count()
 
+    def _track_num_input_tokens(self, inputs) -> None:
+        """``include_num_input_tokens_seen``: transformers' own count (every token of the main input, or the
+        non-padding ones) added to ``state.num_input_tokens_seen``, one all-gather of one integer per
+        micro-batch while it is on (as in transformers); the ranks of a tensor-parallel group read the same
+        batch, which counts once."""
+        before = self.state.num_input_tokens_seen
+        hf_trainer.Trainer._track_num_input_tokens(self, inputs)
+        replicas = self._view.model_parallel
+        if replicas > 1:
+            counted = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + counted // replicas
+
     def _model_has(self, name: str) -> bool:
         """``hasattr(self.model, name)``, remembered per model: asked every training step, and a module's
         ``__getattr__`` makes each miss raise (and catch) an AttributeError."""
@@ -620,8 +632,11 @@ class Trainer(DataLoadersMixin):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
-        if start_time is not None:
-            logs.update(speed_metrics("train", start_time))
+        if self.args.include_num_input_tokens_seen != "no":  # transformers' rule: tokens and their rate
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None:
+                tokens = self.state.num_input_tokens_seen - getattr(self, "_initial_num_input_tokens_seen", 0)
+                logs.update(speed_metrics("train", start_time, num_tokens=tokens))
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         # callbacks get their own copy, as in transformers (its PrinterCallback pops total_flos from it)

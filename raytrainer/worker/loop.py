@@ -169,6 +169,8 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
             skip_updates = 0
     _mark_trial(state, trainer, trial)
     start_step = state.global_step
+    trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen  # this call's tokens per second
+    count_tokens = args.include_num_input_tokens_seen != "no"
     resumed_at = (epochs_trained, skip_updates * args.gradient_accumulation_steps) if resume else None
     console.announce_training(trainer, train_dataloader, schedule.num_epochs, schedule.updates_per_epoch,
                               schedule.max_steps, resumed_at)
@@ -197,7 +199,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
     guard = NonFiniteGuard(args.nonfinite_loss, ctx)
     if ctx.distributed:  # each rank's own work per step, for the driver's straggler warning
         loop.pace = PaceMeter(trainer.model, ctx, time_forward=not args.torch_compile)
-    start_time = time.time()  # as HF: after model, optimizer and state are set up
+    start_time = loop.start_time = time.time()  # as HF: after model, optimizer and state are set up
 
     for epoch in range(epochs_trained, schedule.num_epochs):
         set_epoch(train_dataloader, epoch)
@@ -231,6 +233,8 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
                 guard.add(loss)
                 losses.append(loss)
                 state.total_flos += float(trainer.floating_point_ops(inputs))
+                if count_tokens:
+                    trainer._track_num_input_tokens(inputs)
                 samples_seen += batch_size_of(inputs, default=0)
                 if not last:
                     control = trainer.control = handler.on_substep_end(args, state, control)
@@ -301,6 +305,7 @@ class _LogState:
         self.grad_norm = grad_norm
         self.learning_rate = None  # the last step's, read before its scheduler step (as transformers logs)
         self.pace = None  # each rank's own work per step (worker/pace.py), when distributed
+        self.start_time = None  # when the loop's first step began (the rate of tokens in each log)
 
 
 def _add_losses(tr_loss: torch.Tensor, losses: list, nan_inf_filter: bool, steps_in_window: int):
@@ -332,7 +337,7 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
                                  else trainer._get_learning_rate())
         loop.last_logged = state.global_step
         tr_loss = torch.zeros_like(tr_loss)
-        trainer.log(logs)
+        trainer.log(logs, loop.start_time)
         if must_sync:
             sync_control(trainer.control, ctx)  # on_log's flags
 

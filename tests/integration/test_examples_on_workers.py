@@ -23,9 +23,14 @@ SMOKE = ["--num_workers", "2", "--disable_tqdm", "1", "--report_to", "none", "--
     ["--deepspeed", os.path.join(CONFIGS, "ds_zero3.json")],
 ], ids=["accelerate-fsdp-yaml", "fsdp-config", "zero3-json"])
 def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, capsys):
-    out = train_gpt2.main([*SMOKE, "--output_dir", str(tmp_path), "--max_perplexity", "30", *strategy])
+    out = train_gpt2.main([*SMOKE, "--output_dir", str(tmp_path), "--max_perplexity", "30",
+                           "--include_num_input_tokens_seen", "all", *strategy])
     args = out["trainer"].args
     assert out["steps"] == 40 and out["before"] > 50 and out["after"] < 30
+    # the tokens of both ranks' batches, counted on the workers (2 ranks x 32 lines x 16 tokens a step)
+    history = out["trainer"].state.log_history
+    logged = [(e["step"], e["num_input_tokens_seen"]) for e in history if "loss" in e]
+    assert logged == [(10, 10_240), (20, 20_480), (30, 30_720), (40, 40_960)]
     assert "trained GPT-2 (0.42M parameters) for 40 steps on 2 worker(s)" in capsys.readouterr().out
     if "--deepspeed" in strategy:
         assert args.deepspeed.endswith("ds_zero3.json")

@@ -91,6 +91,19 @@ def test_negative_flags_for_fields_defaulting_to_true(argv, expected):
     assert args.remove_unused_columns is expected
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], "no"), (["--include_num_input_tokens_seen"], "all"),
+    (["--include_num_input_tokens_seen", "true"], "all"),
+    (["--include_num_input_tokens_seen", "no"], "no"), (["--include_num_input_tokens_seen", "all"], "all"),
+    (["--include-num-input-tokens-seen", "non_padding"], "non_padding"),
+])
+def test_a_str_or_bool_field_takes_its_strings_and_bool_words(argv, expected):
+    """include_num_input_tokens_seen is `str | bool`: transformers' parser reads it as a bool and refuses
+    `non_padding`, one of the field's three values."""
+    (args,) = parse(*argv)
+    assert args.include_num_input_tokens_seen == expected
+
+
 def test_bad_bool_value_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse("--do_train", "maybe")

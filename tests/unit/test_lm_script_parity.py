@@ -165,3 +165,53 @@ def test_labels_made_by_the_data_collator_train_as_in_run_mlm(make_args):
                       train_dataset=data, data_collator=collator, processing_class=tokenizer)
     out = trainer.train()
     assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
+
+
+def _padded_blocks(n: int) -> list[dict]:
+    """Blocks with a padded tail (attention_mask 0) of varying length, so the two counts differ."""
+    rows = _blocks(n)
+    for i, row in enumerate(rows):
+        mask = torch.ones(8, dtype=torch.long)
+        mask[8 - i % 4:] = 0
+        row["attention_mask"] = mask
+    return rows
+
+
+@pytest.mark.parametrize("count", ["all", "non_padding"])
+def test_input_tokens_seen_are_counted_as_transformers_counts_them(make_args, tmp_path, count):
+    """include_num_input_tokens_seen: raytrainer ignored it (no num_input_tokens_seen in any log). Each log
+    now has the tokens seen so far, as transformers.Trainer's has, on the same model and data; with a rate of
+    tokens per second, and the count carried through a resume."""
+    import transformers
+
+    data = _padded_blocks(24)
+    common = dict(max_steps=6, per_device_train_batch_size=4, logging_steps=2, report_to="none",
+                  disable_tqdm=True, include_num_input_tokens_seen=count, use_cpu=True)
+    theirs = transformers.Trainer(model=_tiny_gpt2(), train_dataset=data, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), save_strategy="no", **common))
+    theirs.train()
+    ours = Trainer(model=_tiny_gpt2(), train_dataset=data, args=make_args(
+        save_strategy="steps", save_steps=4, **common))
+    ours.train()
+
+    def seen(history):
+        return [(e["step"], e["num_input_tokens_seen"]) for e in history if "loss" in e]
+
+    expected = seen(theirs.state.log_history)
+    per_step = 4 * 8 if count == "all" else sum(int(r["attention_mask"].sum()) for r in data[:4])
+    assert expected[0] == (2, 2 * per_step if count == "all" else expected[0][1])  # what transformers counts
+    assert seen(ours.state.log_history) == expected
+    assert ours.state.num_input_tokens_seen == theirs.state.num_input_tokens_seen
+    assert all(e["train_tokens_per_second"] > 0 for e in ours.state.log_history if "loss" in e)
+
+    resumed = Trainer(model=_tiny_gpt2(), train_dataset=data, args=make_args(**common))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert seen(resumed.state.log_history) == expected  # steps 2 and 4 from the checkpoint, 6 counted on
+
+
+def test_an_unknown_token_count_is_named(tmp_path):
+    from raytrainer import TrainingArguments
+
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen='yes': must be one of 'all', "
+                                         "'non_padding', 'no'"):
+        TrainingArguments(output_dir=str(tmp_path), include_num_input_tokens_seen="yes")
