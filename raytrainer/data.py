@@ -199,7 +199,7 @@ def eval_positions(num_examples: int, batch_size: int, world_size: int, rank: in
     change how a batch is padded, and ``unshard`` drops them.
     """
     round_size = batch_size * world_size
-    rounds = max(1, -(-num_examples // round_size))
+    rounds = -(-num_examples // round_size)  # none for no examples: every rank runs no batch
     positions: list[int | None] = []
     for start in range(rank * batch_size, rounds * round_size, round_size):
         block = list(range(start, min(start + batch_size, num_examples)))

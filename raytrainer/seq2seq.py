@@ -47,6 +47,7 @@ class Seq2SeqTrainer(Trainer):
     other ``generate`` argument, and generate when ``args.predict_with_generate`` is set."""
 
     _args_class = Seq2SeqTrainingArguments
+    loss_per_batch = True  # eval_loss: its batches' mean, as transformers' (worker/evaluation.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -44,7 +44,6 @@ from raytrainer.trainer_utils import (
     speed_metrics,
 )
 from raytrainer.worker import console
-from raytrainer.worker.loss import loss_from_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -304,10 +303,10 @@ class Trainer(DataLoadersMixin):
         )
         output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
                                             _ceil_div(output.num_samples, self.args.eval_batch_size)))
-        output.metrics.update(memory.stop("eval"))
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics=output.metrics)
+        output.metrics.update(memory.stop("eval"))  # returned, not logged (as transformers)
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None,
@@ -323,9 +322,9 @@ class Trainer(DataLoadersMixin):
                                       metric_key_prefix=metric_key_prefix)
         output.metrics.update(speed_metrics(metric_key_prefix, start, output.num_samples,
                                             _ceil_div(output.num_samples, self.args.eval_batch_size)))
-        output.metrics.update(memory.stop("test"))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control,
                                                         metrics=output.metrics)
+        output.metrics.update(memory.stop("test"))
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids,
                                 metrics=output.metrics)
 
@@ -367,17 +366,7 @@ class Trainer(DataLoadersMixin):
         self.control = restore_callbacks(self.state.stateful_callbacks, self.callback_handler, self.control,
                                          hf_logger)
 
-    def call_model_init(self, trial=None) -> torch.nn.Module:
-        n_args = len(inspect.signature(self.model_init).parameters)
-        if n_args == 0:
-            model = self.model_init()
-        elif n_args == 1:
-            model = self.model_init(trial)
-        else:
-            raise ValueError("model_init must take zero arguments or one (the trial).")
-        if model is None:
-            raise ValueError("model_init returned None; it must return a torch.nn.Module.")
-        return model
+    call_model_init = hf_trainer.Trainer.call_model_init  # transformers': model_init() or model_init(trial)
 
     def _align_special_tokens(self) -> None:
         """As transformers 5's ``train()``: the model's config and generation config take the PAD/BOS/EOS
@@ -462,22 +451,37 @@ class Trainer(DataLoadersMixin):
         inputs = _to_device(inputs, device)
         return self._strategy.precision.convert_input(inputs) if self._strategy is not None else inputs
 
-    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        labels = None
-        smoothing = self._label_smoothing()
-        custom = self.compute_loss_func is not None or smoothing > 0
-        if custom and "labels" in inputs:
-            labels = inputs.pop("labels")
-        if self._model_accepts_loss_kwargs(model) and num_items_in_batch is not None:
-            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        outputs = model(**inputs)
-        if labels is not None and self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif labels is not None:
-            loss = (self.label_smoother or hf_pt_utils.LabelSmoother(epsilon=smoothing))(outputs, labels)
-        else:
-            loss = loss_from_outputs(outputs, model)
-        return (loss, outputs) if return_outputs else loss
+    # transformers.Trainer's own: the labels taken out for label smoothing (shifted for a causal LM) or
+    # ``compute_loss_func``, ``num_items_in_batch`` to a model that takes loss kwargs, and the loss times the
+    # data-parallel ranks with ``average_tokens_across_devices``. It reads ``label_smoother``,
+    # ``compute_loss_func``, ``model_accepts_loss_kwargs``, ``accelerator`` and ``get_tp_size``, which this
+    # Trainer has. A model's output is a dict with "loss" or a tuple with the loss first, as there (the
+    # driver checks it before training starts: driver/preflight.py).
+    compute_loss = hf_trainer.Trainer.compute_loss
+    #: transformers': whether a ``compute_loss`` override's loss is already scaled for gradient accumulation
+    #: (True: used as is; False: divided by the micro-batches of the step; None: scaled when it was
+    #: normalised by ``num_items_in_batch`` or comes from ``compute_loss_func``).
+    loss_is_scaled_for_ga: bool | None = None
+
+    @property
+    def model_accepts_loss_kwargs(self) -> bool:
+        """transformers' attribute: whether the model's forward normalises its loss by ``num_items_in_batch``
+        (its ``accepts_loss_kwargs``, else a ``**kwargs`` in its forward; a PEFT model's base model's). Worked
+        out per model, as model_init may replace it; a value set on the Trainer (TRL does) wins."""
+        if "_accepts_loss_kwargs" in self.__dict__:
+            return self.__dict__["_accepts_loss_kwargs"]
+        cached, model = self.__dict__.get("_loss_kwargs_cache"), self.__dict__.get("_model")
+        if cached is None or cached[0] is not model:
+            cached = self._loss_kwargs_cache = (model, _accepts_loss_kwargs(model))
+        return cached[1]
+
+    @model_accepts_loss_kwargs.setter
+    def model_accepts_loss_kwargs(self, value: bool) -> None:
+        self.__dict__["_accepts_loss_kwargs"] = value
+
+    def get_tp_size(self) -> int:
+        """The ranks that read the same batch (a tensor-parallel group; transformers' name)."""
+        return self._view.model_parallel
 
     def _label_smoothing(self) -> float:
         """label_smoothing_factor, or 0 for a multi-label classifier (warned at init, as transformers)."""
@@ -498,16 +502,20 @@ class Trainer(DataLoadersMixin):
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             else:
                 loss = self.compute_loss(model, inputs)
-        normalised = num_items_in_batch is not None and (
-            self.compute_loss_func is not None or self._model_accepts_loss_kwargs(model))
+        del inputs
+        steps = self.args.torch_empty_cache_steps
+        if steps is not None and self.state.global_step % steps == 0:  # as transformers, every micro-batch
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
+        scaled = self.loss_is_scaled_for_ga  # transformers' rule
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
         micro_steps = (self._session.micro_steps if self._session is not None else None) \
             or self.args.gradient_accumulation_steps
-        if not normalised:
-            if micro_steps > 1:  # a mean per micro-batch: average over the accumulation window
-                loss = loss / micro_steps
-        elif self.args.average_tokens_across_devices and self._ctx.dp_size > 1:
-            # divided by the global count; gradients are averaged over the data-parallel ranks
-            loss = loss * self._ctx.dp_size
+        if not scaled and micro_steps > 1:  # a mean per micro-batch: average over the step's micro-batches
+            loss = loss / micro_steps
         self._strategy.backward(loss)
         return loss.detach()
 
@@ -518,17 +526,6 @@ class Trainer(DataLoadersMixin):
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name``."""
         return getattr(type(self), name) is not getattr(Trainer, name)
-
-    def _model_accepts_loss_kwargs(self, model) -> bool:
-        """HF's rule: a forward with ``**kwargs`` normalises its loss by ``num_items_in_batch``."""
-        cached = self.__dict__.get("_loss_kwargs_cache")  # asked once or twice per training step
-        if cached is None or cached[0] is not model:
-            module = getattr(model, "_orig_mod", model)  # through torch.compile
-            module = getattr(module, "module", module)  # and DDP
-            params = inspect.signature(module.forward).parameters.values()
-            cached = self._loss_kwargs_cache = (
-                model, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
-        return cached[1]
 
     def _compute_loss_takes_num_items(self) -> bool:
         cached = self.__dict__.get("_compute_loss_num_items")
@@ -543,9 +540,9 @@ class Trainer(DataLoadersMixin):
         return_loss = inputs.pop("return_loss", None)
         loss_without_labels = bool(return_loss) and self.can_return_loss
         inputs = self._prepare_inputs(inputs)
-        if ignore_keys is None:
-            config = getattr(model, "config", None)
-            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
+        if ignore_keys is None:  # transformers' rule: a model's cache ("cache") is no prediction
+            config = getattr(self.model, "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["cache"])) if config else []
         labels = None
         if has_labels:
             labels = tuple(inputs.get(n).detach() for n in self.label_names)
@@ -570,7 +567,7 @@ class Trainer(DataLoadersMixin):
         loss normalised by it then equals training's): this rank's batch only, so ``eval_loss`` does not
         depend on the number of workers; a tensor on the batch's device (no host sync)."""
         if "labels" not in inputs or not (self.compute_loss_func is not None
-                                          or self._model_accepts_loss_kwargs(model)):
+                                          or self.model_accepts_loss_kwargs):
             return None
         from raytrainer.worker.loss import label_targets, loss_shifts_labels
 
@@ -642,14 +639,10 @@ class Trainer(DataLoadersMixin):
         # callbacks get their own copy, as in transformers (its PrinterCallback pops total_flos from it)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=dict(logs))
 
-    def add_callback(self, callback) -> None:
-        self.callback_handler.add_callback(callback)
-
-    def pop_callback(self, callback):
-        return self.callback_handler.pop_callback(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.callback_handler.remove_callback(callback)
+    # transformers' own (on the handler)
+    add_callback = hf_trainer.Trainer.add_callback
+    pop_callback = hf_trainer.Trainer.pop_callback
+    remove_callback = hf_trainer.Trainer.remove_callback
 
     def is_world_process_zero(self) -> bool:
         return self._ctx is None or self._ctx.is_world_zero
@@ -724,6 +717,9 @@ class Trainer(DataLoadersMixin):
             self.lr_scheduler.step(metrics[key])
         return metrics
 
+    # transformers' own: state.best_metric / best_global_step by metric_for_best_model and greater_is_better
+    _determine_best_metric = hf_trainer.Trainer._determine_best_metric
+
     def _save_checkpoint(self, model, trial=None, metrics: dict | None = None) -> str:
         """Write ``checkpoint-<global_step>`` (committed in the background; see worker/checkpointing)."""
         return self._session.writer.save(metrics)
@@ -736,6 +732,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _forward_params(model) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    """transformers.Trainer's rule, on the module it was given (a PEFT model: its base model)."""
+    if hf_trainer._is_peft_model(model):
+        model = model.get_base_model()
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _training_already(model: torch.nn.Module) -> bool:

@@ -113,6 +113,10 @@ class MemoryTracker:
             gpu_end = torch.cuda.memory_allocated()
             out[f"{stage}_mem_gpu_alloc_delta"] = gpu_end - self._start["gpu"]
             out[f"{stage}_mem_gpu_peaked_delta"] = max(0, torch.cuda.max_memory_allocated() - gpu_end)
+        if stage == "init":  # as transformers: the memory in use when the Trainer was made
+            out["before_init_mem_cpu"] = self._start["cpu"]
+            if "gpu" in self._start:
+                out["before_init_mem_gpu"] = self._start["gpu"]
         self._stage = None
         self.metrics.update(out)
         return out

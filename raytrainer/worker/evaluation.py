@@ -182,7 +182,7 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
         batch_size = getattr(dataloader, "batch_size", None) or args.eval_batch_size
         all_losses, all_preds, all_labels, all_inputs = (
             nested_unshard(per_rank, batch_size, num_examples) for per_rank in gathered)
-        mean_loss = float(np.mean(all_losses)) if all_losses is not None and len(all_losses) else None
+        mean_loss = _mean_loss(trainer, all_losses, batch_size)
         if not args.eval_do_concat_batches:  # transformers' lists, one entry per batch (of one process)
             all_losses, all_preds, all_labels, all_inputs = (
                 _per_batch(x, batch_size) for x in (all_losses, all_preds, all_labels, all_inputs))
@@ -210,6 +210,21 @@ def evaluation_loop(trainer, dataloader, description, prediction_loss_only, igno
     metrics = ctx.broadcast_object(metrics)
     return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics,
                           num_samples=num_examples)
+
+
+def _mean_loss(trainer, losses, batch_size: int) -> float | None:
+    """``eval_loss`` as transformers computes it from one row per example: non-finite rows left out with
+    ``logging_nan_inf_filter`` (unless all are); a ``Seq2SeqTrainer``'s (``loss_per_batch``) is the mean of
+    its batches' losses, as transformers' Seq2SeqTrainer gathers without dropping rows: each batch counts
+    ``eval_batch_size`` times there, the last, shorter one too."""
+    if losses is None or not len(losses):
+        return None
+    if getattr(trainer, "loss_per_batch", False):
+        losses = losses[::batch_size]  # the rows of a batch all hold its loss
+    finite = np.isfinite(losses)
+    if trainer.args.logging_nan_inf_filter and finite.any():
+        losses = losses[finite]
+    return float(np.mean(losses))
 
 
 def _rows(x, sl):

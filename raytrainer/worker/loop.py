@@ -75,7 +75,7 @@ class _Schedule:
                 self.max_steps = math.ceil(args.num_train_epochs * self.updates_per_epoch)
                 self.num_epochs = math.ceil(args.num_train_epochs)
         else:  # iterable data: the run is max_steps long, epochs end when the stream does
-            self.micro_per_epoch = sys.maxsize
+            self.micro_per_epoch = args.max_steps * ga  # transformers' steps_in_epoch
             self.updates_per_epoch = args.max_steps
             self.max_steps = args.max_steps
             self.num_epochs = sys.maxsize
@@ -164,7 +164,8 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
         if resume.world_size not in (None, ctx.world_size) and state.epoch is not None:
             # another number of workers: the epoch's position carries over as the share of its samples seen
             epochs_trained = int(state.epoch)
-            skip_updates = round((state.epoch - epochs_trained) * schedule.updates_per_epoch)
+            skip_updates = round((state.epoch - epochs_trained) * schedule.micro_per_epoch
+                                 / args.gradient_accumulation_steps)
         if args.ignore_data_skip:
             skip_updates = 0
     _mark_trial(state, trainer, trial)
@@ -186,8 +187,9 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
     loop = _LogState(total_loss=0.0, last_logged=state.global_step, grad_norm=None)
     strategy.zero_grad(wrapped)
     ga = args.gradient_accumulation_steps
+    max_norm = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else math.inf
     samples_seen = 0
-    normalised_loss = trainer.compute_loss_func is not None or trainer._model_accepts_loss_kwargs(wrapped)
+    normalised_loss = trainer.compute_loss_func is not None or trainer.model_accepts_loss_kwargs
     # Count label tokens only when something uses the count (HF's loss normalisation, or an override).
     count_items = normalised_loss or (trainer._overrides("compute_loss")
                                       and trainer._compute_loss_takes_num_items())
@@ -211,6 +213,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
         exhausted = False
         start_update = skip_updates if first_resumed_epoch else 0
         batches = epoch_batches(start_update * ga)  # from where the checkpoint was taken
+        micro_done = start_update * ga  # the epoch's micro-batches so far: its share done is state.epoch's
         for update in range(start_update, updates_this_epoch):
             fetch_started = time.perf_counter()
             micro = _take(batches, ga)
@@ -223,6 +226,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
                 resume.restore_rng()  # after the skipped batches: the next step draws what it drew
             control = trainer.control = handler.on_step_begin(args, state, control)
             session.micro_steps = len(micro)
+            micro_done += len(micro)
             num_items = (_num_items_in_batch(micro, args, ctx, normalised_loss, shifted)
                          if count_items else None)
             losses = []
@@ -244,9 +248,9 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
             tr_loss = _add_losses(tr_loss, losses, args.logging_nan_inf_filter and not guard.finite,
                                   steps_in_window=1 + state.global_step - loop.last_logged)
             if not skip:
-                if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                    strategy.precision.unscale(optimizer)
-                    loop.grad_norm = strategy.clip_grad_norm(wrapped, args.max_grad_norm)
+                # as transformers, the norm is measured (and logged) without clipping too
+                strategy.precision.unscale(optimizer)
+                loop.grad_norm = strategy.clip_grad_norm(wrapped, max_norm)
                 control = trainer.control = handler.on_pre_optimizer_step(args, state, control)
                 step_norm = strategy.optimizer_step(wrapped, optimizer)
                 loop.grad_norm = step_norm if step_norm is not None else loop.grad_norm
@@ -256,7 +260,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
             strategy.zero_grad(wrapped)
 
             state.global_step += 1
-            state.epoch = epoch + (update + 1) / updates_this_epoch
+            state.epoch = epoch + micro_done / schedule.micro_per_epoch  # transformers' fraction
             control = trainer.control = handler.on_step_end(args, state, control)
             if must_sync or writer.pending:
                 any_busy = sync_control(control, ctx, busy=writer.busy())
@@ -344,7 +348,7 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
     metrics = None
     if trainer.control.should_evaluate:
         metrics = trainer._evaluate(trial, ignore_keys)
-        new_best = _update_best(trainer, metrics)
+        new_best = bool(trainer._determine_best_metric(metrics, trial))  # transformers' own
         if getattr(args.save_strategy, "value", args.save_strategy) == "best":
             trainer.control.should_save = new_best
         if must_sync:
@@ -356,25 +360,6 @@ def _maybe_log_evaluate_save(trainer, tr_loss, loop: _LogState, trial, ignore_ke
         if must_sync:
             sync_control(trainer.control, ctx)  # on_save's flags
     return tr_loss
-
-
-def _update_best(trainer, metrics: dict) -> bool:
-    """Track ``state.best_metric`` / ``best_global_step`` for metric_for_best_model (HF's rule)."""
-    args, state = trainer.args, trainer.state
-    if not args.metric_for_best_model:
-        return False
-    key = args.metric_for_best_model
-    key = key if key.startswith("eval_") else f"eval_{key}"
-    if key not in metrics:
-        raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r}: evaluation returned no "
-                       f"{key!r} (it returned {sorted(metrics)}); set metric_for_best_model to one of them.")
-    value = metrics[key]
-    better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
-    if state.best_metric is None or better(value, state.best_metric):
-        state.best_metric = value
-        state.best_global_step = state.global_step
-        return True
-    return False
 
 
 class _Optimizers:

@@ -30,7 +30,8 @@ def label_targets(batch, shifted: bool) -> torch.Tensor:
 
 
 def loss_from_outputs(outputs, model) -> torch.Tensor:
-    """The loss a model returned: first element of a tuple, ``loss`` of a dict, or a scalar tensor."""
+    """The loss a model returned, where transformers' ``compute_loss`` takes it: first element of a tuple,
+    ``loss`` of a dict."""
     loss = None
     if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
         loss = outputs.get("loss") if hasattr(outputs, "get") else None
@@ -38,10 +39,7 @@ def loss_from_outputs(outputs, model) -> torch.Tensor:
     elif isinstance(outputs, (tuple, list)):
         loss = outputs[0] if outputs else None
         found = f"a {type(outputs).__name__} of {len(outputs)}"
-    elif isinstance(outputs, torch.Tensor) and outputs.ndim == 0:
-        loss = outputs
-        found = "a scalar"
-    else:
+    else:  # a bare tensor too: transformers.Trainer takes the loss from a dict or a tuple only
         found = type(outputs).__name__
     if not isinstance(loss, torch.Tensor) or loss.ndim > 1 or (loss.ndim == 1 and loss.numel() != 1):
         raise ValueError(

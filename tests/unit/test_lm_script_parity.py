@@ -14,7 +14,7 @@ import transformers.utils.logging as hf_logging
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.trainer_pt_utils import log_metrics as hf_log_metrics
 
-from raytrainer import Trainer
+from raytrainer import Trainer, TrainingArguments
 
 
 def _tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
@@ -215,3 +215,172 @@ def test_an_unknown_token_count_is_named(tmp_path):
     with pytest.raises(ValueError, match="include_num_input_tokens_seen='yes': must be one of 'all', "
                                          "'non_padding', 'no'"):
         TrainingArguments(output_dir=str(tmp_path), include_num_input_tokens_seen="yes")
+
+
+class _NoLossKwargsGPT2(GPT2LMHeadModel):
+    """A model that says its forward does not normalise by num_items_in_batch (as transformers' Qwen2.5-VL
+    and others do), though its forward takes **kwargs."""
+
+    accepts_loss_kwargs = False
+
+
+class _ScaledLossTrainerMixin:
+    """A compute_loss of a subclass's own: a mean over its micro-batch, which it says is not scaled for
+    gradient accumulation (the model itself would take num_items_in_batch)."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(input_ids=inputs["input_ids"]).logits[:, :-1]
+        labels = inputs["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _train_both(tmp_path, make_model, subclass=None, **overrides):
+    """transformers.Trainer and raytrainer's on the same model, data and arguments: (theirs, ours)."""
+    import transformers
+
+    data = _padded_blocks(16)
+    common = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
+                  report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no")
+    common.update(overrides)
+    hf_cls = type("HF", (subclass, transformers.Trainer), {}) if subclass else transformers.Trainer
+    rt_cls = type("RT", (subclass, Trainer), {}) if subclass else Trainer
+    theirs = hf_cls(model=make_model(), train_dataset=data,
+                    args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **common))
+    theirs.train()
+    ours = rt_cls(model=make_model(), train_dataset=data,
+                  args=TrainingArguments(output_dir=str(tmp_path / "rt"), num_workers=0, **common))
+    ours.train()
+    return theirs, ours
+
+
+def _losses(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def _no_loss_kwargs_gpt2():
+    config = GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return _NoLossKwargsGPT2(config)
+
+
+@pytest.mark.parametrize("case", ["label_smoothing", "accepts_loss_kwargs_false", "loss_is_scaled_for_ga"])
+def test_the_step_s_loss_is_transformers_compute_loss(tmp_path, case):
+    """Each case trained another loss than transformers.Trainer's: label smoothing on a causal LM did not
+    shift the labels (a step's loss 7.06 against transformers' 3.23), a model whose ``accepts_loss_kwargs`` is
+    False was given num_items_in_batch, and ``loss_is_scaled_for_ga=False`` on a subclass was not read (its
+    micro-batch mean was not divided by the accumulation steps). The step's loss is transformers' own
+    ``compute_loss`` now, scaled by its rule: the same losses and weights."""
+    if case == "label_smoothing":
+        theirs, ours = _train_both(tmp_path, _tiny_gpt2, label_smoothing_factor=0.1)
+    elif case == "accepts_loss_kwargs_false":
+        theirs, ours = _train_both(tmp_path, _no_loss_kwargs_gpt2)
+        assert ours.model_accepts_loss_kwargs is False
+    else:
+        theirs, ours = _train_both(tmp_path, _tiny_gpt2, subclass=_ScaledLossTrainerMixin)
+    assert _losses(ours) == pytest.approx(_losses(theirs), rel=1e-5)
+    for (name, a), b in zip(theirs.model.state_dict().items(), ours.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_torch_empty_cache_steps_empties_the_cache_as_transformers_does(tmp_path, monkeypatch):
+    """torch_empty_cache_steps was read by nothing. The device cache is now emptied on the micro-batches of
+    every N-th step, as transformers' training_step does: as many calls of accelerate's function."""
+    import accelerate.utils.memory as memory
+    import transformers
+    import transformers.trainer as hf_trainer_module
+
+    calls = {"transformers": 0, "raytrainer": 0}
+    real = memory.clear_device_cache
+
+    def counted(who):
+        def clear(*args, **kwargs):
+            calls[who] += 1
+            return real(*args, **kwargs)
+        return clear
+
+    # transformers' training step calls the name its module imported; raytrainer's, accelerate's module's
+    monkeypatch.setattr(hf_trainer_module, "clear_device_cache", counted("transformers"))
+    data = _padded_blocks(16)
+    common = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, report_to="none",
+                  disable_tqdm=True, use_cpu=True, save_strategy="no", torch_empty_cache_steps=2)
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **common)
+    transformers.Trainer(model=_tiny_gpt2(), train_dataset=data, args=hf_args).train()
+    monkeypatch.setattr(memory, "clear_device_cache", counted("raytrainer"))
+    Trainer(model=_tiny_gpt2(), train_dataset=data,
+            args=TrainingArguments(output_dir=str(tmp_path / "rt"), num_workers=0, **common)).train()
+    # steps 0 and 2 (global_step before the update), each on its 2 micro-batches
+    assert calls == {"transformers": 4, "raytrainer": 4}
+
+
+def test_predictions_leave_out_the_models_cache_as_transformers_does(tmp_path):
+    """With use_cache=True a transformers 5 model returns its cache under "cache"; transformers' prediction
+    step leaves it out (keys_to_ignore_at_inference, else ["cache"]). raytrainer returned it as a second
+    prediction, a DynamicCache in an object array, so compute_metrics got a tuple."""
+    import transformers
+
+    data = _padded_blocks(6)
+    common = dict(report_to="none", disable_tqdm=True, use_cpu=True, use_cache=True, save_strategy="no")
+    theirs = transformers.Trainer(model=_tiny_gpt2(), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), **common)).predict(data)
+    ours = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=str(tmp_path / "rt"), num_workers=0, **common)).predict(data)
+    assert not isinstance(theirs.predictions, tuple) and not isinstance(ours.predictions, tuple)
+    assert ours.predictions.shape == theirs.predictions.shape == (6, 8, 40)
+    torch.testing.assert_close(torch.from_numpy(ours.predictions), torch.from_numpy(theirs.predictions))
+
+
+def test_memory_metrics_are_where_transformers_puts_them(make_args):
+    """skip_memory_metrics=False: the first train() also reports before_init_mem_cpu, and evaluate()
+    returns its eval_mem_* figures without logging them (transformers stops its tracker after the log)."""
+    data = _padded_blocks(8)
+    trainer = Trainer(model=_tiny_gpt2(), train_dataset=data, eval_dataset=data,
+                      args=make_args(max_steps=2, per_device_train_batch_size=4, skip_memory_metrics=False))
+    train = trainer.train().metrics
+    assert train["before_init_mem_cpu"] > 10_000_000  # a Python process with torch holds far more than 10 MB
+    assert {"init_mem_cpu_alloc_delta", "train_mem_cpu_alloc_delta"} <= set(train)
+    metrics = trainer.evaluate()
+    assert "eval_mem_cpu_alloc_delta" in metrics and "eval_loss" in metrics
+    logged = trainer.state.log_history[-1]
+    assert "eval_loss" in logged and not any("_mem_" in key for key in logged)
+
+
+@pytest.mark.parametrize("case", ["accumulation_past_the_epoch", "max_grad_norm_0"])
+def test_logged_epoch_and_grad_norm_are_transformers(tmp_path, case):
+    """Two logs differed from transformers.Trainer's: with 8 batches an epoch and 3 accumulated a step, the
+    epoch after step 1 was 1/3 of the updates, where transformers logs 3/8 of the batches; and with
+    max_grad_norm=0 no grad_norm was logged, where transformers measures it without clipping."""
+    if case == "accumulation_past_the_epoch":
+        overrides = dict(gradient_accumulation_steps=3, max_steps=-1, num_train_epochs=2,
+                         per_device_train_batch_size=2)
+    else:
+        overrides = dict(max_grad_norm=0.0)
+    theirs, ours = _train_both(tmp_path, _tiny_gpt2, **overrides)
+
+    def logged(trainer):
+        return [(e["step"], e["epoch"], e.get("grad_norm")) for e in trainer.state.log_history if "loss" in e]
+
+    expected = logged(theirs)
+    if case == "accumulation_past_the_epoch":
+        assert [epoch for _, epoch, _ in expected] == [0.375, 0.75, 1.0, 1.375, 1.75, 2.0]
+    assert all(norm is not None for _, _, norm in expected)
+    assert [(s, e) for s, e, _ in logged(ours)] == [(s, e) for s, e, _ in expected]
+    assert [n for _, _, n in logged(ours)] == pytest.approx([n for _, _, n in expected], rel=1e-5)
+
+
+def test_a_prediction_with_no_whole_batch_returns_none_as_transformers(tmp_path):
+    """dataloader_drop_last with fewer examples than a batch: transformers runs no batch and returns no
+    predictions; raytrainer ran one batch of a dummy example and returned an empty (0, 8, 40) array."""
+    import transformers
+
+    common = dict(report_to="none", disable_tqdm=True, use_cpu=True, dataloader_drop_last=True,
+                  per_device_eval_batch_size=8)
+    data = _padded_blocks(6)
+    theirs = transformers.Trainer(model=_tiny_gpt2(), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), **common)).predict(data)
+    ours = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=str(tmp_path / "rt"), num_workers=0, **common)).predict(data)
+    assert theirs.predictions is None and ours.predictions is None
+    assert theirs.label_ids is None and ours.label_ids is None

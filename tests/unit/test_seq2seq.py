@@ -206,3 +206,16 @@ def test_evaluation_options_match_transformers(tmp_path, trained, kw):
     if "include_for_metrics" in kw:  # both trainers' compute_metrics got the inputs and the losses
         assert seen["inputs"][0] == seen["inputs"][1] == (12, 6)
         assert seen["losses"][0] is not None and seen["losses"][1] is not None
+
+
+@pytest.mark.parametrize("generate", [True, False])
+def test_eval_loss_with_a_short_last_batch_is_transformers(tmp_path, trained, generate):
+    """transformers' Seq2SeqTrainer gathers without dropping rows, so each batch's loss counts
+    eval_batch_size times, the short last one too: its eval_loss is the mean of the batches' losses.
+    raytrainer's weighed each example once (10 examples in batches of 4: 0.3% apart here)."""
+    ours, theirs = both(tmp_path, trained, predict_with_generate=generate)
+    data = reversal_pairs(10)
+    mine, ref = ours.evaluate(data), theirs.evaluate(data)
+    assert mine["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+    plain = transformers.Trainer(model=theirs.model, args=theirs.args).evaluate(data)["eval_loss"]
+    assert ref["eval_loss"] != pytest.approx(plain, rel=1e-6)  # the case that tells the two rules apart
