@@ -572,7 +572,13 @@ class Trainer(DataLoadersMixin):
         from raytrainer.worker.loss import label_targets, loss_shifts_labels
 
         shifted = loss_shifts_labels(getattr(model, "module", model))
-        return label_targets(inputs, shifted).ne(-100).sum()
+        count = label_targets(inputs, shifted).ne(-100).sum()
+        replicas = self._view.dp_size
+        if replicas > 1 and self.args.average_tokens_across_devices and not self._overrides("compute_loss"):
+            # transformers' compute_loss multiplies the loss by the data-parallel ranks, for a count over all
+            # of them: this rank's count times the ranks gives back this batch's own mean
+            count = count * replicas
+        return count
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """Forward+backward FLOPs of a batch. A transformers model: transformers 5.23's count, 6 x the main

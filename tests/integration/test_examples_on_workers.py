@@ -3,11 +3,15 @@ comes from the config files in examples/configs, as a user would pass them."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import search_asha
+import torch
 import train_gpt2
+
+from raytrainer import Trainer, TrainingArguments
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs")
 SMOKE = ["--num_workers", "2", "--disable_tqdm", "1", "--report_to", "none", "--max_steps", "40",
@@ -28,6 +32,13 @@ def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, 
     args = out["trainer"].args
     assert out["steps"] == 40 and out["before"] > 50 and out["after"] < 30
     # the tokens of both ranks' batches, counted on the workers (2 ranks x 32 lines x 16 tokens a step)
+    # the evaluation before training is one process's: a model that takes num_items_in_batch once got its
+    # eval loss multiplied by the 2 ranks (perplexity squared)
+    torch.manual_seed(42)
+    one = Trainer(model=train_gpt2.small_gpt2(), eval_dataset=train_gpt2.progressions(64, 16, seed=43),
+                  args=TrainingArguments(output_dir=str(tmp_path / "one"), num_workers=0, report_to="none",
+                                         per_device_eval_batch_size=64, disable_tqdm=True))
+    assert out["before"] == pytest.approx(math.exp(one.evaluate()["eval_loss"]), rel=1e-4)
     history = out["trainer"].state.log_history
     logged = [(e["step"], e["num_input_tokens_seen"]) for e in history if "loss" in e]
     assert logged == [(10, 10_240), (20, 20_480), (30, 30_720), (40, 40_960)]
