@@ -603,7 +603,7 @@ class Trainer(DataLoadersMixin):
         batch, which counts once."""
         before = self.state.num_input_tokens_seen
         hf_trainer.Trainer._track_num_input_tokens(self, inputs)
-        replicas = self._view.model_parallel
+        replicas = self.get_tp_size()
         if replicas > 1:
             counted = self.state.num_input_tokens_seen - before
             self.state.num_input_tokens_seen = before + counted // replicas
