@@ -16,6 +16,7 @@ import torch
 from raytrainer.data import batch_size_of, unshard
 from raytrainer.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 from raytrainer.worker import console
+from raytrainer.worker.loss import adapt_mean_losses
 
 PAD = -100
 
@@ -130,6 +131,7 @@ class _Gatherer:
 def evaluation_loop(trainer, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
     args, ctx = trainer.args, trainer._ctx
     prediction_loss_only = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+    adapt_mean_losses(trainer)
     model = trainer._strategy.eval_model(trainer.model_wrapped)
     model.eval()
     if hasattr(trainer.optimizer, "eval") and callable(trainer.optimizer.eval):

@@ -14,8 +14,11 @@ from __future__ import annotations
 import functools
 import logging
 
+from transformers import TrainerCallback
+
 from raytrainer.protocol import RankResult
 from raytrainer.worker.logs import rank_logging
+from raytrainer.worker.loss import adapt_mean_losses
 from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,9 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 
             kwargs = {**kwargs, "resume_from_checkpoint": localize(kwargs["resume_from_checkpoint"],
                                                                     trainer.args, ctx)}
+        if method in ("train", "evaluate", "predict"):
+            adapt_mean_losses(trainer)
+            _evaluate_batches_on_their_own(trainer)
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
             output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
@@ -78,6 +84,7 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
     trainer.add_callback(CommitCallback(session.ctx, session.channel, given))
+    trainer.add_callback(MeanLossCallback(trainer))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))
 
@@ -99,3 +106,34 @@ def _save_on_preemption(trainer, session: RankSession) -> None:
     trainer.remove_callback(PreemptionCallback)
     elastic = getattr(trainer, "_raytrainer_elastic", False)  # an elastic run grows at such a checkpoint too
     trainer.add_callback(PreemptionCallback(session, growth=session.channel if elastic else None))
+
+
+def _evaluate_batches_on_their_own(trainer) -> None:
+    """Each evaluation batch's loss is its own labels' mean, as in one process: transformers counts the
+    labels of every rank's batch there too (``average_tokens_across_devices``), so that a batch's loss is
+    its share of the ranks' sum; the losses it then averages per example are not one process's when the
+    ranks' batches hold different label counts (a causal LM's padded rows). Training is left as it is."""
+    if "prediction_step" in vars(trainer):
+        return
+    step = trainer.prediction_step
+
+    def prediction_step(*args, **kwargs):
+        targs = trainer.args
+        counted_across = targs.average_tokens_across_devices
+        targs.average_tokens_across_devices = False
+        try:
+            return step(*args, **kwargs)
+        finally:
+            targs.average_tokens_across_devices = counted_across
+
+    trainer.prediction_step = prediction_step
+
+
+class MeanLossCallback(TrainerCallback):
+    """The model ``train()`` builds from ``model_init`` gets the mean-loss handling too (worker/loss.py)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        adapt_mean_losses(self.trainer)

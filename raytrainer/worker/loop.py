@@ -40,7 +40,7 @@ from raytrainer.trainer_utils import (
 from raytrainer.worker import console
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
-from raytrainer.worker.loss import label_targets, loss_shifts_labels
+from raytrainer.worker.loss import adapt_mean_losses, label_targets, loss_shifts_labels
 from raytrainer.worker.neftune import NEFTune
 from raytrainer.worker.nonfinite import NonFiniteGuard
 from raytrainer.worker.pace import PaceMeter
@@ -131,6 +131,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
         wrapped, _Optimizers(trainer, schedule.max_steps))
     trainer.model_wrapped = wrapped
     trainer.model = strategy.unwrap(wrapped)
+    adapt_mean_losses(trainer)  # a loss that is a mean: its share of the step's sum (worker/loss.py)
     # The training forward may go through torch.compile; state, syncing and clipping use ``wrapped``.
     model = _compiled(wrapped, args) if args.torch_compile else wrapped
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler

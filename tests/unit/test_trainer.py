@@ -194,7 +194,9 @@ def test_compute_loss_func_is_used_for_the_loss(make_args, make_classifier, make
     dataset, _, _ = make_examples(12)
     args = make_args(per_device_train_batch_size=4, num_train_epochs=1, optim="sgd", learning_rate=1.0)
     Trainer(model=model, args=args, train_dataset=dataset, compute_loss_func=zero_weight_loss).train()
-    assert calls == [4, 4, 4]
+    # once per batch, and twice more on the first, without gradient: raytrainer asks whether the function's
+    # loss is a mean (it takes num_items_in_batch; worker/loss.py)
+    assert calls == [4, 4, 4, 4, 4]
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
 
@@ -263,6 +265,10 @@ def test_compute_loss_func_receives_num_items_in_batch(make_args, make_classifie
         per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1, data_seed=0
     )
     Trainer(model=make_classifier(), args=args, train_dataset=dataset, compute_loss_func=loss_func).train()
+    # raytrainer first asks the function whether its loss is a mean: the first batch with the count and twice
+    # it, without gradient (worker/loss.py)
+    asked, received = received[:2], received[2:]
+    assert asked == [received[0], 2 * received[0]]
     # two windows of 2 x 2 examples; 6 of the 8 labels count, so the windows hold 6 between them
     assert len(received) == 4
     assert received[0] == received[1] and received[2] == received[3]
