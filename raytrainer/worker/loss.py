@@ -127,12 +127,13 @@ class MeanLossForward:
 
     def __call__(self, *args, **kwargs):
         num_items = kwargs.get("num_items_in_batch")
-        if num_items is None or self.kind == NORMALISED or not _has_labels(kwargs):
+        if num_items is None or (self.kind == NORMALISED and self.agreed) or not _has_labels(kwargs):
             return self.__wrapped__(*args, **kwargs)
         if self.kind is None:
             self.kind = self._ask(args, kwargs, num_items)
-        if not self.agreed and torch.is_grad_enabled():  # training: every rank runs this forward
-            labels = kwargs.get("labels", kwargs.get("shift_labels"))
+        if not self.agreed and torch.is_grad_enabled():
+            # training: every rank runs this forward (also a rank that answered in an evaluation before)
+            labels = kwargs["labels"] if torch.is_tensor(kwargs.get("labels")) else kwargs["shift_labels"]
             self.kind, self.agreed = _agree(self.kind, labels.device), True
         outputs = self.__wrapped__(*args, **kwargs)
         loss = _loss_value(outputs)

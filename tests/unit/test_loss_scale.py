@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from raytrainer import Trainer, TrainingArguments
-from raytrainer.worker.loss import MEAN, NORMALISED, MeanLossForward, adapt_mean_losses
+from raytrainer.worker.loss import MEAN, NORMALISED, UNDECIDED, MeanLossForward, adapt_mean_losses
 
 
 def bert(kind=transformers.BertForSequenceClassification, labels: int = 3):
@@ -90,9 +90,15 @@ def test_a_mean_loss_logs_and_trains_the_same_with_gradient_accumulation(tmp_pat
         assert mine == pytest.approx(theirs, rel=1e-5), (step, key)
 
 
+def _adapted(model):
+    """What a trainer gives adapt_mean_losses: its model, that it takes loss kwargs, no compute_loss_func."""
+    adapt_mean_losses(type("T", (), {"model": model, "model_accepts_loss_kwargs": True,
+                                     "compute_loss_func": None})())
+    return model
+
+
 def _asked(model, batch) -> int:
-    trainer = type("T", (), {"model": model, "model_accepts_loss_kwargs": True, "compute_loss_func": None})()
-    adapt_mean_losses(trainer)
+    _adapted(model)
     model.train()
     model(**batch, num_items_in_batch=torch.tensor(17))
     return model.forward.kind
@@ -124,3 +130,48 @@ def test_the_kind_of_loss_is_asked_of_the_model_and_the_adapted_model_keeps_its_
         logits = other(input_ids=ids, num_items_in_batch=torch.tensor(17)).logits
         assert torch.count_nonzero(logits) == 0
     assert torch.count_nonzero(classifier(input_ids=ids).logits) > 0
+
+
+def _rank(rank: int, store_path: str, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"file://{store_path}")
+    try:
+        model = gpt2()
+        ids = torch.randint(1, 40, (2, 10), generator=torch.Generator().manual_seed(rank))
+        # an evaluation first: rank 0's batch has no label to count, so it cannot tell (0 either way)
+        labels = torch.full_like(ids, -100) if rank == 0 else ids
+        _adapted(model).eval()
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(9))
+        asked = model.forward.kind
+        # then training: every rank agrees, rank 1 too, whose answer was already NORMALISED
+        model.train()
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(18)).loss
+        loss.backward()
+        results.put((rank, asked, model.forward.kind, model.forward.agreed))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_answered_differently_in_an_evaluation_agree_at_the_first_training_step(tmp_path):
+    """An evaluation before training may leave one rank undecided (a batch of -100 labels) and another sure;
+    the first training forward agrees on every rank (one all-reduce), none skipping it."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(rank, str(tmp_path / "store"), results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    codes = [p.exitcode for p in procs]  # None: still running after 2 minutes
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    # a rank that skipped the all-reduce left the other waiting in it (then failing once its peer was gone)
+    assert codes == [0, 0], f"a rank hung or failed in the agreement: exit codes {codes}"
+    got = sorted(results.get(timeout=5) for _ in procs)
+    assert got == [(0, UNDECIDED, NORMALISED, True), (1, NORMALISED, NORMALISED, True)]
