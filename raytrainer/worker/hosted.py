@@ -58,8 +58,9 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 
             kwargs = {**kwargs, "resume_from_checkpoint": localize(kwargs["resume_from_checkpoint"],
                                                                     trainer.args, ctx)}
-        if method in ("train", "evaluate", "predict"):
+        if method in ("evaluate", "predict"):  # train: at on_train_begin, on the model it trains
             adapt_mean_losses(trainer)
+        if method in ("train", "evaluate", "predict"):
             _evaluate_batches_on_their_own(trainer)
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
@@ -130,7 +131,8 @@ def _evaluate_batches_on_their_own(trainer) -> None:
 
 
 class MeanLossCallback(TrainerCallback):
-    """The model ``train()`` builds from ``model_init`` gets the mean-loss handling too (worker/loss.py)."""
+    """The model ``train()`` trains (built from ``model_init`` there, maybe) gets the mean-loss handling
+    (worker/loss.py)."""
 
     def __init__(self, trainer):
         self.trainer = trainer

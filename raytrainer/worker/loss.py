@@ -89,10 +89,6 @@ def _kind(first: torch.Tensor | None, doubled: torch.Tensor | None) -> int:
     return MEAN if abs(a - b) <= 1e-6 * max(abs(a), abs(b)) else NORMALISED
 
 
-def _labels_counted(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
-    return (labels[..., 1:] if shifted else labels).ne(-100).sum()
-
-
 def _as_share(loss: torch.Tensor, counted: torch.Tensor, num_items) -> torch.Tensor:
     """A mean over ``counted`` labels as its share of a sum divided by ``num_items``."""
     if torch.is_tensor(num_items):
@@ -182,7 +178,8 @@ class MeanLossFunc:
         loss = func(outputs, labels, num_items_in_batch=num_items_in_batch, **kwargs)
         if self.kind != MEAN or not isinstance(loss, torch.Tensor) or not torch.is_tensor(labels):
             return loss
-        return _as_share(loss, _labels_counted(labels, self.shifted), num_items_in_batch)
+        counted = label_targets({"labels": labels}, self.shifted).ne(-100).sum()
+        return _as_share(loss, counted, num_items_in_batch)
 
 
 def _has_labels(kwargs) -> bool:
