@@ -75,13 +75,16 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 
 
 def _split_callbacks(trainer, session: RankSession, given) -> None:
-    """transformers' progress bar and printer run on the driver; rank 0 relays what they need. Every
-    checkpoint is committed to the run's storage (``given``: the arguments with their Ray fields)."""
+    """transformers' progress bar and printer run on the driver; rank 0 relays what they need. The ranks
+    agree on every control flag a callback sets (worker/agreement.py). Every checkpoint is committed to the
+    run's storage (``given``: the arguments with their Ray fields)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from raytrainer.worker.agreement import agree_on_flags
     from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.relay import RelayCallback
 
+    agree_on_flags(trainer, session.ctx)
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
     trainer.add_callback(CommitCallback(session.ctx, session.channel, given))
@@ -93,11 +96,11 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
 def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
     """While a driver-side callback may stop the run (a search trial's pruner), every rank follows its
     decisions (worker/stop.py); one stop callback per call, for this attempt."""
-    from raytrainer.worker.stop import HostedStopCallback
+    from raytrainer.worker.stop import DriverStopCallback
 
-    trainer.remove_callback(HostedStopCallback)
+    trainer.remove_callback(DriverStopCallback)
     if stops:
-        trainer.add_callback(HostedStopCallback(session.channel, session.ctx, session.attempt))
+        trainer.add_callback(DriverStopCallback(session.channel, session.ctx, session.attempt))
 
 
 def _save_on_preemption(trainer, session: RankSession) -> None:
@@ -133,6 +136,8 @@ def _evaluate_batches_on_their_own(trainer) -> None:
 class MeanLossCallback(TrainerCallback):
     """The model ``train()`` trains (built from ``model_init`` there, maybe) gets the mean-loss handling
     (worker/loss.py)."""
+
+    same_on_every_rank = True
 
     def __init__(self, trainer):
         self.trainer = trainer

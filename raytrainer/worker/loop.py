@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState, same_on_every_rank
+from raytrainer.callbacks import ExportableState, TrainerControl, TrainerState
 from raytrainer.data import batch_size_of, set_epoch, skip_first_batches
 from raytrainer.optim import METRIC_SCHEDULERS, reapply_hyperparameters
 from raytrainer.strategies import select_strategy
@@ -38,6 +38,7 @@ from raytrainer.trainer_utils import (
     speed_metrics,
 )
 from raytrainer.worker import console
+from raytrainer.worker.agreement import must_agree, sync_control
 from raytrainer.worker.batch_size import find_batch_size
 from raytrainer.worker.checkpointing import CheckpointWriter, Resume
 from raytrainer.worker.loss import adapt_mean_losses, label_targets, loss_shifts_labels
@@ -45,19 +46,6 @@ from raytrainer.worker.neftune import NEFTune
 from raytrainer.worker.nonfinite import NonFiniteGuard
 from raytrainer.worker.pace import PaceMeter
 from raytrainer.worker.session import RankSession
-
-_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
-
-
-def sync_control(control: TrainerControl, ctx, busy: bool = False) -> bool:
-    """A decision taken on any rank becomes every rank's decision, in the same step.
-
-    ``busy`` rides along (a rank still writing its checkpoint part); returns whether any rank is.
-    """
-    values = ctx.any_flags([getattr(control, f) for f in _FLAGS] + [busy])
-    for name, value in zip(_FLAGS, values):
-        setattr(control, name, value)
-    return values[-1]
 
 
 class _Schedule:
@@ -196,8 +184,7 @@ def training_loop(trainer, session: RankSession, resume_from_checkpoint, trial,
                                       and trainer._compute_loss_takes_num_items())
     shifted = count_items and loss_shifts_labels(trainer.model)
     # Flags need an all-reduce only if some callback may decide differently on different ranks.
-    must_sync = ctx.distributed and not all(
-        same_on_every_rank(cb) for cb in handler.callbacks)
+    must_sync = must_agree(handler.callbacks, ctx)
     epoch_batches = _EpochBatches(train_dataloader, resumed=resume is not None)
     guard = NonFiniteGuard(args.nonfinite_loss, ctx)
     if ctx.distributed:  # each rank's own work per step, for the driver's straggler warning

@@ -68,16 +68,3 @@ class DriverStopCallback(TrainerCallback):
             time.sleep(0.02)
         return decision
 
-
-class HostedStopCallback(DriverStopCallback):
-    """The same decisions on the ranks of a hosted trainer (raytrainer/hosted.py), whose loop --
-    transformers' -- does not OR the ranks' control flags: rank 0's polled flag reaches every rank at the
-    same step (one all-reduce of one integer per step, only while a driver-side callback may stop the run:
-    a search trial)."""
-
-    same_on_every_rank = True
-
-    def on_step_end(self, args, state, control, **kwargs):
-        stop = self.ctx.is_world_zero and self._poll()
-        if self.ctx.any_flags([stop])[0]:
-            control.should_training_stop = True

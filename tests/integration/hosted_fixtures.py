@@ -7,6 +7,8 @@ import json
 import os
 import random
 
+from transformers import TrainerCallback
+
 
 def write_tiny_lm(folder: str) -> str:
     import torch
@@ -89,3 +91,28 @@ def counts_on(completions, prompts, **kwargs):
         scores.append(score)
     return scores
 '''
+
+
+
+class OneRankDecides(TrainerCallback):
+    """Flags each asked on one rank only, as a user's callback may (its own rank's data, a file it polls):
+    a save in ``on_evaluate`` on rank 0 at ``save_at``, a stop in ``on_step_end`` on rank 1 at ``stop_at``.
+    Each rank writes the steps it saved at and the step it ended at to ``<output_dir>/ended-rank<r>.json``."""
+
+    def __init__(self, save_at: int, stop_at: int):
+        self.save_at, self.stop_at, self.saved = save_at, stop_at, []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == self.save_at and args.process_index == 0:
+            control.should_save = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.stop_at and args.process_index == 1:
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved.append(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        with open(os.path.join(args.output_dir, f"ended-rank{args.process_index}.json"), "w") as f:
+            json.dump({"saved": self.saved, "step": state.global_step}, f)

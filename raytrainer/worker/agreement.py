@@ -1,0 +1,70 @@
+"""A decision taken on one rank (stop, save, evaluate, log) becomes every rank's, in the same step.
+
+Every rank calls the callbacks, and a callback may decide differently on different ranks (a stop asked on
+rank 1 only, a flag polled from the driver on rank 0). transformers' loop acts on each rank's own flags: the
+rank that stops leaves the others waiting in the next step's all-reduce, a save asked on one rank is a
+collective the others never enter. raytrainer's loop (worker/loop.py) ORs the flags across ranks after each
+event whose flags it reads next; a hosted trainer's loop (transformers', or TRL's) gets the same through its
+``CallbackHandler`` (``agree_on_flags``): after each such event of a training run, one all-reduce of one
+int32 tensor of the five flags.
+
+Only where some callback may decide differently on different ranks (``callbacks.same_on_every_rank``): a run
+whose callbacks never write a flag, or write the same one on every rank (transformers' flow and
+early-stopping callbacks), pays nothing.
+"""
+
+from __future__ import annotations
+
+from raytrainer.callbacks import TrainerControl, same_on_every_rank
+
+FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+
+#: transformers' loop reads the flags after these events of a training run (Trainer._inner_training_loop,
+#: _maybe_log_save_evaluate): stop after each step, micro-batch and epoch; evaluate and save after on_log;
+#: save after on_evaluate; stop after on_save.
+AGREED_EVENTS = frozenset({"on_step_end", "on_substep_end", "on_epoch_end", "on_log", "on_evaluate",
+                           "on_save"})
+
+
+def sync_control(control: TrainerControl, ctx, busy: bool = False) -> bool:
+    """Each flag of ``control`` set where any rank set it. ``busy`` rides along (a rank still writing its
+    checkpoint part); returns whether any rank is."""
+    values = ctx.any_flags([getattr(control, f) for f in FLAGS] + [busy])
+    for name, value in zip(FLAGS, values):
+        setattr(control, name, value)
+    return values[-1]
+
+
+def must_agree(callbacks, ctx) -> bool:
+    """Whether the ranks must agree on the flags: distributed, and some callback may decide differently on
+    different ranks."""
+    return ctx.distributed and not all(same_on_every_rank(cb) for cb in callbacks)
+
+
+class AgreeingHandler:
+    """Mixed into a hosted trainer's ``CallbackHandler`` class (``agree_on_flags``). Between
+    ``on_train_begin`` and ``on_train_end`` (every rank runs those events in lock step), each event in
+    ``AGREED_EVENTS`` ends with the ranks' flags OR-ed; outside training transformers reads no flag."""
+
+    _agreement_ctx = None
+    _agreeing = False
+
+    def call_event(self, event, args, state, control, **kwargs):
+        control = super().call_event(event, args, state, control, **kwargs)
+        if event == "on_train_begin":  # the callbacks of this run (model_init or add_callback may differ)
+            self._agreeing = must_agree(self.callbacks, self._agreement_ctx)
+        elif event == "on_train_end":
+            self._agreeing = False
+        elif self._agreeing and event in AGREED_EVENTS:
+            sync_control(control, self._agreement_ctx)
+        return control
+
+
+def agree_on_flags(trainer, ctx) -> None:
+    """``trainer.callback_handler`` agrees its flags across the ranks of ``ctx`` from now on (its class
+    becomes a subclass with ``AgreeingHandler`` mixed in, once)."""
+    handler = trainer.callback_handler
+    if not isinstance(handler, AgreeingHandler):
+        cls = type(handler)
+        handler.__class__ = type(f"Agreeing{cls.__name__}", (AgreeingHandler, cls), {})
+    handler._agreement_ctx = ctx

@@ -1,0 +1,92 @@
+"""raytrainer's guarantees, for every host: raytrainer's own Trainer, ``on_ray(transformers.Trainer)``
+(transformers' loop on each rank) and TRL's ``SFTTrainer`` (``raytrainer.trl``), each on 2 workers.
+
+Each test is parametrized over the three hosts (``HOSTS``); the same tiny GPT-2, made from a config and
+saved as a model folder, trains under each.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hosted_fixtures import OneRankDecides, write_tiny_lm
+
+HOSTS = ["raytrainer", "transformers", "trl"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """The working directory of a script, with the model folder it names by relative path."""
+    monkeypatch.chdir(tmp_path)
+    write_tiny_lm("tiny-model")
+    return tmp_path
+
+
+def counting_rows(n: int, offset: int = 0) -> list[dict]:
+    """Counting sequences of the tiny model's words (w7 w8 w9 ...): as token ids for a causal LM, and as
+    text for TRL's SFTTrainer."""
+    rows = []
+    for i in range(offset, offset + n):
+        start = (i * 7) % 60
+        ids = torch.tensor([3 + (start + k) % 60 for k in range(12)])
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(12, dtype=torch.long), "labels": ids,
+                     "text": " ".join(f"w{(start + k) % 60}" for k in range(12))})
+    return rows
+
+
+def make_trainer(host: str, output_dir: str, callbacks=(), **overrides):
+    """A trainer of ``host`` on 2 workers: 6 steps of 2 x 2 rows, an evaluation every 2 steps, no saves
+    unless a callback asks (``overrides`` replace any argument)."""
+    import datasets
+    import transformers
+
+    import raytrainer
+
+    args = dict(output_dir=output_dir, num_workers=2, max_steps=6, per_device_train_batch_size=2,
+                per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                save_steps=1000, logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
+                disable_tqdm=True, **overrides)
+    train, evaluation = counting_rows(48), counting_rows(8, offset=100)
+    if host == "trl":
+        import raytrainer.trl as trl
+
+        text = [{"text": r["text"]} for r in train], [{"text": r["text"]} for r in evaluation]
+        return trl.SFTTrainer(model="tiny-model", args=trl.SFTConfig(max_length=16, **args),
+                              train_dataset=datasets.Dataset.from_list(text[0]),
+                              eval_dataset=datasets.Dataset.from_list(text[1]), callbacks=list(callbacks))
+    if host == "transformers":
+        trainer_cls = raytrainer.on_ray(transformers.Trainer)
+        args_cls = raytrainer.config_on_ray(transformers.TrainingArguments)
+    else:
+        trainer_cls, args_cls = raytrainer.Trainer, raytrainer.TrainingArguments
+    tokens = [[{k: v for k, v in r.items() if k != "text"} for r in rows] for rows in (train, evaluation)]
+    model = transformers.GPT2LMHeadModel.from_pretrained("tiny-model")
+    return trainer_cls(model=model, args=args_cls(**args), train_dataset=tokens[0], eval_dataset=tokens[1],
+                       callbacks=list(callbacks))
+
+
+def end(trainer) -> None:
+    trainer.end() if hasattr(trainer, "end") else trainer.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_flag_set_on_one_rank_is_every_ranks(workdir, host):
+    """A save asked in on_evaluate on rank 0 only (step 2) and a stop asked in on_step_end on rank 1 only
+    (step 3): both ranks save at step 2 (a collective: a save on one rank hung the other), the checkpoint is
+    committed, and both ranks stop at step 3 (a stop on one rank left the other in the next step's
+    all-reduce), as one process would."""
+    trainer = make_trainer(host, str(workdir / "run"), callbacks=[OneRankDecides(save_at=2, stop_at=3)])
+    try:
+        out = trainer.train()
+    finally:
+        end(trainer)
+    assert out.global_step == 3 and trainer.state.global_step == 3
+    for rank in (0, 1):
+        ended = json.loads((workdir / "run" / f"ended-rank{rank}.json").read_text())
+        assert ended == {"saved": [2], "step": 3}, (rank, ended)
+    assert (workdir / "run" / "checkpoint-2" / "manifest.json").exists()
+    assert not (workdir / "run" / "checkpoint-3").exists()
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]

@@ -1,0 +1,115 @@
+"""A hosted trainer's CallbackHandler agrees the ranks' control flags during training
+(raytrainer/worker/agreement.py), on two gloo ranks in two processes: transformers' own CallbackHandler,
+events called as transformers' loop calls them. The runs on Ray workers, one per host, are in
+tests/integration/test_guarantees.py."""
+
+from __future__ import annotations
+
+import torch
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+)
+
+from raytrainer.rank_context import RankContext
+from raytrainer.worker.agreement import agree_on_flags
+
+
+class OnRankOne(TrainerCallback):
+    """Rank 1 asks: a stop after a micro-batch, an evaluation in on_log."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.rank == 1:
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, **kwargs):
+        if self.rank == 1:
+            control.should_evaluate = True
+
+
+class Looks(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen = state.global_step
+
+
+class Trainer:
+    def __init__(self, callbacks):
+        self.callback_handler = CallbackHandler([DefaultFlowCallback(), *callbacks], None, None, None, None)
+
+
+def _all_reduces() -> list:
+    """Counts torch.distributed.all_reduce calls (the agreement's one collective)."""
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    return calls
+
+
+def _rank(rank: int, store_path: str, results) -> None:
+    import torch.distributed as dist
+    from transformers import TrainerState, TrainingArguments
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"file://{store_path}")
+    try:
+        ctx = RankContext(world_size=2, rank=rank)
+        args, state = TrainingArguments(output_dir="unused", report_to="none"), TrainerState()
+        calls = _all_reduces()
+        out = {}
+        # only looking: no agreement, not even during training
+        quiet = Trainer([Looks()])
+        agree_on_flags(quiet, ctx)
+        handler = quiet.callback_handler
+        control = handler.on_train_begin(args, state, TrainerControl())
+        control = handler.on_step_end(args, state, control)
+        handler.on_train_end(args, state, control)
+        out["quiet all-reduces"] = len(calls)
+        # a callback that decides on rank 1 only
+        trainer = Trainer([OnRankOne(rank)])
+        agree_on_flags(trainer, ctx)
+        handler = trainer.callback_handler
+        # outside training nothing is agreed: rank 1 alone may log (a call only rank 0 makes cannot hang)
+        if rank == 1:
+            handler.on_log(args, state, TrainerControl(), logs={})
+        out["before training"] = len(calls)
+        control = handler.on_train_begin(args, state, TrainerControl())
+        control = handler.on_substep_end(args, state, control)
+        out["stop after a micro-batch"] = control.should_training_stop
+        control = handler.on_log(args, state, control, logs={"loss": 1.0})
+        out["evaluate after on_log"] = control.should_evaluate
+        handler.on_train_end(args, state, control)
+        out["training all-reduces"] = len(calls) - out["before training"]
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flags_one_rank_sets_are_every_ranks_during_training_only(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(rank, str(tmp_path / "store"), results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], f"a rank hung or failed: exit codes {codes}"
+    got = dict(results.get(timeout=5) for _ in procs)
+    expected = {"quiet all-reduces": 0, "before training": 0, "stop after a micro-batch": True,
+                "evaluate after on_log": True, "training all-reduces": 2}
+    assert got == {0: expected, 1: expected}, got
