@@ -262,6 +262,19 @@ def _share_by_size(names: list[str], sizes: dict[str, int], ctx) -> list[list[st
     return shares
 
 
+def raise_on_every_rank(error: CheckpointError | None, ctx, uri: str) -> None:
+    """Every rank raises when any rank found ``error`` (one flag all-reduce when none did): the first
+    finder's, so that whichever rank's error reaches the driver names the damaged file."""
+    if not ctx.any_flags([error is not None])[0]:
+        return
+    mine = (isinstance(error, DamagedCheckpointError), str(error)) if error is not None else None
+    found = ctx.gather_object(mine)
+    damaged, message = ctx.broadcast_object(next(f for f in found if f) if ctx.is_world_zero else None)
+    if damaged:
+        raise DamagedCheckpointError(message, uri) from error
+    raise CheckpointError(message) from error
+
+
 # -- reading files of a committed checkpoint, verified ----------------------------------------------------
 class CheckpointReader:
     def __init__(self, uri: str, filesystem=None):
@@ -317,9 +330,7 @@ class CheckpointReader:
                 self.verify(name)
         except CheckpointError as exc:
             error = exc
-        if ctx.any_flags([error is not None])[0]:
-            raise error or DamagedCheckpointError(
-                f"{self.uri}: another worker found a damaged file (its log).", self.uri)
+        raise_on_every_rank(error, ctx, self.uri)
 
     def download(self, name: str, dest: str) -> None:
         """One file to a local path, streamed and hashed on the way: a mismatch leaves no file behind."""
@@ -348,9 +359,7 @@ class CheckpointReader:
                     self.download(name, os.path.join(tmp, name))
             except CheckpointError as exc:
                 error = exc
-            if ctx.any_flags([error is not None])[0]:
-                raise error or DamagedCheckpointError(
-                    f"{self.uri}: another worker found a damaged file (its log).", self.uri)
+            raise_on_every_rank(error, ctx, self.uri)
             yield tmp
 
     @contextlib.contextmanager

@@ -120,20 +120,17 @@ class HostedTrainer:
 
     # -- what scripts call ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        from raytrainer import hub
         from raytrainer.callbacks import state_from_dict
         from raytrainer.driver.registry import CheckpointRegistry
+        from raytrainer.driver.runner import train_sequence
 
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         vars(self).pop("_model", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
-        pusher = hub.for_training(self, registry)  # checked before any worker starts
-        try:
-            result = self._run("train", {**kwargs, "stop_from_driver": stops}, registry)
-        finally:
-            hub.finish_training(pusher, registry)  # pending pushes end before train() returns
+        result = train_sequence(self, kwargs, resume_from_checkpoint, registry,
+                                lambda kw: self._run("train", {**kw, "stop_from_driver": stops}, registry))
         self.state = state_from_dict(result.state)
         return result.output
 

@@ -49,24 +49,39 @@ def run(trainer, method: str, kwargs: dict):
     with hub.token_withheld(trainer.args):  # the Trainer the workers get never holds the hub token
         spec = build_spec(trainer, method, kwargs) if trainer.args.num_workers > 0 else None
     registry = CheckpointRegistry(trainer.args)
-    pusher = hub.for_training(trainer, registry) if method == "train" else None  # checked before launch
+
+    if method != "train":
+        return _run_once(trainer, spec, method, kwargs, registry)
+
+    def once(kwargs: dict):  # the same Trainer, resuming from the checkpoint given (maybe the one before)
+        resume = {"resume_from_checkpoint": kwargs["resume_from_checkpoint"]}
+        run_spec = spec and dataclasses.replace(spec, kwargs={**spec.kwargs, **resume})
+        return _run_once(trainer, run_spec, method, kwargs, registry)
+
+    output = train_sequence(trainer, kwargs, asked, registry, once, preflight.check_resume_target)
+    trainer.__dict__.pop("_init_mem_metrics", None)  # reported by this run (a worker's copy on Ray)
+    if trainer.args.load_best_model_at_end:
+        _load_best_model(trainer)
+    return output
+
+
+def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, once, check_target=None):
+    """``train()`` on the driver, for every host: the hub's pusher follows the registry's commits (checked
+    before any worker starts; its pending pushes end before this returns), and a resume that meets a
+    damaged checkpoint it chose itself goes on from the committed one before it (``_earlier_checkpoint``;
+    ``check_target``: can this run resume that one). ``once(kwargs)`` runs ``train`` on every rank."""
+    pusher = hub.for_training(trainer, registry)
     try:
         while True:
             try:
-                output = _run_once(trainer, spec, method, kwargs, registry)
-                break
+                return once(kwargs)
             except DamagedCheckpointError as exc:
-                instead = {"resume_from_checkpoint": _earlier_checkpoint(trainer, exc, asked)}
-                kwargs = {**kwargs, **instead}
-                if spec is not None:  # the same Trainer, resuming from the checkpoint before
-                    spec = dataclasses.replace(spec, kwargs={**spec.kwargs, **instead})
+                instead = _earlier_checkpoint(trainer, exc, asked)
+                if check_target is not None:
+                    check_target(trainer, instead)
+                kwargs = {**kwargs, "resume_from_checkpoint": instead}
     finally:
-        hub.finish_training(pusher, registry)  # pending pushes end before train() returns
-    if method == "train":
-        trainer.__dict__.pop("_init_mem_metrics", None)  # reported by this run (a worker's copy on Ray)
-    if method == "train" and trainer.args.load_best_model_at_end:
-        _load_best_model(trainer)
-    return output
+        hub.finish_training(pusher, registry)
 
 
 def _run_once(trainer, spec: Spec | None, method: str, kwargs: dict, registry: CheckpointRegistry):
@@ -92,7 +107,6 @@ def _earlier_checkpoint(trainer, exc: DamagedCheckpointError, asked) -> str:
         exc.add_note(f"no committed checkpoint earlier than {damaged} to resume from instead")
         raise exc
     instead = storage.uri_of(posixpath.basename(earlier[-1]))
-    preflight.check_resume_target(trainer, instead)
     logger.warning("%s is damaged (%s); resuming from %s, the latest committed checkpoint before it.",
                    damaged, exc, instead)
     return instead

@@ -12,22 +12,29 @@ on -- and sends the driver its part. The driver writes ``manifest.json`` when ev
 commit) and rotates (driver/registry.py).
 
 Before transformers' next save (which may rotate the local folders away) and at the end of training, each rank
-waits for its thread. A resume reads a committed checkpoint: in place when it is a folder this node sees, else
-each node's local rank 0 copies it into ``<output_dir>/.raytrainer/resume/`` first (``localize``).
+waits for its thread. A resume reads a committed checkpoint, verified against its manifest: in place when it
+is a folder this node sees, else each node's local rank 0 copies it into ``<output_dir>/.raytrainer/resume/``
+first (``localize``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from raytrainer.checkpoint import digest_files
+from raytrainer.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    digest_files,
+    raise_on_every_rank,
+)
 from raytrainer.protocol import CheckpointPart, Kind
-from raytrainer.storage import Storage
+from raytrainer.storage import Storage, uri_basename
 from raytrainer.worker.checkpointing import _walk
 
 logger = logging.getLogger(__name__)
@@ -108,18 +115,34 @@ class CommitCallback(TrainerCallback):
 
 
 def localize(uri: str | None, args, ctx) -> str | None:
-    """``uri`` (a committed checkpoint, or one transformers wrote) as a folder this rank can read: as it
-    is when this node sees it, else copied by the node's local rank 0 into
-    ``<output_dir>/.raytrainer/resume/``."""
+    """``uri`` (a committed checkpoint, or one transformers wrote) as a folder this rank can read, checked
+    against its manifest: in place when this node sees it (each rank hashes its share of the files, by
+    size), else copied by the node's local rank 0 into ``<output_dir>/.raytrainer/resume/``, each file hashed
+    as it streams. A file that does not match raises ``DamagedCheckpointError`` on every rank, before
+    transformers reads anything; the driver then resumes from the committed checkpoint before it, where
+    the choice was its own (driver/runner.train_sequence). A folder without a manifest (transformers'
+    own) is read as it is, unverified."""
     if uri is None:
         return None
-    if "://" not in uri and os.path.isdir(uri):
-        return uri
-    name = uri.rstrip("/").rsplit("/", 1)[-1]
-    dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", name)
+    try:
+        reader = CheckpointReader(uri, getattr(args, "storage_filesystem", None))
+    except CheckpointError:
+        if "://" not in uri and os.path.isdir(uri):
+            return uri  # not a checkpoint raytrainer knows: transformers says what is wrong with it
+        raise
+    names = sorted(reader.files)
+    if reader.storage.is_local and os.path.isdir(reader.storage.root):
+        reader.verify_share(names, ctx)
+        return reader.storage.root
+    dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", uri_basename(uri))
+    error = None
     if ctx.is_local_zero:
-        storage = Storage.from_uri(uri, getattr(args, "storage_filesystem", None))
-        storage.download_dir(storage.root, dest)
-        logger.info("copied %s to %s to resume from it", uri, dest)
-    ctx.barrier()
+        shutil.rmtree(dest, ignore_errors=True)  # what an earlier attempt left
+        try:
+            for name in names:
+                reader.download(name, os.path.join(dest, name))
+            logger.info("copied %s to %s to resume from it", uri, dest)
+        except CheckpointError as exc:
+            error = exc
+    raise_on_every_rank(error, ctx, uri)  # every rank waits for its node's copy here
     return dest

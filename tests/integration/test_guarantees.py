@@ -47,7 +47,8 @@ def make_trainer(host: str, output_dir: str, callbacks=(), **overrides):
     args = dict(output_dir=output_dir, num_workers=2, max_steps=6, per_device_train_batch_size=2,
                 per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
                 save_steps=1000, logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
-                disable_tqdm=True, **overrides)
+                disable_tqdm=True)
+    args.update(overrides)
     train, evaluation = counting_rows(48), counting_rows(8, offset=100)
     if host == "trl":
         import raytrainer.trl as trl
@@ -90,3 +91,48 @@ def test_a_flag_set_on_one_rank_is_every_ranks(workdir, host):
     assert (workdir / "run" / "checkpoint-2" / "manifest.json").exists()
     assert not (workdir / "run" / "checkpoint-3").exists()
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]
+
+
+def losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(workdir, host, caplog):
+    """resume_from_checkpoint=True picks the latest committed checkpoint; its weights were damaged after the
+    commit (same size: only the manifest's checksum can tell). The ranks refuse it before reading it, and
+    the run resumes from the committed checkpoint before it, with a warning naming both, following the
+    uninterrupted run's loss curve."""
+    out = workdir / "run"
+    first = make_trainer(host, str(out), save_steps=2)
+    try:
+        first.train()
+    finally:
+        end(first)
+    uninterrupted = losses(first)
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        assert (out / name / "manifest.json").exists(), name
+    for path in sorted((out / "checkpoint-6").rglob("*"), reverse=True):  # as if the run stopped after 4
+        path.unlink() if path.is_file() else path.rmdir()
+    (out / "checkpoint-6").rmdir()
+    weights = out / "checkpoint-4" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-5] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+
+    again = make_trainer(host, str(out), save_steps=2)
+    try:
+        with caplog.at_level("WARNING", logger="raytrainer"):
+            again.train(resume_from_checkpoint=True)
+    finally:
+        end(again)
+    assert f"{out}/checkpoint-4 is damaged" in caplog.text
+    assert "model.safetensors does not match its manifest checksum" in caplog.text
+    assert f"resuming from {out}/checkpoint-2" in caplog.text
+    assert again.state.global_step == 6
+    resumed = losses(again)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # steps 1-2 come from checkpoint-2's own history
+    for step in (3, 4, 5, 6):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), (step, resumed, uninterrupted)
