@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from raytrainer.protocol import RankResult
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
+from raytrainer.worker.rank import after_restart
 from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,9 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
-        attempt = ctx.broadcast_object(channel.begin_attempt(ctx.world_size) if ctx.is_world_zero else None)
-        session.attempt = attempt.number
-        if method == "train" and attempt.number > 0 and attempt.latest_checkpoint:
-            kwargs = {**kwargs, "resume_from_checkpoint": attempt.latest_checkpoint}
+        kwargs = after_restart(trainer, session, method, kwargs)
+        if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
+            return RankResult(global_step=0)
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
             _save_on_preemption(trainer, session)

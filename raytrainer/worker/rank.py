@@ -33,7 +33,7 @@ def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankRe
         with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
             if channel is not None:
                 session.checkpoint_sink = lambda info: channel.send(Kind.CHECKPOINT, info, urgent=True)
-                kwargs = _after_restart(trainer, session, method, kwargs)
+                kwargs = after_restart(trainer, session, method, kwargs)
                 if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
                     return RankResult(global_step=0)
                 _split_callbacks(trainer, session)
@@ -127,10 +127,10 @@ def _split_callbacks(trainer, session: RankSession) -> None:
         trainer.callback_handler.add_callback(DriverStopCallback(channel, ctx, session.attempt))
 
 
-def _after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> dict | None:
+def after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> dict | None:
     """After a worker failure Ray Train starts a new worker group (max_failures): it resumes from the
-    latest checkpoint this run committed, if any -- unless the failure was deterministic (None: do not
-    train; failures.py)."""
+    latest checkpoint this run committed, if any, callback states included -- unless the failure was
+    deterministic (None: do not train; failures.py). For both hosts (worker/hosted.py)."""
     ctx = session.ctx
     attempt = ctx.broadcast_object(
         session.channel.begin_attempt(ctx.world_size) if ctx.is_world_zero else None)
