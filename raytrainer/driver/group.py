@@ -81,6 +81,7 @@ class WorkerGroup:
         self.busy = False  # running a command
         self.lent = False  # lent to a search trial (GroupPool)
         self.last_used = 0.0
+        self.idle_timer: threading.Timer | None = None  # closes it after IDLE_TIMEOUT_S with no Trainer
         self.name = f"group-{next(self._ids)}"
 
     # -- life -------------------------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class WorkerGroup:
         """End the run: every rank's loop returns and Ray Train releases the workers and their placement
         group. Waits for a command in flight to end for ``timeout`` seconds, then aborts the run."""
         _LIVE.discard(self)
+        self.stop_idle_timer()
         if self.channel is None:
             return
         channel, self.channel = self.channel, None
@@ -135,6 +137,12 @@ class WorkerGroup:
             self._thread.join(timeout)
         channel.kill()
         self._ended = None  # Ray Train's error holds its controller's handle in its traceback
+
+    def stop_idle_timer(self) -> None:
+        """A Trainer holds the group again, or it closes: its idle timer (a thread) ends now."""
+        timer, self.idle_timer = self.idle_timer, None
+        if timer is not None:
+            timer.cancel()
 
     # -- commands ---------------------------------------------------------------------------------------
     def run(self, trainer, spec: Spec, method: str, registry, datasets: dict | None = None) -> RankResult:
@@ -250,6 +258,7 @@ def attach(trainer, group: WorkerGroup) -> None:
     the next one -- except a hosted trainer's, which closes: its ranks hold the trainer they built."""
     trainer.__dict__["_group"] = group
     group.owner = weakref.ref(trainer)
+    group.stop_idle_timer()
     if _is_hosted(trainer):
         group.finalizer = weakref.finalize(trainer, group.close)
     else:
@@ -280,8 +289,11 @@ def _left_idle(group: WorkerGroup) -> None:
     """No Trainer holds ``group`` now: it waits ``IDLE_TIMEOUT_S`` for another, then closes."""
     group.finalizer = group.owner = None
     group.last_used = stamp = time.time()
-    timer = threading.Timer(IDLE_TIMEOUT_S, _close_if_still_idle, (weakref.ref(group), stamp))
+    group.stop_idle_timer()  # one timer per idle group: N Trainers in turn leave one thread, not N
+    timer = group.idle_timer = threading.Timer(IDLE_TIMEOUT_S, _close_if_still_idle,
+                                               (weakref.ref(group), stamp))
     timer.daemon = True
+    timer.name = f"raytrainer-idle-{group.name}"
     timer.start()
 
 

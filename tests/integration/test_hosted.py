@@ -287,8 +287,8 @@ def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_comm
                                                                                                 s3_bucket):
     """max_failures=1: rank 1's process dies at step 5; Ray Train starts new workers, each builds the trainer
     again and resumes from the latest checkpoint committed to storage_path (S3); the loss curve and the final
-    weights are bitwise those of an uninterrupted run (CPU). The driver wrote each manifest and rotated the bucket's
-    checkpoints; a later trainer resumes from the bucket with resume_from_checkpoint=True."""
+    weights are bitwise those of an uninterrupted run (CPU). The driver wrote each manifest and rotated the
+    bucket's checkpoints; a later trainer resumes from the bucket with resume_from_checkpoint=True."""
     import torch
     import transformers
     from models import DieOnceOnRank

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -210,6 +211,37 @@ def test_trainers_of_one_process_share_an_idle_group_and_shutdown_ends_it(tmp_pa
     assert [c.method for c in backend.commands] == [Method.TRAIN] + [Method.EVALUATE] * 3
     raytrainer.shutdown()
     assert not group.alive and backend.channels[0].killed
+
+
+def test_trainers_in_turn_leave_one_idle_timer_not_one_each(tmp_path, monkeypatch):
+    """Five Trainers of one shape, one after another, each collected after its call: the idle group they
+    share has one idle timer (a thread) at a time, stopped when a Trainer takes the group and when it
+    closes -- a script's sweep of Trainers left a thread per Trainer, each alive for IDLE_TIMEOUT_S."""
+    import gc
+    import threading
+
+    import raytrainer
+
+    def idle_timers() -> list[str]:
+        return [t.name for t in threading.enumerate() if isinstance(t, threading.Timer) and t.is_alive()]
+
+    backend = FakeBackend({"evaluate": _eval_reply()})
+    monkeypatch.setattr("raytrainer.driver.ray_train.RayBackend", lambda: backend)
+    args = TrainingArguments(output_dir=str(tmp_path / "sweep"), num_workers=2, report_to="none",
+                             disable_tqdm=True, per_device_eval_batch_size=4)
+    before = idle_timers()
+    for _ in range(5):
+        trainer = Trainer(model=Regression(), args=args, eval_dataset=_data(8))
+        assert trainer.evaluate() == {"eval_loss": 0.125}
+        group = trainer.__dict__["_group"]
+        assert group.idle_timer is None  # held: no timer
+        del trainer
+        gc.collect()
+        assert len(idle_timers()) == len(before) + 1
+    assert backend.prepared == 1
+    raytrainer.shutdown()
+    time.sleep(0.1)  # a cancelled timer's thread returns at once
+    assert idle_timers() == before and group.idle_timer is None
 
 
 def test_committed_checkpoints_reach_the_registry_which_rotates_them(tmp_path):
