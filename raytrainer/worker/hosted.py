@@ -17,6 +17,7 @@ import logging
 from transformers import TrainerCallback
 
 from raytrainer.protocol import RankResult
+from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
 from raytrainer.worker.rank import after_restart
@@ -61,7 +62,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         if method in ("evaluate", "predict"):  # train: at on_train_begin, on the model it trains
             adapt_mean_losses(trainer)
         if method in ("train", "evaluate", "predict"):
-            _evaluate_batches_on_their_own(trainer)
+            evaluate_as_one_process(trainer, ctx)
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
             output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
@@ -110,27 +111,6 @@ def _save_on_preemption(trainer, session: RankSession) -> None:
     trainer.remove_callback(PreemptionCallback)
     elastic = getattr(trainer, "_raytrainer_elastic", False)  # an elastic run grows at such a checkpoint too
     trainer.add_callback(PreemptionCallback(session, growth=session.channel if elastic else None))
-
-
-def _evaluate_batches_on_their_own(trainer) -> None:
-    """Each evaluation batch's loss is its own labels' mean, as in one process: transformers counts the
-    labels of every rank's batch there too (``average_tokens_across_devices``), so that a batch's loss is
-    its share of the ranks' sum; the losses it then averages per example are not one process's when the
-    ranks' batches hold different label counts (a causal LM's padded rows). Training is left as it is."""
-    if "prediction_step" in vars(trainer):
-        return
-    step = trainer.prediction_step
-
-    def prediction_step(*args, **kwargs):
-        targs = trainer.args
-        counted_across = targs.average_tokens_across_devices
-        targs.average_tokens_across_devices = False
-        try:
-            return step(*args, **kwargs)
-        finally:
-            targs.average_tokens_across_devices = counted_across
-
-    trainer.prediction_step = prediction_step
 
 
 class MeanLossCallback(TrainerCallback):

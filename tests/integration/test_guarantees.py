@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from hosted_fixtures import OneRankDecides, write_tiny_lm
+from hosted_fixtures import OneRankDecides, order_sensitive_metrics, write_tiny_lm
 
 HOSTS = ["raytrainer", "transformers", "trl"]
 
@@ -36,7 +37,8 @@ def counting_rows(n: int, offset: int = 0) -> list[dict]:
     return rows
 
 
-def make_trainer(host: str, output_dir: str, callbacks=(), **overrides):
+def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, compute_metrics=None,
+                 **overrides):
     """A trainer of ``host`` on 2 workers: 6 steps of 2 x 2 rows, an evaluation every 2 steps, no saves
     unless a callback asks (``overrides`` replace any argument)."""
     import datasets
@@ -49,14 +51,15 @@ def make_trainer(host: str, output_dir: str, callbacks=(), **overrides):
                 save_steps=1000, logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
                 disable_tqdm=True)
     args.update(overrides)
-    train, evaluation = counting_rows(48), counting_rows(8, offset=100)
+    train, evaluation = counting_rows(48), counting_rows(eval_rows, offset=100)
     if host == "trl":
         import raytrainer.trl as trl
 
         text = [{"text": r["text"]} for r in train], [{"text": r["text"]} for r in evaluation]
         return trl.SFTTrainer(model="tiny-model", args=trl.SFTConfig(max_length=16, **args),
                               train_dataset=datasets.Dataset.from_list(text[0]),
-                              eval_dataset=datasets.Dataset.from_list(text[1]), callbacks=list(callbacks))
+                              eval_dataset=datasets.Dataset.from_list(text[1]), callbacks=list(callbacks),
+                              compute_metrics=compute_metrics)
     if host == "transformers":
         trainer_cls = raytrainer.on_ray(transformers.Trainer)
         args_cls = raytrainer.config_on_ray(transformers.TrainingArguments)
@@ -65,7 +68,7 @@ def make_trainer(host: str, output_dir: str, callbacks=(), **overrides):
     tokens = [[{k: v for k, v in r.items() if k != "text"} for r in rows] for rows in (train, evaluation)]
     model = transformers.GPT2LMHeadModel.from_pretrained("tiny-model")
     return trainer_cls(model=model, args=args_cls(**args), train_dataset=tokens[0], eval_dataset=tokens[1],
-                       callbacks=list(callbacks))
+                       callbacks=list(callbacks), compute_metrics=compute_metrics)
 
 
 def end(trainer) -> None:
@@ -136,3 +139,36 @@ def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(work
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # steps 1-2 come from checkpoint-2's own history
     for step in (3, 4, 5, 6):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), (step, resumed, uninterrupted)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("host", HOSTS)
+def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, host):
+    """10 evaluation rows in batches of 2 on 2 workers: the last step's batch on rank 1 is padding, cut again
+    after the gathering (accelerate pads an uneven split with rows from the start, so a row count that
+    leaves one rank part of a batch gives its loss another mix than one process's). compute_metrics runs
+    once, on rank 0, over every row in dataset order, and every metric (eval_loss included) equals the same
+    trainer's in one process. transformers' loop all-gathered every batch onto every rank and ran
+    compute_metrics on each."""
+    metrics = {}
+    for workers in (0, 2):
+        trainer = make_trainer(host, str(workdir / f"run-{workers}"), num_workers=workers, eval_rows=10,
+                               per_device_eval_batch_size=2, compute_metrics=order_sensitive_metrics)
+        try:
+            metrics[workers] = trainer.evaluate()
+            if host != "trl":  # SFTTrainer tokenizes its own data sets; predict() takes one given ready
+                prediction = trainer.predict(trainer.eval_dataset)
+                assert prediction.predictions.shape[0] == 10
+                metrics[workers]["predicted"] = prediction.predictions
+        finally:
+            end(trainer)
+        assert sorted(p.name for p in workdir.glob("metrics-ran-on-rank*")) == ["metrics-ran-on-rank0"]
+        assert len((workdir / "metrics-ran-on-rank0").read_text().split()) == (1 if host == "trl" else 2)
+        (workdir / "metrics-ran-on-rank0").unlink()
+    one, two = metrics[0], metrics[2]
+    assert one["eval_rows"] == two["eval_rows"] == 10
+    assert two["eval_ordered"] == one["eval_ordered"]
+    for key in ("eval_logit_mean", "eval_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), (key, one, two)
+    if host != "trl":
+        np.testing.assert_allclose(two["predicted"], one["predicted"], rtol=1e-5, atol=1e-6)
