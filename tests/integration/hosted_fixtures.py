@@ -10,7 +10,7 @@ import random
 from transformers import TrainerCallback
 
 
-def write_tiny_lm(folder: str) -> str:
+def write_tiny_lm(folder: str, dropout: float = 0.1) -> str:
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -24,7 +24,8 @@ def write_tiny_lm(folder: str) -> str:
                                         eos_token="[EOS]")
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(words), n_positions=64,
-                        bos_token_id=2, eos_token_id=2, pad_token_id=0)
+                        bos_token_id=2, eos_token_id=2, pad_token_id=0, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout)
     GPT2LMHeadModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -2,7 +2,8 @@
 (transformers' loop on each rank) and TRL's ``SFTTrainer`` (``raytrainer.trl``), each on 2 workers.
 
 Each test is parametrized over the three hosts (``HOSTS``); the same tiny GPT-2, made from a config and
-saved as a model folder, trains under each.
+saved as a model folder (no dropout: runs on different worker counts draw the same numbers), trains under
+each.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ HOSTS = ["raytrainer", "transformers", "trl"]
 def workdir(tmp_path, monkeypatch):
     """The working directory of a script, with the model folder it names by relative path."""
     monkeypatch.chdir(tmp_path)
-    write_tiny_lm("tiny-model")
+    write_tiny_lm("tiny-model", dropout=0.0)
     return tmp_path
 
 
@@ -38,7 +39,7 @@ def counting_rows(n: int, offset: int = 0) -> list[dict]:
 
 
 def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, compute_metrics=None,
-                 **overrides):
+                 train_rows: int = 48, **overrides):
     """A trainer of ``host`` on 2 workers: 6 steps of 2 x 2 rows, an evaluation every 2 steps, no saves
     unless a callback asks (``overrides`` replace any argument)."""
     import datasets
@@ -51,7 +52,7 @@ def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, c
                 save_steps=1000, logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
                 disable_tqdm=True)
     args.update(overrides)
-    train, evaluation = counting_rows(48), counting_rows(eval_rows, offset=100)
+    train, evaluation = counting_rows(train_rows), counting_rows(eval_rows, offset=100)
     if host == "trl":
         import raytrainer.trl as trl
 
@@ -172,3 +173,26 @@ def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, hos
         assert two[key] == pytest.approx(one[key], rel=1e-5), (key, one, two)
     if host != "trl":
         np.testing.assert_allclose(two["predicted"], one["predicted"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_checkpoint_of_two_workers_resumes_on_one_along_the_uninterrupted_curve(workdir, host):
+    """Saved on 2 workers x 2 rows, resumed on 1 worker x 4 (the same global batch) from step 2 of 6, with
+    16 rows (4 steps an epoch: the resumed run crosses an epoch boundary): the losses of steps 3 to 6 are
+    the uninterrupted run's -- the same rows in each step, the weights and optimizer state carried over."""
+    full = make_trainer(host, str(workdir / "full"), train_rows=16, save_steps=2, eval_strategy="no")
+    try:
+        full.train()
+    finally:
+        end(full)
+    one = make_trainer(host, str(workdir / "one"), train_rows=16, save_steps=2, eval_strategy="no",
+                       num_workers=1, per_device_train_batch_size=4)
+    try:
+        one.train(resume_from_checkpoint=str(workdir / "full" / "checkpoint-2"))
+    finally:
+        end(one)
+    uninterrupted, resumed = losses(full), losses(one)
+    assert one.state.global_step == 6 and sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), (step, resumed, uninterrupted)
