@@ -105,8 +105,12 @@ def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
 
 
 def _save_on_preemption(trainer, session: RankSession) -> None:
-    """A checkpoint at the step the ranks agree on after Ray's preemption notice (worker/preemption.py)."""
+    """A checkpoint at the step the ranks agree on after Ray's preemption notice (worker/preemption.py),
+    committed (``CommitCallback.commit``: the driver's manifest written) before the hold says so."""
+    from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.preemption import PreemptionCallback
+
+    session.writer = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CommitCallback))
 
     trainer.remove_callback(PreemptionCallback)
     elastic = getattr(trainer, "_raytrainer_elastic", False)  # an elastic run grows at such a checkpoint too

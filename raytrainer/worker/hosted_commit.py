@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -32,12 +33,16 @@ from raytrainer.checkpoint import (
     CheckpointReader,
     digest_files,
     raise_on_every_rank,
+    read_manifest,
 )
 from raytrainer.protocol import CheckpointPart, Kind
 from raytrainer.storage import Storage, uri_basename
 from raytrainer.worker.checkpointing import _walk
 
 logger = logging.getLogger(__name__)
+
+#: How long ``CommitCallback.commit`` waits for the driver's manifest (its parts are urgent messages).
+COMMIT_WAIT_S = 60.0
 
 
 def assign(listings: list[list[str] | None]) -> list[list[str]]:
@@ -62,6 +67,7 @@ class CommitCallback(TrainerCallback):
         self.in_place = self.storage.is_local and self.storage.root == os.path.abspath(args.output_dir)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._saved: str | None = None  # the last checkpoint's name, until commit()
 
     def on_save(self, args, state, control, **kwargs):
         self.wait()
@@ -71,7 +77,7 @@ class CommitCallback(TrainerCallback):
         listing = sorted(_walk(folder)) if self.ctx.is_local_zero else None  # [] where the node has none
         listings = self.ctx.gather_object(listing)
         shares = self.ctx.broadcast_object(assign(listings) if self.ctx.is_world_zero else None)
-        mine = shares[self.ctx.rank]
+        mine, self._saved = shares[self.ctx.rank], name
         if not mine:
             return
         best = state.best_model_checkpoint if self.ctx.is_world_zero else None
@@ -101,6 +107,23 @@ class CommitCallback(TrainerCallback):
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"committing a checkpoint to {self.storage.uri} failed: {error}") from error
+
+    def commit(self) -> None:
+        """The checkpoint last saved is committed when this returns on any rank: every rank's part is sent,
+        and rank 0 has seen the driver's manifest in storage (at most ``COMMIT_WAIT_S``; else it says so)
+        while the others wait at a barrier. A preemption's hold (worker/preemption.py) waits here before it
+        says the checkpoint is committed. A collective: every rank calls it at the same step."""
+        self.wait()
+        name, self._saved = self._saved, None
+        if name is not None and self.ctx.is_world_zero:
+            folder, deadline = self.storage.path(name), time.monotonic() + COMMIT_WAIT_S
+            while read_manifest(self.storage, folder) is None:
+                if time.monotonic() > deadline:
+                    logger.warning("%s: the driver has not written its manifest within %.0f s", name,
+                                   COMMIT_WAIT_S)
+                    break
+                time.sleep(0.1)
+        self.ctx.barrier()
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:  # transformers' save may rotate the folder this thread reads

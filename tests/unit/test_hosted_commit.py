@@ -60,3 +60,41 @@ def test_the_driver_commits_when_the_last_part_has_come_and_rotates(tmp_path):
     assert [os.path.basename(p) for _, p in committed_checkpoints(registry.storage)] == [
         "checkpoint-2", "checkpoint-6"]
     assert not (tmp_path / "checkpoint-4").exists()
+
+
+class _DelayedDriver:
+    """The channel to a driver whose registry commits 0.5 s after a part arrives (a busy driver)."""
+
+    def __init__(self, registry):
+        self.registry, self.sent = registry, []
+
+    def send(self, kind, part, urgent=False):
+        import threading
+
+        self.sent.append(part.name)
+        threading.Timer(0.5, self.registry.add_part, (part,)).start()
+
+
+def test_commit_returns_once_the_drivers_manifest_is_written(tmp_path):
+    """What a preemption's hold waits for before it says "committed": this rank's part sent and, on rank 0,
+    the driver's manifest in storage (the part is hashed on a thread; the driver writes the manifest later)."""
+    import time
+
+    from transformers import TrainerControl, TrainerState
+
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker.hosted_commit import CommitCallback
+
+    args = _Args(tmp_path)
+    channel = _DelayedDriver(CheckpointRegistry(args))
+    callback = CommitCallback(RankContext(), channel, args)
+    _save(tmp_path, "checkpoint-3", {"model.safetensors": b"w" * 64, "trainer_state.json": b"{}"})
+    state = TrainerState()
+    state.global_step = 3
+    callback.on_save(args, state, TrainerControl())
+    started = time.monotonic()
+    callback.commit()
+    assert (tmp_path / "checkpoint-3" / "manifest.json").exists()
+    assert time.monotonic() - started >= 0.4  # it waited for the driver
+    assert channel.sent == ["checkpoint-3"]
+    callback.commit()  # nothing saved since: returns at once
