@@ -77,7 +77,8 @@ class _DelayedDriver:
 
 def test_commit_returns_once_the_drivers_manifest_is_written(tmp_path):
     """What a preemption's hold waits for before it says "committed": this rank's part sent and, on rank 0,
-    the driver's manifest in storage (the part is hashed on a thread; the driver writes the manifest later)."""
+    the driver's manifest in storage (the part is hashed on a thread; the driver writes the manifest
+    later)."""
     import time
 
     from transformers import TrainerControl, TrainerState
