@@ -12,6 +12,7 @@ from transformers.trainer_callback import (
     TrainerCallback,
     TrainerControl,
 )
+from two_ranks import run_two_ranks
 
 from raytrainer.rank_context import RankContext
 from raytrainer.worker.agreement import agree_on_flags
@@ -95,21 +96,8 @@ def _rank(rank: int, store_path: str, results) -> None:
 
 
 def test_flags_one_rank_sets_are_every_ranks_during_training_only(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, str(tmp_path / "store"), results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], f"a rank hung or failed: exit codes {codes}"
-    got = dict(results.get(timeout=5) for _ in procs)
+    items = run_two_ranks(_rank, str(tmp_path / "store"))
+    got = dict(items)
     expected = {"quiet all-reduces": 0, "before training": 0, "stop after a micro-batch": True,
                 "evaluate after on_log": True, "training all-reduces": 2}
     assert got == {0: expected, 1: expected}, got

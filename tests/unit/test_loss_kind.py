@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 import transformers
+from two_ranks import run_two_ranks
 
 from raytrainer import Trainer, TrainingArguments
 from raytrainer.worker.loss import MEAN, NORMALISED, UNDECIDED, MeanLossForward, adapt_mean_losses
@@ -158,20 +159,7 @@ def _rank(rank: int, store_path: str, results) -> None:
 def test_ranks_that_answered_differently_in_an_evaluation_agree_at_the_first_training_step(tmp_path):
     """An evaluation before training may leave one rank undecided (a batch of -100 labels) and another sure;
     the first training forward agrees on every rank (one all-reduce), none skipping it."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, str(tmp_path / "store"), results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    codes = [p.exitcode for p in procs]  # None: still running after 2 minutes
-    for p in procs:
-        if p.is_alive():
-            p.kill()
     # a rank that skipped the all-reduce left the other waiting in it (then failing once its peer was gone)
-    assert codes == [0, 0], f"a rank hung or failed in the agreement: exit codes {codes}"
-    got = sorted(results.get(timeout=5) for _ in procs)
+    items = run_two_ranks(_rank, str(tmp_path / "store"))
+    got = sorted(items)
     assert got == [(0, UNDECIDED, NORMALISED, True), (1, NORMALISED, NORMALISED, True)]
