@@ -353,14 +353,20 @@ class CheckpointReader:
             yield self.storage.root
             return
         with tempfile.TemporaryDirectory(prefix="raytrainer-resume-") as tmp:
-            error = None
-            try:
-                for name in names if mine is None else mine:
-                    self.download(name, os.path.join(tmp, name))
-            except CheckpointError as exc:
-                error = exc
-            raise_on_every_rank(error, ctx, self.uri)
+            self.download_all(names if mine is None else mine, tmp, ctx)
             yield tmp
+
+    def download_all(self, names: list[str], dest: str, ctx) -> None:
+        """``names`` into the local folder ``dest``, each verified as it streams (``download``); a collective:
+        every rank raises when any rank met a damaged file, and a rank with no ``names`` waits for the
+        others' copies here."""
+        error = None
+        try:
+            for name in names:
+                self.download(name, os.path.join(dest, name))
+        except CheckpointError as exc:
+            error = exc
+        raise_on_every_rank(error, ctx, self.uri)
 
     @contextlib.contextmanager
     def dcp_reader(self, subdir: str, ctx):

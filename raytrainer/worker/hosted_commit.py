@@ -32,7 +32,6 @@ from raytrainer.checkpoint import (
     CheckpointError,
     CheckpointReader,
     digest_files,
-    raise_on_every_rank,
     read_manifest,
 )
 from raytrainer.protocol import CheckpointPart, Kind
@@ -158,14 +157,9 @@ def localize(uri: str | None, args, ctx) -> str | None:
         reader.verify_share(names, ctx)
         return reader.storage.root
     dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", uri_basename(uri))
-    error = None
     if ctx.is_local_zero:
         shutil.rmtree(dest, ignore_errors=True)  # what an earlier attempt left
-        try:
-            for name in names:
-                reader.download(name, os.path.join(dest, name))
-            logger.info("copied %s to %s to resume from it", uri, dest)
-        except CheckpointError as exc:
-            error = exc
-    raise_on_every_rank(error, ctx, uri)  # every rank waits for its node's copy here
+    reader.download_all(names if ctx.is_local_zero else [], dest, ctx)  # one copy per node
+    if ctx.is_local_zero:
+        logger.info("copied %s to %s to resume from it", uri, dest)
     return dest

@@ -67,4 +67,3 @@ class DriverStopCallback(TrainerCallback):
                                    f"{state.global_step} within {self.decision_timeout:.0f}s")
             time.sleep(0.02)
         return decision
-
