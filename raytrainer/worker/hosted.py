@@ -5,7 +5,8 @@ Each rank runs in the driver's working directory and imports from its import pat
 model folder, a data file, ``output_dir`` or a reward module beside the script mean what they mean there.
 Display callbacks (transformers' progress bar and printer) run on the
 driver: rank 0 relays the events they need (worker/relay.py). Each checkpoint transformers saves is
-committed to the run's storage (worker/hosted_commit.py). After a lost worker Ray Train restarts the group
+committed to the run's storage (worker/hosted_commit.py). On CPU workers ``fsdp`` shards as it does on GPUs
+(worker/hosted_sharding.py). After a lost worker Ray Train restarts the group
 and ``train`` resumes from the latest committed checkpoint.
 """
 
@@ -18,6 +19,7 @@ from transformers import TrainerCallback
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
+from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
 from raytrainer.worker.rank import after_restart
@@ -43,7 +45,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         _LIVE.clear()
         trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
-            trainer = trainer_cls(*args, **kwargs_init)
+            trainer = build_trainer(trainer_cls, args, kwargs_init)
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer

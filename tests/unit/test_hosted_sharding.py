@@ -1,0 +1,105 @@
+"""FSDP for transformers' loop on CPU workers (raytrainer/worker/hosted_sharding.py), on two spawned gloo
+ranks set up by accelerate from the environment, as on Ray workers.
+
+The first test pins what the switch relies on: accelerate alone wraps a CPU group given ``fsdp`` in DDP.
+When accelerate starts sharding CPU groups itself, it fails, and the switch can go.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+
+import numpy as np
+import pytest
+from two_ranks import run_two_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _trainer(output_dir: str, hosted: bool, **overrides):
+    """transformers' Trainer over a tiny GPT-2 (4 x 64 wide blocks) with ``fsdp``, as a hosted rank builds
+    it (``hosted``) or as transformers does."""
+    import torch
+    import transformers
+
+    from raytrainer.worker.hosted_sharding import build_trainer
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16), generator=gen)]
+    args = transformers.TrainingArguments(
+        output_dir, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1, report_to=[],
+        use_cpu=True, disable_tqdm=True, learning_rate=1e-3, fsdp="full_shard auto_wrap",
+        fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]}, **overrides)
+    kwargs = dict(model=model, args=args, train_dataset=rows)
+    return build_trainer(transformers.Trainer, (), kwargs) if hosted else transformers.Trainer(**kwargs)
+
+
+def _rank(hosted: bool, output_dir: str, rank: int, port: str, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = _trainer(output_dir, hosted)
+    trainer.train()
+    params = list(trainer.model.parameters())
+    held = sum(getattr(p, "_local_tensor", p).numel() for p in params)  # this rank's share
+    whole = sum(p.numel() for p in params)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {k: v.numpy().copy() for k, v in trainer.accelerator.get_state_dict(trainer.model).items()}
+    out = dict(rank=rank, type=trainer.accelerator.distributed_type.name, fsdp=trainer.is_fsdp_enabled,
+               sharded=isinstance(trainer.model_wrapped, FSDPModule), held=held, whole=whole, losses=losses,
+               weights=weights if rank == 0 else None)
+    if hosted:  # the checkpoint of step 2, resumed by a new trainer: the same last two steps
+        again = _trainer(output_dir + "-resumed", hosted)
+        again.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-2"))
+        resumed = again.accelerator.get_state_dict(again.model)
+        out["resumed_losses"] = [h["loss"] for h in again.state.log_history if "loss" in h]
+        out["resumed_equal"] = rank != 0 or all((resumed[k].numpy() == weights[k]).all() for k in weights)
+        out["files"] = sorted(os.listdir(os.path.join(output_dir, "checkpoint-2")))
+    results.put(out)
+
+
+def _run(tmp_path, hosted: bool) -> list[dict]:
+    results = run_two_ranks(functools.partial(_rank, hosted, str(tmp_path / "out")), _free_port())
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ddp"), hosted=False)
+
+
+def test_accelerate_alone_wraps_a_cpu_group_given_fsdp_in_ddp(unsharded):
+    for r in unsharded:
+        assert (r["type"], r["fsdp"], r["sharded"]) == ("MULTI_CPU", False, False)
+        assert r["held"] == r["whole"]  # every rank holds the whole model
+
+
+def test_a_hosted_cpu_group_given_fsdp_shards_trains_the_same_and_resumes(tmp_path, unsharded):
+    sharded = _run(tmp_path, hosted=True)
+    for r in sharded:
+        assert (r["type"], r["fsdp"], r["sharded"]) == ("FSDP", True, True)
+        assert r["whole"] == unsharded[0]["whole"]
+        assert r["held"] <= r["whole"] // 2 + 256  # its half (FSDP2 pads each dim-0 split to equal shards)
+        assert r["losses"] == pytest.approx(unsharded[0]["losses"], rel=1e-5)
+        assert len(r["losses"]) == 4
+    assert sharded[0]["held"] + sharded[1]["held"] >= sharded[0]["whole"]
+    for name, value in unsharded[0]["weights"].items():  # the same training as DDP's, to float rounding
+        np.testing.assert_allclose(sharded[0]["weights"][name], value, rtol=1e-4, atol=1e-5)
+    # transformers' FSDP checkpoint (accelerate's files), resumed at step 2: the same last two steps, bitwise
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin", "trainer_state.json"} <= set(sharded[0]["files"])
+    for r in sharded:
+        assert r["resumed_losses"] == sharded[0]["losses"]  # steps 1-2 from the checkpoint's state, 3-4 again
+        assert r["resumed_equal"]
