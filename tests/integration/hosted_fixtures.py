@@ -133,3 +133,18 @@ def order_sensitive_metrics(prediction) -> dict:
     return {"rows": int(labels.shape[0]),
             "ordered": float(np.sum(np.arange(labels.shape[0])[:, None] * np.where(real, labels, 0))),
             "logit_mean": float(logits[real].mean())}
+
+
+class ShardReport(TrainerCallback):
+    """What each rank holds of the model it trains: ``<output_dir>/shard-rank<r>.json`` with whether the
+    model is sharded by FSDP2 (``fully_shard``), the elements this rank holds and the model's."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        params = list(model.parameters())
+        report = {"sharded": isinstance(model, FSDPModule),
+                  "held": sum(getattr(p, "_local_tensor", p).numel() for p in params),
+                  "whole": sum(p.numel() for p in params)}
+        with open(os.path.join(args.output_dir, f"shard-rank{args.process_index}.json"), "w") as f:
+            json.dump(report, f)

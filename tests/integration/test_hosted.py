@@ -141,6 +141,41 @@ def test_trl_grpo_script_on_two_workers_generates_with_transformers_and_a_rule_b
     transformers.AutoModelForCausalLM.from_pretrained("grpo")
 
 
+FSDP_RUNS = {  # script: its own flags (the data sets and lengths of the runs above)
+    "sft": ["--dataset_name", "data", "--max_length", "32"],
+    "dpo": ["--dataset_name", "preferences", "--max_length", "32"],
+    "reward": ["--dataset_name", "preferences", "--max_length", "32"],
+    "grpo": ["--dataset_name", "preferences", "--num_generations", "2", "--max_completion_length", "8",
+             "--reward_funcs", "rewards.counts_on"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["sft", *(pytest.param(n, marks=pytest.mark.full) for n in ("dpo", "reward",
+                                                                                                "grpo"))])
+def test_a_trl_script_with_fsdp_on_two_cpu_workers_shards_trains_and_saves(name, workdir, monkeypatch):
+    """TRL's script with ``--fsdp "full_shard auto_wrap"`` on 2 CPU workers: the model is prepared by FSDP
+    (accelerate's FSDP checkpoint files; for transformers' loop accelerate alone wrapped a CPU group in DDP,
+    writing none), it learns, and the output folder is a model folder. What each rank holds:
+    tests/integration/test_guarantees.py::test_fsdp_shards_on_cpu_workers_trains_as_ddp_and_resumes."""
+    (workdir / "rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(workdir))
+    script = trl_script_on_ray(name, str(workdir))
+    run_script(script, "--model_name_or_path", "tiny-model", *FSDP_RUNS[name], "--output_dir", "out",
+               "--max_steps", "6", "--per_device_train_batch_size", "2", "--logging_steps", "1",
+               "--save_steps", "3", "--learning_rate", "5e-3", "--report_to", "none", "--use_cpu",
+               "--disable_tqdm", "True", "--fsdp", "full_shard auto_wrap", "--num_workers", "2",
+               monkeypatch=monkeypatch)
+    for step in (3, 6):
+        saved = set(os.listdir(f"out/checkpoint-{step}"))
+        assert {"pytorch_model_fsdp.bin", "optimizer.bin", "manifest.json"} <= saved, saved
+    curve = losses("out/checkpoint-6")
+    assert sorted(curve) == list(range(1, 7))
+    if name != "grpo":  # GRPO's loss is not a loss to fall (it is zero-mean per group)
+        assert statistics.fmean(curve[s] for s in (5, 6)) < statistics.fmean(curve[s] for s in (1, 2)), curve
+    load_saved("sequence-classification" if name == "reward" else "causal-lm", "out")
+
+
 def test_grpo_with_a_vllm_server_is_refused_on_the_driver(tmp_path):
     from raytrainer.trl import GRPOConfig, GRPOTrainer
 
