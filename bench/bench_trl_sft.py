@@ -15,6 +15,10 @@ raw numbers as JSON. Not a test: nothing asserts.
 
     python bench/bench_trl_sft.py --rounds 2 --out bench/results/trl-sft.json
     python bench/bench_trl_sft.py --rounds 2 --cluster   # Ray already running, as on a cluster
+    # peak memory under FSDP against DDP (issue 53), on a model whose weights and Adam state outweigh the
+    # ~600 MB every rank spends on torch, transformers and TRL:
+    python bench/bench_trl_sft.py --rounds 1 --sides accelerate,accelerate-fsdp,raytrainer,raytrainer-fsdp \
+        --layers 12 --width 768 --batch 2 --length 64 --steps 8 --warmup 3
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def child(argv: list[str]) -> None:
 
     ray = "--ray" in argv
     steps = int(argv[argv.index("--max_steps") + 1])
+
+    def flag(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
     out = argv[argv.index("--output_dir") + 1]
     if ray:
         from raytrainer.trl import SFTConfig, SFTTrainer
@@ -62,18 +70,21 @@ def child(argv: list[str]) -> None:
                 json.dump(record, f)
 
     extra = {"num_workers": 2} if ray else {}
-    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-3,
-                     max_length=128, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
-                     disable_tqdm=True, dataloader_num_workers=0, seed=0, **extra)
+    if "--fsdp" in argv:
+        extra["fsdp"] = "full_shard auto_wrap"
+    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=int(flag("--batch")),
+                     learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10, save_strategy="no",
+                     report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+                     bf16=False, **extra)
     data = load_dataset("json", data_files=os.path.join(argv[argv.index("--data") + 1], "train.jsonl"))
     trainer = SFTTrainer(model=argv[argv.index("--model") + 1], args=args, train_dataset=data["train"],
-                         callbacks=[Timing(warmup=10, t0=float(os.environ["BENCH_T0"]))])
+                         callbacks=[Timing(warmup=int(flag("--warmup")), t0=float(os.environ["BENCH_T0"]))])
     trainer.train()
     if ray:
         trainer.end()
 
 
-def make_inputs(folder: str) -> tuple[str, str]:
+def make_inputs(folder: str, layers: int = 4, width: int = 256) -> tuple[str, str]:
     sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
     import torch
     from hosted_fixtures import write_text_data, write_tiny_lm
@@ -81,20 +92,23 @@ def make_inputs(folder: str) -> tuple[str, str]:
 
     model = write_tiny_lm(os.path.join(folder, "model"))
     torch.manual_seed(0)  # a bigger model with the same tokenizer
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=63, n_positions=128, bos_token_id=2,
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=63, n_positions=128, bos_token_id=2,
                         eos_token_id=2, pad_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(model)
     data = write_text_data(os.path.join(folder, "data"), rows=4096)
     return model, data
 
 
-def run_side(side: str, folder: str, model: str, data: str, steps: int) -> dict:
+def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
+    """One run of ``side``: ``accelerate`` or ``raytrainer``, ``-fsdp`` for ``--fsdp "full_shard
+    auto_wrap"``."""
     out = os.path.join(folder, f"out-{side}-{time.time_ns()}")
     os.makedirs(out)
     script = [os.path.abspath(__file__), "--child", "--model", model, "--data", data, "--output_dir", out,
-              "--max_steps", str(steps)]
+              "--max_steps", str(opts.steps), "--batch", str(opts.batch), "--length", str(opts.length),
+              "--warmup", str(opts.warmup), *(["--fsdp"] if side.endswith("-fsdp") else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
-    if side == "raytrainer":
+    if side.startswith("raytrainer"):
         command = [sys.executable, *script, "--ray"]
     else:
         # accelerate's multi-process launcher (torchrun underneath); with use_cpu each process is a CPU rank
@@ -120,6 +134,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sides", default="accelerate,raytrainer",
+                        help="comma-separated: accelerate, raytrainer, accelerate-fsdp, raytrainer-fsdp")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cluster", action="store_true",
                         help="start a Ray cluster first (`ray start --head`) and run raytrainer's side on "
                              "it, as a Ray user does: the Ray start leaves its time to the first step")
@@ -137,18 +158,20 @@ def main() -> None:
 
 def _compare(opts) -> None:
     folder = tempfile.mkdtemp(prefix="bench-trl-")
-    model, data = make_inputs(folder)
-    runs = {"raytrainer": [], "accelerate": []}
+    model, data = make_inputs(folder, opts.layers, opts.width)
+    sides = opts.sides.split(",")
+    runs = {side: [] for side in sides}
     for _ in range(opts.rounds):
-        for side in ("accelerate", "raytrainer"):
-            runs[side].append(run_side(side, folder, model, data, opts.steps))
+        for side in sides:
+            runs[side].append(run_side(side, folder, model, data, opts))
             print(side, runs[side][-1], flush=True)
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    print("\n| measure | accelerate launch | raytrainer | ratio |\n|---|---:|---:|---:|")
+    base = sides[0]
+    print(f"\n| measure | {' | '.join(sides)} |\n|---|{'---:|' * len(sides)}")
     for key, label in (("steady_steps_per_s", "steady steps/s"), ("first_step_s", "time to first step (s)"),
                        ("peak_rss_mb", "peak memory per worker (MB)")):
-        a, r = med["accelerate"][key], med["raytrainer"][key]
-        print(f"| {label} | {a:.2f} | {r:.2f} | {r / a:.2f}x |")
+        cells = [f"{med[s][key]:.2f} ({med[s][key] / med[base][key]:.2f}x)" for s in sides]
+        print(f"| {label} | {' | '.join(cells)} |")
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump({"runs": runs, "median": med, "date": time.strftime("%Y-%m-%d"),

@@ -277,11 +277,12 @@ class HostedTrainer:
     @property
     def model(self):
         """Rank 0's trained model, on first use after each ``train()``: the ranks save it (``save_model``, a
-        collective under FSDP and ZeRO-3) into ``<output_dir>/.raytrainer/model`` and the driver loads it
-        with ``from_pretrained``. Weights never travel through the event channel."""
+        collective under FSDP and ZeRO-3; ZeRO-3's partitions consolidated: worker/hosted_sharding.py) into
+        ``<output_dir>/.raytrainer/model`` and the driver loads it with ``from_pretrained``. Weights never
+        travel through the event channel."""
         if "_model" not in vars(self):
             folder = os.path.join(os.path.abspath(self.args.output_dir), ".raytrainer", "model")
-            self._run("call", {"name": "save_model", "call": True, "args": (folder,), "kwargs": {}})
+            self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,), "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
             if not hasattr(model_cls, "from_pretrained"):
                 # not AttributeError: Python would hand that to __getattr__, which would hide this message

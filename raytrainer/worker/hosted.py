@@ -45,7 +45,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         _LIVE.clear()
         trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
-            trainer = build_trainer(trainer_cls, args, kwargs_init)
+            trainer = build_trainer(trainer_cls, args, kwargs_init, targs)
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer

@@ -1,4 +1,4 @@
-"""FSDP for transformers' loop on CPU workers, as it runs on GPU workers.
+"""FSDP and ZeRO-3 for transformers' loop on CPU workers, as on GPU workers.
 
 accelerate picks FSDP only for a group of accelerators: for a CPU group (``use_cpu``, gloo) its state keeps
 ``MULTI_CPU`` whatever ``fsdp`` says (accelerate/state.py, ``AcceleratorState.__init__``), and the model
@@ -8,13 +8,28 @@ accelerator, a CPU group given ``fsdp`` is switched to accelerate's FSDP state w
 plugin, so ``accelerator.prepare`` shards with ``fully_shard`` (FSDP2) or FSDP1 as it would on GPUs, and
 saves, resumes and final weights take transformers' FSDP paths. tests/unit/test_hosted_sharding.py pins
 both halves: accelerate still leaves a CPU group unsharded, and after the switch each rank holds its share.
+
+ZeRO-3 needs no switch (accelerate takes a DeepSpeed config on a CPU group), but two things a launcher does
+first: DeepSpeed's communication is set up over the group before the trainer is built (a trainer that loads
+its model, as TRL's do, partitions it under ``zero.Init``, which sizes the batch by DeepSpeed's world size);
+and the driver's ``trainer.model`` is consolidated from the partitions (``save_whole``) where transformers'
+``save_model`` writes only DeepSpeed's checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 
-def build_trainer(trainer_cls: type, args: tuple, kwargs: dict):
-    """``trainer_cls(*args, **kwargs)``, sharded on a CPU group when its arguments ask for FSDP."""
+
+def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs):
+    """``trainer_cls(*args, **kwargs)`` (``targs``: its training arguments), sharded on a CPU group when
+    they ask for FSDP."""
+    import torch
+
+    if getattr(targs, "deepspeed", None) and torch.distributed.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # over the worker group
     trainer = trainer_cls.__new__(trainer_cls)
     create = trainer.create_accelerator_and_postprocess  # the class's own (a subclass may override it)
 
@@ -25,7 +40,21 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict):
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
     trainer.__init__(*args, **kwargs)
+    trainer._raytrainer_save_whole = functools.partial(save_whole, trainer)  # the driver's trainer.model
     return trainer
+
+
+def save_whole(trainer, folder: str) -> None:
+    """The trained model as a model folder that ``from_pretrained`` loads (on every rank: a collective).
+    transformers' ``save_model``, except under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``,
+    where ``save_model`` writes DeepSpeed's partitions only: there DeepSpeed gathers them onto rank 0
+    module by module (each other rank holds one module's parameters at a time) and rank 0 writes them."""
+    engine = trainer.model_wrapped
+    if (hasattr(engine, "_zero3_consolidated_16bit_state_dict") and engine.zero_optimization_partition_weights()
+            and not engine.zero_gather_16bit_weights_on_model_save()):
+        trainer._save(folder, state_dict=engine._zero3_consolidated_16bit_state_dict())  # rank 0 writes
+    else:
+        trainer.save_model(folder)
 
 
 def shard_cpu_group(state, args) -> bool:

@@ -137,14 +137,19 @@ def order_sensitive_metrics(prediction) -> dict:
 
 class ShardReport(TrainerCallback):
     """What each rank holds of the model it trains: ``<output_dir>/shard-rank<r>.json`` with whether the
-    model is sharded by FSDP2 (``fully_shard``), the elements this rank holds and the model's."""
+    model is sharded (FSDP2's ``fully_shard``, or ZeRO-3's partitioned parameters), the elements this rank
+    holds and the model's."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from torch.distributed.fsdp import FSDPModule
 
         params = list(model.parameters())
-        report = {"sharded": isinstance(model, FSDPModule),
-                  "held": sum(getattr(p, "_local_tensor", p).numel() for p in params),
-                  "whole": sum(p.numel() for p in params)}
+        zero3 = all(hasattr(p, "ds_tensor") for p in params)
+        if zero3:  # a partitioned parameter: ds_tensor is this rank's partition, ds_numel the whole
+            held, whole = sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+        else:
+            held = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+            whole = sum(p.numel() for p in params)
+        report = {"sharded": zero3 or isinstance(model, FSDPModule), "held": held, "whole": whole}
         with open(os.path.join(args.output_dir, f"shard-rank{args.process_index}.json"), "w") as f:
             json.dump(report, f)

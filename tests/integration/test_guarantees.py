@@ -261,43 +261,54 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
         assert torch.equal(lost_weights[name], tensor), name
 
 
+#: ZeRO-3 as a user's DeepSpeed config gives it ("auto" filled from the arguments)
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+         "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+         "bf16": {"enabled": "auto"}}
+SHARDED = {"fsdp": {"fsdp": "full_shard auto_wrap"}, "zero3": {"deepspeed": ZERO3}}
+
+
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("host", [pytest.param("raytrainer", marks=pytest.mark.full), "transformers", "trl"])
-def test_fsdp_shards_on_cpu_workers_trains_as_ddp_and_resumes(workdir, host):
-    """fsdp="full_shard auto_wrap" on 2 CPU workers: each rank holds its half of the weights (for
-    transformers' loop accelerate alone wrapped a CPU group in DDP, every rank holding everything); the
-    losses and the final weights the driver gets are DDP's; a committed checkpoint of the sharded run
-    resumes along the same curve. In float32 (bf16=False: TRL's default is bf16, which under FSDP computes
-    with bf16 weights, accelerate's mixed-precision policy, and under DDP only autocasts, so the two differ)."""
+@pytest.mark.parametrize(("host", "strategy"), [
+    pytest.param("raytrainer", "fsdp", marks=pytest.mark.full), ("transformers", "fsdp"), ("trl", "fsdp"),
+    pytest.param("raytrainer", "zero3", marks=pytest.mark.full),
+    pytest.param("transformers", "zero3", marks=pytest.mark.full), ("trl", "zero3")])
+def test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes(workdir, host, strategy):
+    """FSDP (``fsdp="full_shard auto_wrap"``) or ZeRO-3 (a DeepSpeed config) on 2 CPU workers: each rank
+    holds its half of the weights (for transformers' loop under FSDP, accelerate alone wrapped a CPU group
+    in DDP, every rank holding everything); the losses and the final weights the driver gets are DDP's; a
+    committed checkpoint of the sharded run resumes along the same curve. In float32 (bf16=False: TRL's
+    default is bf16, which under FSDP computes with bf16 weights, accelerate's mixed-precision policy, and
+    under DDP only autocasts, so the two differ)."""
     common = dict(save_steps=2, eval_strategy="no", bf16=False)
-    fsdp = dict(fsdp="full_shard auto_wrap", callbacks=[ShardReport()])
+    sharded = dict(SHARDED[strategy], callbacks=[ShardReport()])
     runs = {}
-    for name, extra in (("ddp", {}), ("fsdp", fsdp)):
+    for name, extra in (("ddp", {}), ("sharded", sharded)):
         trainer = make_trainer(host, str(workdir / name), **common, **extra)
         try:
             trainer.train()
             runs[name] = (losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()})
         finally:
             end(trainer)
-    reports = [json.loads((workdir / "fsdp" / f"shard-rank{r}.json").read_text()) for r in (0, 1)]
+    reports = [json.loads((workdir / "sharded" / f"shard-rank{r}.json").read_text()) for r in (0, 1)]
     whole = reports[0]["whole"]
     for report in reports:
         assert report["sharded"] and report["whole"] == whole, reports
-        assert report["held"] <= whole // 2 + 256, reports  # its half (dim-0 splits padded to equal size)
-    (ddp_losses, ddp_weights), (fsdp_losses, fsdp_weights) = runs["ddp"], runs["fsdp"]
-    assert sorted(fsdp_losses) == [1, 2, 3, 4, 5, 6]
-    assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
-    assert sorted(fsdp_weights) == sorted(ddp_weights)
+        assert report["held"] <= whole // 2 + 256, reports  # its half (splits padded to equal size)
+    (ddp_losses, ddp_weights), (sharded_losses, sharded_weights) = runs["ddp"], runs["sharded"]
+    assert sorted(sharded_losses) == [1, 2, 3, 4, 5, 6]
+    assert sharded_losses == pytest.approx(ddp_losses, rel=1e-5)
+    assert sorted(sharded_weights) == sorted(ddp_weights)
     for name, tensor in ddp_weights.items():
-        torch.testing.assert_close(fsdp_weights[name], tensor, rtol=1e-4, atol=1e-5)
-    assert (workdir / "fsdp" / "checkpoint-4" / "manifest.json").exists()
+        torch.testing.assert_close(sharded_weights[name], tensor, rtol=1e-4, atol=1e-5)
+    assert (workdir / "sharded" / "checkpoint-4" / "manifest.json").exists()
 
-    again = make_trainer(host, str(workdir / "fsdp"), **common, **fsdp)
+    again = make_trainer(host, str(workdir / "sharded"), **common, **sharded)
     try:
-        again.train(resume_from_checkpoint=str(workdir / "fsdp" / "checkpoint-4"))
+        again.train(resume_from_checkpoint=str(workdir / "sharded" / "checkpoint-4"))
     finally:
         end(again)
     resumed = losses(again)
     assert again.state.global_step == 6 and sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
-        assert resumed[step] == pytest.approx(fsdp_losses[step], rel=1e-5), (step, resumed, fsdp_losses)
+        assert resumed[step] == pytest.approx(sharded_losses[step], rel=1e-5), (step, resumed, sharded_losses)

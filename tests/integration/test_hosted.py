@@ -141,39 +141,52 @@ def test_trl_grpo_script_on_two_workers_generates_with_transformers_and_a_rule_b
     transformers.AutoModelForCausalLM.from_pretrained("grpo")
 
 
-FSDP_RUNS = {  # script: its own flags (the data sets and lengths of the runs above)
+SHARDED_RUNS = {  # script: its own flags (the data sets and lengths of the runs above)
     "sft": ["--dataset_name", "data", "--max_length", "32"],
     "dpo": ["--dataset_name", "preferences", "--max_length", "32"],
     "reward": ["--dataset_name", "preferences", "--max_length", "32"],
     "grpo": ["--dataset_name", "preferences", "--num_generations", "2", "--max_completion_length", "8",
              "--reward_funcs", "rewards.counts_on"],
 }
+#: a strategy's flags, and the files its checkpoints hold beside transformers' own (accelerate's FSDP
+#: files; DeepSpeed's partitions; for transformers' loop accelerate alone wrapped a CPU group in DDP,
+#: writing neither)
+STRATEGIES = {
+    "fsdp": (["--fsdp", "full_shard auto_wrap"], {"pytorch_model_fsdp.bin", "optimizer.bin"}),
+    "zero3": (["--deepspeed", "zero3.json"], {"latest", "zero_to_fp32.py"}),
+}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["sft", *(pytest.param(n, marks=pytest.mark.full) for n in ("dpo", "reward",
-                                                                                                "grpo"))])
-def test_a_trl_script_with_fsdp_on_two_cpu_workers_shards_trains_and_saves(name, workdir, monkeypatch):
-    """TRL's script with ``--fsdp "full_shard auto_wrap"`` on 2 CPU workers: the model is prepared by FSDP
-    (accelerate's FSDP checkpoint files; for transformers' loop accelerate alone wrapped a CPU group in DDP,
-    writing none), it learns, and the output folder is a model folder. What each rank holds:
-    tests/integration/test_guarantees.py::test_fsdp_shards_on_cpu_workers_trains_as_ddp_and_resumes."""
+@pytest.mark.parametrize(("name", "strategy"), [
+    ("sft", "fsdp"), *(pytest.param(n, "fsdp", marks=pytest.mark.full) for n in ("dpo", "reward", "grpo")),
+    *(pytest.param(n, "zero3", marks=pytest.mark.full) for n in ("sft", "dpo", "grpo"))])
+def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy, workdir, monkeypatch):
+    """TRL's script with ``--fsdp "full_shard auto_wrap"`` or a ZeRO-3 ``--deepspeed`` config on 2 CPU
+    workers: the model is prepared by the strategy (its checkpoint files), it learns, and under FSDP the
+    output folder is a model folder (under ZeRO-3 transformers' ``save_model`` writes DeepSpeed's
+    partitions, as under accelerate launch). What each rank holds:
+    tests/integration/test_guarantees.py::test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes."""
+    from test_guarantees import ZERO3
+
+    (workdir / "zero3.json").write_text(json.dumps(ZERO3))
     (workdir / "rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(workdir))
     script = trl_script_on_ray(name, str(workdir))
-    run_script(script, "--model_name_or_path", "tiny-model", *FSDP_RUNS[name], "--output_dir", "out",
+    flags, files = STRATEGIES[strategy]
+    run_script(script, "--model_name_or_path", "tiny-model", *SHARDED_RUNS[name], "--output_dir", "out",
                "--max_steps", "6", "--per_device_train_batch_size", "2", "--logging_steps", "1",
                "--save_steps", "3", "--learning_rate", "5e-3", "--report_to", "none", "--use_cpu",
-               "--disable_tqdm", "True", "--fsdp", "full_shard auto_wrap", "--num_workers", "2",
-               monkeypatch=monkeypatch)
+               "--disable_tqdm", "True", *flags, "--num_workers", "2", monkeypatch=monkeypatch)
     for step in (3, 6):
         saved = set(os.listdir(f"out/checkpoint-{step}"))
-        assert {"pytorch_model_fsdp.bin", "optimizer.bin", "manifest.json"} <= saved, saved
+        assert files | {"trainer_state.json", "manifest.json"} <= saved, saved
     curve = losses("out/checkpoint-6")
     assert sorted(curve) == list(range(1, 7))
     if name != "grpo":  # GRPO's loss is not a loss to fall (it is zero-mean per group)
         assert statistics.fmean(curve[s] for s in (5, 6)) < statistics.fmean(curve[s] for s in (1, 2)), curve
-    load_saved("sequence-classification" if name == "reward" else "causal-lm", "out")
+    if strategy == "fsdp":
+        load_saved("sequence-classification" if name == "reward" else "causal-lm", "out")
 
 
 def test_grpo_with_a_vllm_server_is_refused_on_the_driver(tmp_path):

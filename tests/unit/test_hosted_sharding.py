@@ -43,7 +43,7 @@ def _trainer(output_dir: str, hosted: bool, **overrides):
         use_cpu=True, disable_tqdm=True, learning_rate=1e-3, fsdp="full_shard auto_wrap",
         fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]}, **overrides)
     kwargs = dict(model=model, args=args, train_dataset=rows)
-    return build_trainer(transformers.Trainer, (), kwargs) if hosted else transformers.Trainer(**kwargs)
+    return build_trainer(transformers.Trainer, (), kwargs, args) if hosted else transformers.Trainer(**kwargs)
 
 
 def _rank(hosted: bool, output_dir: str, rank: int, port: str, results) -> None:
