@@ -141,12 +141,14 @@ def test_trl_grpo_script_on_two_workers_generates_with_transformers_and_a_rule_b
     transformers.AutoModelForCausalLM.from_pretrained("grpo")
 
 
-SHARDED_RUNS = {  # script: its own flags (the data sets and lengths of the runs above)
-    "sft": ["--dataset_name", "data", "--max_length", "32"],
-    "dpo": ["--dataset_name", "preferences", "--max_length", "32"],
-    "reward": ["--dataset_name", "preferences", "--max_length", "32"],
-    "grpo": ["--dataset_name", "preferences", "--num_generations", "2", "--max_completion_length", "8",
-             "--reward_funcs", "rewards.counts_on"],
+SHARDED_RUNS = {  # run: the script, its own flags (the data sets and lengths of the runs above)
+    "sft": ("sft", ["--dataset_name", "data", "--max_length", "32"]),
+    "sft-peft": ("sft", ["--dataset_name", "data", "--max_length", "32", "--use_peft", "--lora_r", "8",
+                         "--lora_alpha", "16", "--lora_target_modules", "c_attn", "c_proj"]),
+    "dpo": ("dpo", ["--dataset_name", "preferences", "--max_length", "32"]),
+    "reward": ("reward", ["--dataset_name", "preferences", "--max_length", "32"]),
+    "grpo": ("grpo", ["--dataset_name", "preferences", "--num_generations", "2", "--max_completion_length",
+                      "8", "--reward_funcs", "rewards.counts_on"]),
 }
 #: a strategy's flags, and the files its checkpoints hold beside transformers' own (accelerate's FSDP
 #: files; DeepSpeed's partitions; for transformers' loop accelerate alone wrapped a CPU group in DDP,
@@ -159,8 +161,9 @@ STRATEGIES = {
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("name", "strategy"), [
-    ("sft", "fsdp"), *(pytest.param(n, "fsdp", marks=pytest.mark.full) for n in ("dpo", "reward", "grpo")),
-    *(pytest.param(n, "zero3", marks=pytest.mark.full) for n in ("sft", "dpo", "grpo"))])
+    ("sft", "fsdp"), ("sft-peft", "fsdp"),
+    *(pytest.param(n, "fsdp", marks=pytest.mark.full) for n in ("dpo", "reward", "grpo")),
+    *(pytest.param(n, "zero3", marks=pytest.mark.full) for n in ("sft", "sft-peft", "dpo", "grpo"))])
 def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy, workdir, monkeypatch):
     """TRL's script with ``--fsdp "full_shard auto_wrap"`` or a ZeRO-3 ``--deepspeed`` config on 2 CPU
     workers: the model is prepared by the strategy (its checkpoint files), it learns, and under FSDP the
@@ -172,9 +175,10 @@ def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy
     (workdir / "zero3.json").write_text(json.dumps(ZERO3))
     (workdir / "rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(workdir))
-    script = trl_script_on_ray(name, str(workdir))
+    script_name, own = SHARDED_RUNS[name]
+    script = trl_script_on_ray(script_name, str(workdir))
     flags, files = STRATEGIES[strategy]
-    run_script(script, "--model_name_or_path", "tiny-model", *SHARDED_RUNS[name], "--output_dir", "out",
+    run_script(script, "--model_name_or_path", "tiny-model", *own, "--output_dir", "out",
                "--max_steps", "6", "--per_device_train_batch_size", "2", "--logging_steps", "1",
                "--save_steps", "3", "--learning_rate", "5e-3", "--report_to", "none", "--use_cpu",
                "--disable_tqdm", "True", *flags, "--num_workers", "2", monkeypatch=monkeypatch)
@@ -185,8 +189,16 @@ def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy
     assert sorted(curve) == list(range(1, 7))
     if name != "grpo":  # GRPO's loss is not a loss to fall (it is zero-mean per group)
         assert statistics.fmean(curve[s] for s in (5, 6)) < statistics.fmean(curve[s] for s in (1, 2)), curve
-    if strategy == "fsdp":
-        load_saved("sequence-classification" if name == "reward" else "causal-lm", "out")
+    kind = {"reward": "sequence-classification", "sft-peft": "peft"}.get(name, "causal-lm")
+    if kind == "peft":  # adapter-only checkpoints and output, as in one process
+        assert os.path.exists("out/adapter_model.safetensors") and not os.path.exists("out/model.safetensors")
+        base = os.path.getsize("tiny-model/model.safetensors")
+        for path in (workdir / "out" / "checkpoint-6").rglob("*"):  # no file holds the base model's weights
+            assert path.is_dir() or path.stat().st_size < base / 2, (path, path.stat().st_size, base)
+        trained = load_saved(kind, "out")
+        assert any(p.abs().sum() > 0 for n, p in trained.named_parameters() if "lora_B" in n)  # B starts at 0
+    elif strategy == "fsdp":
+        load_saved(kind, "out")
 
 
 def test_grpo_with_a_vllm_server_is_refused_on_the_driver(tmp_path):
