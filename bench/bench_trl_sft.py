@@ -72,6 +72,10 @@ def child(argv: list[str]) -> None:
     extra = {"num_workers": 2} if ray else {}
     if "--fsdp" in argv:
         extra["fsdp"] = "full_shard auto_wrap"
+    if "--zero3" in argv:  # as a user's config gives it, "auto" filled from the arguments
+        extra["deepspeed"] = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+                              "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=int(flag("--batch")),
                      learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10, save_strategy="no",
                      report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
@@ -101,12 +105,12 @@ def make_inputs(folder: str, layers: int = 4, width: int = 256) -> tuple[str, st
 
 def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
     """One run of ``side``: ``accelerate`` or ``raytrainer``, ``-fsdp`` for ``--fsdp "full_shard
-    auto_wrap"``."""
+    auto_wrap"``, ``-zero3`` for a ZeRO-3 DeepSpeed config."""
     out = os.path.join(folder, f"out-{side}-{time.time_ns()}")
     os.makedirs(out)
     script = [os.path.abspath(__file__), "--child", "--model", model, "--data", data, "--output_dir", out,
               "--max_steps", str(opts.steps), "--batch", str(opts.batch), "--length", str(opts.length),
-              "--warmup", str(opts.warmup), *(["--fsdp"] if side.endswith("-fsdp") else [])]
+              "--warmup", str(opts.warmup), *([f"--{side.split('-')[1]}"] if "-" in side else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
     if side.startswith("raytrainer"):
         command = [sys.executable, *script, "--ray"]
@@ -135,7 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=None)
     parser.add_argument("--sides", default="accelerate,raytrainer",
-                        help="comma-separated: accelerate, raytrainer, accelerate-fsdp, raytrainer-fsdp")
+                        help="comma-separated: accelerate, raytrainer, each with -fsdp or -zero3")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)

@@ -20,15 +20,17 @@ HOSTS = {"raytrainer": "raytrainer.Trainer", "transformers": "on_ray(transformer
 
 
 def outcomes(junit: str) -> dict[str, dict[str, str]]:
-    """test name -> host -> "pass" / "FAIL" / "skipped"."""
+    """test name (with its other parameter: ``[host-fsdp]`` is row ``name (fsdp)``) -> host -> "pass" /
+    "FAIL" / "skipped"."""
     table: dict[str, dict[str, str]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        match = re.fullmatch(r"(test_\w+)\[(\w+)\]", case.get("name", ""))
+        match = re.fullmatch(r"(test_\w+)\[(\w+)(?:-(\w+))?\]", case.get("name", ""))
         if not match or "test_guarantees" not in case.get("classname", ""):
             continue
         tags = {child.tag for child in case}
         outcome = "FAIL" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "pass"
-        table.setdefault(match.group(1), {})[match.group(2)] = outcome
+        row = match.group(1) + (f" ({match.group(3)})" if match.group(3) else "")
+        table.setdefault(row, {})[match.group(2)] = outcome
     return table
 
 
