@@ -77,9 +77,9 @@ def child(argv: list[str]) -> None:
                               "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
                               "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=int(flag("--batch")),
-                     learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10, save_strategy="no",
-                     report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-                     bf16=False, **extra)
+                     learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10,
+                     save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                     dataloader_num_workers=0, seed=0, bf16=False, **extra)
     data = load_dataset("json", data_files=os.path.join(argv[argv.index("--data") + 1], "train.jsonl"))
     trainer = SFTTrainer(model=argv[argv.index("--model") + 1], args=args, train_dataset=data["train"],
                          callbacks=[Timing(warmup=int(flag("--warmup")), t0=float(os.environ["BENCH_T0"]))])
@@ -96,8 +96,8 @@ def make_inputs(folder: str, layers: int = 4, width: int = 256) -> tuple[str, st
 
     model = write_tiny_lm(os.path.join(folder, "model"))
     torch.manual_seed(0)  # a bigger model with the same tokenizer
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=63, n_positions=128, bos_token_id=2,
-                        eos_token_id=2, pad_token_id=0)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=63, n_positions=128,
+                        bos_token_id=2, eos_token_id=2, pad_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(model)
     data = write_text_data(os.path.join(folder, "data"), rows=4096)
     return model, data

@@ -282,7 +282,8 @@ class HostedTrainer:
         travel through the event channel."""
         if "_model" not in vars(self):
             folder = os.path.join(os.path.abspath(self.args.output_dir), ".raytrainer", "model")
-            self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,), "kwargs": {}})
+            self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,),
+                               "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
             if not hasattr(model_cls, "from_pretrained"):
                 # not AttributeError: Python would hand that to __getattr__, which would hide this message

@@ -50,7 +50,8 @@ def save_whole(trainer, folder: str) -> None:
     where ``save_model`` writes DeepSpeed's partitions only: there DeepSpeed gathers them onto rank 0
     module by module (each other rank holds one module's parameters at a time) and rank 0 writes them."""
     engine = trainer.model_wrapped
-    if (hasattr(engine, "_zero3_consolidated_16bit_state_dict") and engine.zero_optimization_partition_weights()
+    if (hasattr(engine, "_zero3_consolidated_16bit_state_dict")
+            and engine.zero_optimization_partition_weights()
             and not engine.zero_gather_16bit_weights_on_model_save()):
         trainer._save(folder, state_dict=engine._zero3_consolidated_16bit_state_dict())  # rank 0 writes
     else:

@@ -7,10 +7,10 @@ def run_two_ranks(target, store: str, timeout: float = 120.0) -> list:
     """``target(rank, store, results)`` in a process per rank (``store``: a file path for the group's
     ``file://`` rendezvous; ``results``: a queue each rank puts one item into). Every rank must exit 0
     within ``timeout`` seconds (a rank left waiting in a collective does not); returns the items."""
-    import torch.multiprocessing as mp
-
     import queue
     import time
+
+    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
