@@ -72,10 +72,11 @@ def child(argv: list[str]) -> None:
     extra = {"num_workers": 2} if ray else {}
     if "--fsdp" in argv:
         extra["fsdp"] = "full_shard auto_wrap"
-    if "--zero3" in argv:  # as a user's config gives it, "auto" filled from the arguments
-        extra["deepspeed"] = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-                              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-                              "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+    if "--zero3" in argv:
+        sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
+        from hosted_fixtures import ZERO3
+
+        extra["deepspeed"] = ZERO3
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=int(flag("--batch")),
                      learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10,
                      save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,

@@ -22,8 +22,8 @@ import functools
 
 
 def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs):
-    """``trainer_cls(*args, **kwargs)`` (``targs``: its training arguments), sharded on a CPU group when
-    they ask for FSDP."""
+    """``trainer_cls(*args, **kwargs)`` (``targs``: its training arguments): under DeepSpeed, built after
+    DeepSpeed's communication is set up over the worker group; on a CPU group given ``fsdp``, sharded."""
     import torch
 
     if getattr(targs, "deepspeed", None) and torch.distributed.is_initialized():

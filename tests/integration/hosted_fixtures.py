@@ -135,6 +135,12 @@ def order_sensitive_metrics(prediction) -> dict:
             "logit_mean": float(logits[real].mean())}
 
 
+#: ZeRO-3 as a user's DeepSpeed config gives it ("auto" filled from the training arguments)
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+         "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+         "bf16": {"enabled": "auto"}}
+
+
 class ShardReport(TrainerCallback):
     """What each rank holds of the model it trains: ``<output_dir>/shard-rank<r>.json`` with whether the
     model is sharded (FSDP2's ``fully_shard``, or ZeRO-3's partitioned parameters), the elements this rank

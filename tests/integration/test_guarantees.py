@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hosted_fixtures import OneRankDecides, ShardReport, order_sensitive_metrics, write_tiny_lm
+from hosted_fixtures import ZERO3, OneRankDecides, ShardReport, order_sensitive_metrics, write_tiny_lm
 
 HOSTS = ["raytrainer", "transformers", "trl"]
 #: where raytrainer's own Trainer runs the same check in CI already (test_preemption.py, test_failures.py):
@@ -264,10 +264,6 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
         assert torch.equal(lost_weights[name], tensor), name
 
 
-#: ZeRO-3 as a user's DeepSpeed config gives it ("auto" filled from the arguments)
-ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-         "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
-         "bf16": {"enabled": "auto"}}
 SHARDED = {"fsdp": {"fsdp": "full_shard auto_wrap"}, "zero3": {"deepspeed": ZERO3}}
 
 

@@ -17,6 +17,7 @@ import sys
 import pytest
 from hosted_fixtures import (
     REWARD_MODULE,
+    ZERO3,
     trl_script_on_ray,
     write_preference_data,
     write_text_data,
@@ -170,8 +171,6 @@ def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy
     output folder is a model folder (under ZeRO-3 transformers' ``save_model`` writes DeepSpeed's
     partitions, as under accelerate launch). What each rank holds:
     tests/integration/test_guarantees.py::test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes."""
-    from test_guarantees import ZERO3
-
     (workdir / "zero3.json").write_text(json.dumps(ZERO3))
     (workdir / "rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(workdir))
