@@ -59,9 +59,9 @@ class RankContext:
         return self.local_rank == 0
 
     # -- collectives -------------------------------------------------------------------------------
-    def barrier(self) -> None:
+    def barrier(self, group=None) -> None:
         if self.distributed:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=group)
 
     def any_flags(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of boolean flags across ranks: one rank's decision becomes everyone's."""
@@ -84,6 +84,14 @@ class RankContext:
             return [obj]
         out = [None] * self.world_size if self.is_world_zero else None
         torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+    def all_gather_object(self, obj, group=None) -> list:
+        """Every rank's ``obj`` in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=group)
         return out
 
     def broadcast_object(self, obj):

@@ -80,17 +80,19 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 def _split_callbacks(trainer, session: RankSession, given) -> None:
     """transformers' progress bar and printer run on the driver; rank 0 relays what they need. The ranks
     agree on every control flag a callback sets (worker/agreement.py). Every checkpoint is committed to the
-    run's storage (``given``: the arguments with their Ray fields)."""
+    run's storage (``given``: the arguments with their Ray fields), its files written in the background
+    (worker/hosted_saves.py)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from raytrainer.worker.agreement import agree_on_flags
     from raytrainer.worker.hosted_commit import CommitCallback
+    from raytrainer.worker.hosted_saves import write_in_background
     from raytrainer.worker.relay import RelayCallback
 
     agree_on_flags(trainer, session.ctx)
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
-    trainer.add_callback(CommitCallback(session.ctx, session.channel, given))
+    trainer.add_callback(CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
     trainer.add_callback(MeanLossCallback(trainer))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))

@@ -3,13 +3,14 @@ Trainer commits its own.
 
 transformers' loop writes ``<output_dir>/checkpoint-<step>`` on each rank as it always does (weights,
 optimizer, scheduler, ``trainer_state.json`` from rank 0; ``rng_state_<rank>.pth`` and a strategy's shards
-from every rank; each on its own node's disk). At ``on_save`` every rank waits for the others (one barrier),
-the lowest local rank of each node lists that node's copy of the folder, and each file goes to the first
-rank that has it: on a shared file system rank 0 takes them all, on local disks each node takes what its
-ranks wrote. Each such rank then hashes its files and, when the storage is not ``output_dir`` itself
-(``storage_path``: ``s3://``, another folder), copies them there -- on a thread of its own, so training goes
-on -- and sends the driver its part. The driver writes ``manifest.json`` when every part has arrived (the
-commit) and rotates (driver/registry.py).
+from every rank; each on its own node's disk), the weights, optimizer and scheduler in the background
+(worker/hosted_saves.py). At ``on_save`` each rank starts a thread of its own, so training goes on: it waits
+for this rank's writes, then for every rank's (a barrier on a gloo group beside the step's); the lowest
+local rank of each node lists that node's copy of the folder, and each file goes to the first rank that
+has it: on a shared file system rank 0 takes them all, on local disks each node takes what its ranks
+wrote. Each such rank then hashes its files and, when the storage is not ``output_dir`` itself
+(``storage_path``: ``s3://``, another folder), copies them there, and sends the driver its part. The
+driver writes ``manifest.json`` when every part has arrived (the commit) and rotates (driver/registry.py).
 
 Before transformers' next save (which may rotate the local folders away) and at the end of training, each rank
 waits for its thread. A resume reads a committed checkpoint, verified against its manifest: in place when it
@@ -35,6 +36,7 @@ from raytrainer.checkpoint import (
     read_manifest,
 )
 from raytrainer.protocol import CheckpointPart, Kind
+from raytrainer.rank_context import side_group
 from raytrainer.storage import Storage, uri_basename
 from raytrainer.worker.checkpointing import _walk
 
@@ -42,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 #: How long ``CommitCallback.commit`` waits for the driver's manifest (its parts are urgent messages).
 COMMIT_WAIT_S = 60.0
+
+
+class CheckpointWriteError(RuntimeError):
+    """A rank's background write of a checkpoint failed (every rank raises it, naming each rank's error)."""
 
 
 def assign(listings: list[list[str] | None]) -> list[list[str]]:
@@ -58,10 +64,11 @@ def assign(listings: list[list[str] | None]) -> list[list[str]]:
 
 
 class CommitCallback(TrainerCallback):
-    """On every rank of a hosted trainer: each checkpoint transformers saves becomes a committed one."""
+    """On every rank of a hosted trainer: each checkpoint transformers saves becomes a committed one.
+    ``saves``: the trainer's background writes (worker/hosted_saves.py), which a commit waits for."""
 
-    def __init__(self, ctx, channel, args):
-        self.ctx, self.channel = ctx, channel
+    def __init__(self, ctx, channel, args, saves=None):
+        self.ctx, self.channel, self.saves = ctx, channel, saves
         self.storage = Storage.for_run(args)
         self.in_place = self.storage.is_local and self.storage.root == os.path.abspath(args.output_dir)
         self._thread: threading.Thread | None = None
@@ -71,40 +78,60 @@ class CommitCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.wait()
         name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        folder = os.path.join(args.output_dir, name)
-        self.ctx.barrier()  # every rank's files of this save are written
-        listing = sorted(_walk(folder)) if self.ctx.is_local_zero else None  # [] where the node has none
-        listings = self.ctx.gather_object(listing)
-        shares = self.ctx.broadcast_object(assign(listings) if self.ctx.is_world_zero else None)
-        mine, self._saved = shares[self.ctx.rank], name
-        if not mine:
-            return
         best = state.best_model_checkpoint if self.ctx.is_world_zero else None
-        parts = sum(1 for share in shares if share)
-        info = dict(name=name, step=state.global_step, uri=self.storage.uri_of(name), parts=parts,
+        info = dict(name=name, step=state.global_step, uri=self.storage.uri_of(name),
                     best_metric=state.best_metric,
                     best_model_checkpoint=os.path.basename(best) if best else None)
-        self._thread = threading.Thread(target=self._commit, args=(folder, mine, info), daemon=True,
-                                        name=f"raytrainer-commit-{name}")
+        writes = self.saves.take() if self.saves is not None else []
+        group = side_group("hosted-commit") if self.ctx.distributed else None  # made here: a collective
+        self._saved = name
+        self._thread = threading.Thread(target=self._commit,
+                                        args=(os.path.join(args.output_dir, name), writes, group, info),
+                                        daemon=True, name=f"raytrainer-commit-{name}")
         self._thread.start()
 
-    def _commit(self, folder: str, names: list[str], info: dict) -> None:
+    def _commit(self, folder: str, writes: list, group, info: dict) -> None:
+        """On a thread of this rank: its writes end; every rank's (a barrier on ``group``, beside the
+        step's); each file goes to the first rank whose node lists it; this rank hashes (and uploads) its
+        share and sends the driver its part. A rank whose write failed tells the others, so every rank
+        fails the run at its next wait, naming it, rather than wait for it."""
         try:
-            files = digest_files(folder, names)
+            failed = None
+            try:
+                for write in writes:
+                    write.result()
+            except BaseException as exc:
+                failed = f"{type(exc).__name__}: {exc}"
+            self.ctx.barrier(group)  # every rank's files of this save are written
+            listing = sorted(_walk(folder)) if self.ctx.is_local_zero else None  # [] where the node has none
+            reports = self.ctx.all_gather_object((listing, failed), group)
+            errors = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(reports) if error]
+            if errors:
+                raise CheckpointWriteError(
+                    f"writing checkpoint {info['uri']} failed, so it is not committed (the checkpoints "
+                    f"committed before it are intact): {'; '.join(errors)}")
+            shares = assign([listing for listing, _ in reports])
+            mine = shares[self.ctx.rank]
+            if not mine:
+                return
+            files = digest_files(folder, mine)
             if not self.in_place:
-                for rel in names:
+                for rel in mine:
                     self.storage.upload_file(os.path.join(folder, rel), self.storage.path(info["name"], rel))
-            self.channel.send(Kind.CHECKPOINT_PART, CheckpointPart(files=files, **info), urgent=True)
+            part = CheckpointPart(files=files, parts=sum(1 for share in shares if share), **info)
+            self.channel.send(Kind.CHECKPOINT_PART, part, urgent=True)
         except BaseException as exc:  # raised on the training thread at the next wait()
             self._error = exc
 
     def wait(self) -> None:
-        """The last checkpoint's files are hashed and in storage (its part sent to the driver)."""
+        """The last checkpoint's files are written, hashed and in storage (its part sent to the driver)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, CheckpointWriteError):  # names the checkpoint and each rank's error
+                raise error
             raise RuntimeError(f"committing a checkpoint to {self.storage.uri} failed: {error}") from error
 
     def commit(self) -> None:

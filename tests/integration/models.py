@@ -841,8 +841,9 @@ class SlowThenFullDisk(TrainerCallback):
     """Rank 0's background checkpoint writes for two of this run's checkpoints: ``checkpoint-<slow>`` is held
     back 5 s, ``checkpoint-<full>`` fails as a full disk does (ENOSPC), after which the patch is undone (warm
     workers outlive the run). Patched at the narrowest place where a slow or a full disk can be made to
-    happen here: DCP's ``FileSystemWriter.write_data`` (FSDP, ``writer="dcp"``), or ``torch.save`` of a
-    DeepSpeed engine file (``writer="deepspeed"``: files under ``global_step<N>/``). At each save rank 0
+    happen here: DCP's ``FileSystemWriter.write_data`` (FSDP, ``writer="dcp"``), ``torch.save`` of a
+    DeepSpeed engine file (``writer="deepspeed"``: files under ``global_step<N>/``) or of the optimizer's
+    state under DDP (``writer="optimizer"``: ``optimizer.pt``). At each save rank 0
     records whether the checkpoint's sharded files were all written when its training thread went on."""
 
     def __init__(self, slow: int, full: int, writer: str = "dcp"):
@@ -861,11 +862,12 @@ class SlowThenFullDisk(TrainerCallback):
                 undo()
                 raise OSError(28, "No space left on device", where)
 
-        if self.writer == "deepspeed":
+        if self.writer in ("deepspeed", "optimizer"):
             original_save = torch.save
+            marks = f"{os.sep}global_step" if self.writer == "deepspeed" else f"{os.sep}optimizer.pt"
 
             def save(obj, f, *a, **kw):
-                if isinstance(f, (str, os.PathLike)) and f"{os.sep}global_step" in str(f):
+                if isinstance(f, (str, os.PathLike)) and marks in str(f):
                     hold_or_fail(os.path.abspath(f), lambda: setattr(torch, "save", original_save))
                 return original_save(obj, f, *a, **kw)
 
@@ -889,6 +891,8 @@ class SlowThenFullDisk(TrainerCallback):
             if self.writer == "deepspeed":
                 rank0 = os.path.join(folder, "global_step*", "*zero_pp_rank_0_*optim_states.pt")
                 written = bool(glob.glob(rank0))
+            elif self.writer == "optimizer":
+                written = os.path.exists(os.path.join(folder, "optimizer.pt"))
             else:
                 written = all(os.path.exists(os.path.join(folder, d, ".metadata"))
                               for d in ("optimizer_0", "pytorch_model_fsdp_0"))

@@ -145,6 +145,33 @@ def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(work
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), (step, resumed, uninterrupted)
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_it(workdir, host):
+    """Rank 0's write of checkpoint-5's optimizer state is held back 5 s and checkpoint-10's fails as a full
+    disk does (ENOSPC): the step after the save goes on before checkpoint-5's optimizer.pt exists, the run
+    fails naming checkpoint-10 and the error, checkpoint-5 alone is committed -- weights, optimizer,
+    scheduler, trainer state, each rank's RNG state -- and a run resumes from it to the end."""
+    from models import SlowThenFullDisk, train_into_the_full_disk
+
+    common = dict(max_steps=12, save_steps=5, eval_strategy="no", max_failures=0)
+    out = workdir / "out"
+    trainer = make_trainer(host, str(out), callbacks=[SlowThenFullDisk(slow=5, full=10, writer="optimizer")],
+                           **common)
+    try:
+        files = train_into_the_full_disk(trainer, out)
+    finally:
+        end(trainer)
+    stems = {name.split(".")[0] for name in files}  # rng_state_<r>.pth; .safetensors from raytrainer's loop
+    assert {"model", "optimizer", "scheduler", "trainer_state", "rng_state_0", "rng_state_1"} <= stems, files
+    again = make_trainer(host, str(workdir / "again"), **common)
+    try:
+        assert again.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 12
+    finally:
+        end(again)
+    assert sorted(losses(again)) == list(range(1, 13))  # 1-5 from checkpoint-5's own history
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("host", HOSTS)
 def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, host):

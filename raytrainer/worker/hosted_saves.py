@@ -1,0 +1,131 @@
+"""Checkpoints of a hosted trainer written in the background: the step waits only for copies in host memory.
+
+transformers' ``Trainer._save_checkpoint`` writes on the training thread: the weights (``save_model`` ->
+``_save`` -> ``save_pretrained``: safetensors) and, under DDP, the optimizer and scheduler
+(``_save_optimizer_and_scheduler``: ``torch.save``), on rank 0. A hosted rank (worker/hosted.py) runs it
+with three of its steps changed, inside a checkpoint save only (``save_model`` called by a user still
+writes before it returns):
+
+- ``_save``: the state dict is copied to the host (raytrainer's own loop's snapshot,
+  ``worker/checkpointing._copy_tensors``) -- except the frozen parameters, which no step changes (a LoRA
+  run copies its adapter, not the base model) -- and transformers' own ``_save`` writes the copy on a
+  writer thread (``save_pretrained``, the tokenizer, the arguments: the same files, in the same format).
+- ``_save_optimizer_and_scheduler`` under DDP or a single rank: the optimizer's and the scheduler's state
+  dicts are copied, and ``torch.save`` writes them on the writer thread, as transformers names them.
+- under DeepSpeed, the engine's checkpoint engine is raytrainer's background one
+  (strategies/deepspeed_writes.py, as raytrainer's own loop uses): each rank's ZeRO files are copied to the
+  host and written on a thread.
+
+The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them.
+Under FSDP accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` still write on the training thread
+(FULL_STATE_DICT gathers on rank 0 first; SHARDED_STATE_DICT through DCP's blocking ``save``).
+
+``CommitCallback`` (worker/hosted_commit.py) waits for a checkpoint's writes (``take``) on its own thread
+before it lists, hashes and commits the folder; the next save and the end of training wait for it. Memory:
+one checkpoint's trainable state on the host while it is written (DCP's ``async_save`` stages the same).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import torch
+
+
+class BackgroundSaves:
+    """The writes a hosted trainer's checkpoint saves have started (futures, in order)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytrainer-save")
+        self._pending: list[concurrent.futures.Future] = []
+        self.saving = False  # inside transformers' _save_checkpoint
+
+    def submit(self, fn, *args) -> None:
+        self._pending.append(self._writer.submit(fn, *args))
+
+    def take(self) -> list[concurrent.futures.Future]:
+        """The writes started since the last call, this trainer's and its DeepSpeed engine's."""
+        from raytrainer.strategies.deepspeed_writes import take_pending
+
+        pending, self._pending = self._pending, []
+        return pending + take_pending(self.trainer.model_wrapped)
+
+
+def write_in_background(trainer) -> BackgroundSaves:
+    """Make ``trainer``'s checkpoint saves write in the background (its methods wrapped on the instance, so
+    a subclass's own overrides still run: TRL's ``_save_checkpoint`` writes its model card first)."""
+    saves = BackgroundSaves(trainer)
+    save_checkpoint, save, save_model = trainer._save_checkpoint, trainer._save, trainer.save_model
+    save_optimizer_and_scheduler = trainer._save_optimizer_and_scheduler
+
+    def _save_checkpoint(model, trial):
+        if trainer.is_deepspeed_enabled:
+            from raytrainer.strategies.deepspeed_writes import write_in_background as engine_in_background
+
+            engine_in_background(trainer.model_wrapped)
+        saves.saving = True
+        try:
+            save_checkpoint(model, trial)
+        finally:
+            saves.saving = False
+
+    def _save(output_dir=None, state_dict=None):
+        if (not saves.saving or not trainer.args.should_save
+                or getattr(trainer, "is_distributed_loading_by_transformers", False)  # collectives in it
+                or (state_dict is not None and not state_dict)):  # {}: ZeRO-3's placeholder, removed at once
+            return save(output_dir, state_dict)
+        snapshot = _snapshot(trainer.model, state_dict)
+        os.makedirs(output_dir, exist_ok=True)  # the folder transformers writes the rest into, now
+        saves.submit(save, output_dir, snapshot)
+
+    def _save_optimizer_and_scheduler(output_dir):
+        if not saves.saving or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            return save_optimizer_and_scheduler(output_dir)
+        if trainer.args.should_save:
+            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+            from raytrainer.worker.checkpointing import _copy_tensors
+
+            states = {OPTIMIZER_NAME: _copy_tensors(trainer.optimizer.state_dict()),
+                      SCHEDULER_NAME: _copy_tensors(trainer.lr_scheduler.state_dict())}
+            saves.submit(_torch_save_each, output_dir, states)
+
+    def save_model_now(output_dir=None, _internal_call=False):
+        save_model(output_dir, _internal_call)
+        if not saves.saving:  # a user's save_model (ZeRO-3's engine files too) is written when it returns
+            for write in saves.take():
+                write.result()
+
+    trainer._save_checkpoint, trainer._save, trainer.save_model = _save_checkpoint, _save, save_model_now
+    trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
+    return saves
+
+
+def _snapshot(model, state_dict: dict | None) -> dict:
+    """``state_dict`` (the model's own when None) with a host copy of each tensor a step may change: the
+    frozen parameters are kept as they are (no step changes them). Tensors that share memory (tied
+    weights) share their copy, so ``save_pretrained`` sees them tied as it does the live ones."""
+    from raytrainer.worker.checkpointing import _copy_tensors
+
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    copies: dict = {}
+
+    def copy(tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return _copy_tensors(tensor)
+        if tensor.data_ptr() in frozen:
+            return tensor
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if key not in copies:
+            copies[key] = _copy_tensors(tensor)
+        return copies[key]
+
+    state = model.state_dict() if state_dict is None else state_dict
+    return {name: copy(tensor) for name, tensor in state.items()}
+
+
+def _torch_save_each(folder: str, states: dict) -> None:
+    for name, state in states.items():
+        torch.save(state, os.path.join(folder, name))

@@ -1,0 +1,124 @@
+"""Background checkpoint writes for transformers' loop (raytrainer/worker/hosted_saves.py), in one process.
+
+Pinned against transformers itself: a checkpoint written in the background holds the files transformers'
+own save writes, tensor for tensor, and transformers' own resume reads it. When transformers changes what
+``_save_checkpoint`` writes or how, these tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _trainer(output_dir: str, callbacks=(), max_steps: int = 4):
+    """transformers' Trainer over a tiny GPT-2 (tied embeddings), a checkpoint every 2 steps."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gen = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 8), generator=gen)]
+    args = transformers.TrainingArguments(
+        output_dir, per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=1e-2)
+    return transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
+                                callbacks=list(callbacks))
+
+
+def _load(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {"model": load_file(os.path.join(folder, "model.safetensors")),
+            "optimizer": torch.load(os.path.join(folder, "optimizer.pt"), weights_only=False),
+            "scheduler": torch.load(os.path.join(folder, "scheduler.pt"), weights_only=False)}
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def test_a_checkpoint_save_returns_before_its_files_are_written_and_they_are_transformers_own(tmp_path):
+    """The writer is held while step 2's checkpoint is saved: step 3 trains before checkpoint-2's weights
+    and optimizer state exist (the save did not wait). Once written, they hold the state at step 2 (not
+    step 3's: the copy was taken at the save), and checkpoint-2 holds the same files as transformers' own
+    save of the same run, tensor for tensor; transformers resumes from it to the uninterrupted run's
+    weights."""
+    from transformers import TrainerCallback
+
+    from raytrainer.worker.hosted_saves import write_in_background
+
+    gate, seen = threading.Event(), {}
+
+    class HoldTheWriter(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            folder = os.path.join(args.output_dir, "checkpoint-2")
+            if state.global_step == 2:  # the save's writes queue behind this one
+                saves.submit(gate.wait)
+                seen["at-save"] = {k: v.clone() for k, v in model.state_dict().items()}
+            if state.global_step == 3:
+                seen["written-at-step-3"] = [os.path.exists(os.path.join(folder, name))
+                                             for name in ("model.safetensors", "optimizer.pt", "scheduler.pt")]
+                seen["trainer-state-at-step-3"] = os.path.exists(os.path.join(folder, "trainer_state.json"))
+                gate.set()
+
+    background = _trainer(str(tmp_path / "background"), [HoldTheWriter()])
+    saves = write_in_background(background)
+    background.train()
+    for write in saves.take():
+        write.result()
+    assert seen["written-at-step-3"] == [False, False, False]  # held: step 3 ran without them
+    assert seen["trainer-state-at-step-3"]  # small files are written at once, as transformers does
+
+    plain = _trainer(str(tmp_path / "plain"))
+    plain.train()
+    for step in (2, 4):
+        mine, theirs = (str(tmp_path / run / f"checkpoint-{step}") for run in ("background", "plain"))
+        assert sorted(os.listdir(mine)) == sorted(os.listdir(theirs))
+        _assert_same(_load(mine), _load(theirs), f"checkpoint-{step}")
+    written = _load(str(tmp_path / "background" / "checkpoint-2"))["model"]
+    for name, tensor in written.items():
+        assert torch.equal(tensor, seen["at-save"][name]), name
+
+    resumed = _trainer(str(tmp_path / "resumed"))
+    assert resumed.train(resume_from_checkpoint=str(tmp_path / "background" / "checkpoint-2")).global_step == 4
+    for name, tensor in plain.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_a_snapshot_copies_what_a_step_may_change_and_keeps_frozen_and_tied_tensors_as_they_are(tmp_path):
+    """A LoRA-like run (most parameters frozen) copies its trainable tensors only; tied weights share one
+    copy, as they share the live tensor."""
+    from raytrainer.worker.hosted_saves import _snapshot
+
+    model = _trainer(str(tmp_path)).model
+    for name, param in model.named_parameters():
+        param.requires_grad = name.endswith("ln_f.weight")
+    live = model.state_dict()
+    snap = _snapshot(model, None)
+    assert snap.keys() == live.keys()
+    copied = sorted(k for k in live if snap[k].data_ptr() != live[k].data_ptr())
+    assert copied == ["transformer.ln_f.weight"]
+    assert torch.equal(snap["transformer.ln_f.weight"], live["transformer.ln_f.weight"])
+    for param in model.parameters():
+        param.requires_grad = True
+    snap = _snapshot(model, None)
+    assert all(snap[k].data_ptr() != live[k].data_ptr() for k in live)
+    assert snap["lm_head.weight"].data_ptr() == snap["transformer.wte.weight"].data_ptr()  # tied: one copy
