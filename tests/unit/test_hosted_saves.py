@@ -74,8 +74,8 @@ def test_a_checkpoint_save_returns_before_its_files_are_written_and_they_are_tra
                 saves.submit(gate.wait)
                 seen["at-save"] = {k: v.clone() for k, v in model.state_dict().items()}
             if state.global_step == 3:
-                seen["written-at-step-3"] = [os.path.exists(os.path.join(folder, name))
-                                             for name in ("model.safetensors", "optimizer.pt", "scheduler.pt")]
+                names = ("model.safetensors", "optimizer.pt", "scheduler.pt")
+                seen["written-at-step-3"] = [os.path.exists(os.path.join(folder, name)) for name in names]
                 seen["trainer-state-at-step-3"] = os.path.exists(os.path.join(folder, "trainer_state.json"))
                 gate.set()
 
@@ -98,7 +98,8 @@ def test_a_checkpoint_save_returns_before_its_files_are_written_and_they_are_tra
         assert torch.equal(tensor, seen["at-save"][name]), name
 
     resumed = _trainer(str(tmp_path / "resumed"))
-    assert resumed.train(resume_from_checkpoint=str(tmp_path / "background" / "checkpoint-2")).global_step == 4
+    checkpoint = str(tmp_path / "background" / "checkpoint-2")
+    assert resumed.train(resume_from_checkpoint=checkpoint).global_step == 4
     for name, tensor in plain.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
