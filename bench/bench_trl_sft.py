@@ -57,13 +57,21 @@ def child(argv: list[str]) -> None:
     class Timing(transformers.TrainerCallback):
         def __init__(self, warmup: int, t0: float):
             self.warmup, self.t0, self.times = warmup, t0, {}  # t0 travels with the callback
+            self.begins, self.ends = {}, {}  # every step's on_step_begin / on_step_end time
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins[state.global_step + 1] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.ends[state.global_step] = time.perf_counter()
             if state.global_step in (1, self.warmup, state.max_steps):
                 self.times[state.global_step] = time.time()
 
         def on_train_end(self, args, state, control, **kwargs):
-            record = {"t0": self.t0, "steps": self.times, "warmup": self.warmup,
+            # between a step's end and the next one's begin: logging, and at a save step the save
+            gaps = {step: self.begins[step + 1] - end for step, end in self.ends.items()
+                    if step + 1 in self.begins}
+            record = {"t0": self.t0, "steps": self.times, "warmup": self.warmup, "gaps": gaps,
                       "max_steps": state.max_steps,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(os.path.join(args.output_dir, f"timing-rank{args.process_index}.json"), "w") as f:
@@ -79,7 +87,9 @@ def child(argv: list[str]) -> None:
         extra["deepspeed"] = ZERO3
     args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=int(flag("--batch")),
                      learning_rate=1e-3, max_length=int(flag("--length")), logging_steps=10,
-                     save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                     save_strategy="steps" if int(flag("--save-steps")) else "no",
+                     save_steps=int(flag("--save-steps")) or 500, report_to="none", use_cpu=True,
+                     disable_tqdm=True,
                      dataloader_num_workers=0, seed=0, bf16=False, **extra)
     data = load_dataset("json", data_files=os.path.join(argv[argv.index("--data") + 1], "train.jsonl"))
     trainer = SFTTrainer(model=argv[argv.index("--model") + 1], args=args, train_dataset=data["train"],
@@ -111,7 +121,8 @@ def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
     os.makedirs(out)
     script = [os.path.abspath(__file__), "--child", "--model", model, "--data", data, "--output_dir", out,
               "--max_steps", str(opts.steps), "--batch", str(opts.batch), "--length", str(opts.length),
-              "--warmup", str(opts.warmup), *([f"--{side.split('-')[1]}"] if "-" in side else [])]
+              "--warmup", str(opts.warmup), "--save-steps", str(opts.save_steps),
+              *([f"--{side.split('-')[1]}"] if "-" in side else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
     if side.startswith("raytrainer"):
         command = [sys.executable, *script, "--ray"]
@@ -130,8 +141,14 @@ def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
     first = max(rk["steps"]["1"] - rk["t0"] for rk in ranks)
     steady = min((rk["max_steps"] - rk["warmup"]) / (rk["steps"][str(rk["max_steps"])]
                                                      - rk["steps"][str(rk["warmup"])]) for rk in ranks)
-    return {"first_step_s": first, "steady_steps_per_s": steady,
-            "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks)}
+    result = {"first_step_s": first, "steady_steps_per_s": steady,
+              "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks)}
+    if opts.save_steps:  # rank 0 writes: its gap after a save step, less its median gap after another step
+        gaps = {int(step): gap for step, gap in ranks[0]["gaps"].items() if int(step) >= opts.warmup}
+        saves = [gap for step, gap in gaps.items() if step % opts.save_steps == 0]
+        others = [gap for step, gap in gaps.items() if step % opts.save_steps and step % 10]
+        result["save_blocks_s"] = statistics.median(saves) - statistics.median(others)
+    return result
 
 
 def main() -> None:
@@ -146,6 +163,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="save a checkpoint every N steps and report how long a save blocks the step")
     parser.add_argument("--cluster", action="store_true",
                         help="start a Ray cluster first (`ray start --head`) and run raytrainer's side on "
                              "it, as a Ray user does: the Ray start leaves its time to the first step")
@@ -174,7 +193,8 @@ def _compare(opts) -> None:
     base = sides[0]
     print(f"\n| measure | {' | '.join(sides)} |\n|---|{'---:|' * len(sides)}")
     for key, label in (("steady_steps_per_s", "steady steps/s"), ("first_step_s", "time to first step (s)"),
-                       ("peak_rss_mb", "peak memory per worker (MB)")):
+                       ("peak_rss_mb", "peak memory per worker (MB)"),
+                       *([("save_blocks_s", "a save blocks the step (s)")] if opts.save_steps else [])):
         cells = [f"{med[s][key]:.2f} ({med[s][key] / med[base][key]:.2f}x)" for s in sides]
         print(f"| {label} | {' | '.join(cells)} |")
     if opts.out:
