@@ -57,10 +57,11 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
             _save_on_preemption(trainer, session)
         if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
-            from raytrainer.worker.hosted_commit import localize
+            from raytrainer.worker.hosted_commit import localize, saved_world_size
 
-            kwargs = {**kwargs, "resume_from_checkpoint": localize(kwargs["resume_from_checkpoint"],
-                                                                    trainer.args, ctx)}
+            folder = localize(kwargs["resume_from_checkpoint"], trainer.args, ctx)
+            kwargs = {**kwargs, "resume_from_checkpoint": folder}
+            trainer._raytrainer_saved_on = saved_world_size(folder)  # WorldSizeRecord's
         if method in ("evaluate", "predict"):  # train: at on_train_begin, on the model it trains
             adapt_mean_losses(trainer)
         if method in ("train", "evaluate", "predict"):
@@ -94,6 +95,7 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
         trainer.remove_callback(cls)
     trainer.add_callback(CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
     trainer.add_callback(MeanLossCallback(trainer))
+    trainer.add_callback(WorldSizeRecord(trainer))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))
 
@@ -132,3 +134,20 @@ class MeanLossCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         adapt_mean_losses(self.trainer)
+
+
+class WorldSizeRecord(TrainerCallback):
+    """A resume on another number of workers than the checkpoint's (an elastic run's resize, a checkpoint of
+    2 workers resumed on 1) is recorded in the run's history, as raytrainer's own loop records it:
+    ``{"world_size", "previous_world_size", "epoch", "step"}`` in ``state.log_history``."""
+
+    same_on_every_rank = True
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        before, self.trainer._raytrainer_saved_on = getattr(self.trainer, "_raytrainer_saved_on", None), None
+        if before not in (None, args.world_size):
+            state.log_history.append({"world_size": args.world_size, "previous_world_size": before,
+                                      "epoch": state.epoch, "step": state.global_step})

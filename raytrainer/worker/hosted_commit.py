@@ -190,3 +190,13 @@ def localize(uri: str | None, args, ctx) -> str | None:
     if ctx.is_local_zero:
         logger.info("copied %s to %s to resume from it", uri, dest)
     return dest
+
+
+def saved_world_size(folder: str | None) -> int | None:
+    """How many ranks saved transformers' checkpoint ``folder``: one ``rng_state_<rank>.pth`` each, or
+    ``rng_state.pth`` alone from one process; None when it holds no RNG state."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    names = os.listdir(folder)
+    ranks = [n for n in names if n.startswith("rng_state_") and n.endswith(".pth")]
+    return len(ranks) or (1 if "rng_state.pth" in names else None)

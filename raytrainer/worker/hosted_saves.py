@@ -6,8 +6,8 @@ transformers' ``Trainer._save_checkpoint`` writes on the training thread: the we
 with three of its steps changed, inside a checkpoint save only (``save_model`` called by a user still
 writes before it returns):
 
-- ``_save``: the state dict is copied to the host (raytrainer's own loop's snapshot,
-  ``worker/checkpointing._copy_tensors``) -- except the frozen parameters, which no step changes (a LoRA
+- ``_save``: the state dict is copied to the host (into the last save's buffers, ``BackgroundSaves.copy``)
+  -- except the frozen parameters, which no step changes (a LoRA
   run copies its adapter, not the base model) -- and transformers' own ``_save`` writes the copy on a
   writer thread (``save_pretrained``, the tokenizer, the arguments: the same files, in the same format).
 - ``_save_optimizer_and_scheduler`` under DDP or a single rank: the optimizer's and the scheduler's state
@@ -22,28 +22,47 @@ Under FSDP accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` still writ
 
 ``CommitCallback`` (worker/hosted_commit.py) waits for a checkpoint's writes (``take``) on its own thread
 before it lists, hashes and commits the folder; the next save and the end of training wait for it. Memory:
-one checkpoint's trainable state on the host while it is written (DCP's ``async_save`` stages the same).
+one checkpoint's trainable state on the host, kept between saves so a copy allocates nothing after the
+first (DCP's ``async_save`` with ``cache_staged_state_dict`` keeps the same).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 
 import torch
 
 
 class BackgroundSaves:
-    """The writes a hosted trainer's checkpoint saves have started (futures, in order)."""
+    """The writes a hosted trainer's checkpoint saves have started (futures, in order), and the host
+    buffers their copies are in: a save copies into the last save's buffers (once that save's writes are
+    done) where the shapes match, so after the first save a copy allocates nothing (DCP's
+    ``cache_staged_state_dict`` makes the same trade: the buffers stay between saves)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raytrainer-save")
-        self._pending: list[concurrent.futures.Future] = []
+        self._pending: list[concurrent.futures.Future] = []  # until take()
+        self._inflight: list[concurrent.futures.Future] = []  # until the next save begins
+        self._buffers: dict[str, torch.Tensor] = {}  # the last save's copies, by path in its state
+        self._staged: dict[str, torch.Tensor] = {}  # this save's
         self.saving = False  # inside transformers' _save_checkpoint
 
+    def begin(self) -> None:
+        """A checkpoint save begins: the last one's writes are done (their errors are the commit's to
+        report), so its buffers may take this one's copies."""
+        concurrent.futures.wait(self._inflight)
+        self._inflight, self._staged, self.saving = [], {}, True
+
+    def end(self) -> None:
+        self._buffers, self._staged, self.saving = self._staged, {}, False  # unused buffers are freed
+
     def submit(self, fn, *args) -> None:
-        self._pending.append(self._writer.submit(fn, *args))
+        future = self._writer.submit(fn, *args)
+        self._pending.append(future)
+        self._inflight.append(future)
 
     def take(self) -> list[concurrent.futures.Future]:
         """The writes started since the last call, this trainer's and its DeepSpeed engine's."""
@@ -51,6 +70,23 @@ class BackgroundSaves:
 
         pending, self._pending = self._pending, []
         return pending + take_pending(self.trainer.model_wrapped)
+
+    def copy(self, obj, path: str):
+        """``obj`` (a tensor, or a state dict of them) on the host, each tensor in this save's buffer for
+        its ``path``; what is not a tensor deep-copied."""
+        if isinstance(obj, torch.Tensor):
+            buffer = self._buffers.pop(path, None)
+            if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                buffer = obj.detach().to("cpu", copy=True)
+            else:
+                buffer.copy_(obj.detach())
+            self._staged[path] = buffer
+            return buffer
+        if isinstance(obj, dict):
+            return {k: self.copy(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
 
 
 def write_in_background(trainer) -> BackgroundSaves:
@@ -65,18 +101,18 @@ def write_in_background(trainer) -> BackgroundSaves:
             from raytrainer.strategies.deepspeed_writes import write_in_background as engine_in_background
 
             engine_in_background(trainer.model_wrapped)
-        saves.saving = True
+        saves.begin()
         try:
             save_checkpoint(model, trial)
         finally:
-            saves.saving = False
+            saves.end()
 
     def _save(output_dir=None, state_dict=None):
         if (not saves.saving or not trainer.args.should_save
                 or getattr(trainer, "is_distributed_loading_by_transformers", False)  # collectives in it
                 or (state_dict is not None and not state_dict)):  # {}: ZeRO-3's placeholder, removed at once
             return save(output_dir, state_dict)
-        snapshot = _snapshot(trainer.model, state_dict)
+        snapshot = _snapshot(saves, trainer.model, state_dict)
         os.makedirs(output_dir, exist_ok=True)  # the folder transformers writes the rest into, now
         saves.submit(save, output_dir, snapshot)
 
@@ -86,10 +122,8 @@ def write_in_background(trainer) -> BackgroundSaves:
         if trainer.args.should_save:
             from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-            from raytrainer.worker.checkpointing import _copy_tensors
-
-            states = {OPTIMIZER_NAME: _copy_tensors(trainer.optimizer.state_dict()),
-                      SCHEDULER_NAME: _copy_tensors(trainer.lr_scheduler.state_dict())}
+            states = {OPTIMIZER_NAME: saves.copy(trainer.optimizer.state_dict(), "optimizer"),
+                      SCHEDULER_NAME: saves.copy(trainer.lr_scheduler.state_dict(), "scheduler")}
             saves.submit(_torch_save_each, output_dir, states)
 
     def save_model_now(output_dir=None, _internal_call=False):
@@ -103,27 +137,25 @@ def write_in_background(trainer) -> BackgroundSaves:
     return saves
 
 
-def _snapshot(model, state_dict: dict | None) -> dict:
+def _snapshot(saves: BackgroundSaves, model, state_dict: dict | None) -> dict:
     """``state_dict`` (the model's own when None) with a host copy of each tensor a step may change: the
     frozen parameters are kept as they are (no step changes them). Tensors that share memory (tied
     weights) share their copy, so ``save_pretrained`` sees them tied as it does the live ones."""
-    from raytrainer.worker.checkpointing import _copy_tensors
-
     frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
     copies: dict = {}
 
-    def copy(tensor):
+    def copy(name: str, tensor):
         if not isinstance(tensor, torch.Tensor):
-            return _copy_tensors(tensor)
+            return saves.copy(tensor, f"model/{name}")
         if tensor.data_ptr() in frozen:
             return tensor
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
         if key not in copies:
-            copies[key] = _copy_tensors(tensor)
+            copies[key] = saves.copy(tensor, f"model/{name}")
         return copies[key]
 
     state = model.state_dict() if state_dict is None else state_dict
-    return {name: copy(tensor) for name, tensor in state.items()}
+    return {name: copy(name, tensor) for name, tensor in state.items()}
 
 
 def _torch_save_each(folder: str, states: dict) -> None:

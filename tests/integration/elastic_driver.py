@@ -2,10 +2,11 @@
 multi-node Ray cluster, slow enough for the test to take a node away mid-run; then the same training in
 this process (``num_workers=0``) with the same global batch, uninterrupted, to compare with.
 
-    python elastic_driver.py ADDRESS WORKDIR [STEP_S [STRATEGY]]
+    python elastic_driver.py ADDRESS WORKDIR [STEP_S [STRATEGY [HOST]]]
 
 (``STEP_S``: how long each step sleeps, 0.3 s by default; ``STRATEGY``: ddp (the default), fsdp or zero3
-for the elastic run.)
+for the elastic run; ``HOST``: raytrainer (its own Trainer, the default) or transformers
+(``on_ray(transformers.Trainer)``: transformers' loop on the workers).)
 
 Each rank appends, per optimizer step, the ids of the samples it trained to ``WORKDIR/samples-<pid>``
 (``<step> <id> <id> ...``), and rank 0 the step and its world size to ``WORKDIR/steps``
@@ -70,27 +71,38 @@ class Record(TrainerCallback):
                 f.write(f"{os.getpid()} {args.world_size} {state.global_step} {time.time():.2f}\n")
 
 
-def train(work: str, sleep: float = 0.0, **kw) -> dict:
-    args = TrainingArguments(
+def train(work: str, sleep: float = 0.0, host: str = "raytrainer", **kw) -> dict:
+    """One run of ``host``'s trainer: raytrainer's own, or ``on_ray(transformers.Trainer)``."""
+    trainer_cls, args_cls = Trainer, TrainingArguments
+    if host == "transformers":
+        import transformers
+
+        import raytrainer
+
+        trainer_cls = raytrainer.on_ray(transformers.Trainer)
+        args_cls = raytrainer.config_on_ray(transformers.TrainingArguments)
+        kw.setdefault("use_cpu", True)
+    args = args_cls(
         output_dir=os.path.join(work, "out"), num_train_epochs=1, learning_rate=0.05,
         save_strategy="steps", save_steps=5, logging_steps=1, report_to="none", disable_tqdm=True, seed=3,
         **kw)
-    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(SAMPLES),
-                      callbacks=[Record(work, sleep)])
+    trainer = trainer_cls(model=Regressor(), args=args, train_dataset=make_data(SAMPLES),
+                          callbacks=[Record(work, sleep)])
     out = trainer.train()
     result = {"global_step": out.global_step,
               "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
               "weights": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
               "history": trainer.state.log_history}
-    trainer.close()
+    trainer.end() if hasattr(trainer, "end") else trainer.close()
     return result
 
 
 
 
-def main(address: str, work: str, step_s: str = str(STEP_S), strategy: str = "ddp") -> None:
-    elastic = train(work, float(step_s), ray_address=address, **STRATEGY_ARGS[strategy], num_workers=WORKERS,
-                    max_failures=1, per_device_train_batch_size=PER_DEVICE)
+def main(address: str, work: str, step_s: str = str(STEP_S), strategy: str = "ddp",
+         host: str = "raytrainer") -> None:
+    elastic = train(work, float(step_s), host, ray_address=address, **STRATEGY_ARGS[strategy],
+                    num_workers=WORKERS, max_failures=1, per_device_train_batch_size=PER_DEVICE)
     os.makedirs(os.path.join(work, "baseline"))
     baseline = train(os.path.join(work, "baseline"), num_workers=0,
                      per_device_train_batch_size=PER_DEVICE * WORKERS[1])

@@ -59,12 +59,13 @@ def _pause(work, resumed_from: int) -> float:
 
 
 @contextlib.contextmanager
-def _driver(address: str, work, step_s: float, strategy: str = "ddp"):
+def _driver(address: str, work, step_s: float, strategy: str = "ddp", host: str = "raytrainer"):
     """The elastic driver's process (killed on the way out if it is still running)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
                PYTHONFAULTHANDLER="1", RAYTRAINER_ELASTIC_RESIZE_CHECK_S="3")
-    proc = subprocess.Popen([sys.executable, DRIVER, address, str(work), str(step_s), strategy], env=env,
+    command = [sys.executable, DRIVER, address, str(work), str(step_s), strategy, host]
+    proc = subprocess.Popen(command, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(work))
     try:
         yield proc
@@ -123,16 +124,21 @@ def _check_history(work, output: str, result: dict, before: int, after: int) -> 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.full),
-                                      pytest.param("zero3", marks=pytest.mark.full)])
-def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy):
-    """DDP in CI; FSDP (its DCP shards resharded from 3 ranks onto 2) and ZeRO-3 (DeepSpeed's universal
-    checkpoint, with raytrainer's repair of its optimizer state: tests/unit/test_zero3_universal.py) in the
-    full tier."""
+@pytest.mark.parametrize(("strategy", "host"), [
+    ("ddp", "raytrainer"), ("ddp", "transformers"),
+    pytest.param("fsdp", "raytrainer", marks=pytest.mark.full),
+    pytest.param("zero3", "raytrainer", marks=pytest.mark.full)])
+def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy,
+                                                                                      host):
+    """DDP in CI, on raytrainer's Trainer and on ``on_ray(transformers.Trainer)`` (transformers' loop: its
+    batch size and accumulation set for each world size, its step-count skipping landing on the same rows
+    because the global batch is the same); FSDP (its DCP shards resharded from 3 ranks onto 2) and ZeRO-3
+    (DeepSpeed's universal checkpoint, with raytrainer's repair of its optimizer state:
+    tests/unit/test_zero3_universal.py) in the full tier."""
     work = tmp_path / "work"
     work.mkdir()
     with (local_cluster(3, "rt-ela-", up_timeout=240, **SETTINGS) as state,
-          _driver(read(state, "address"), work, 0.3, strategy) as proc):
+          _driver(read(state, "address"), work, 0.3, strategy, host) as proc):
         def past_a_checkpoint():
             steps = _steps(work)
             saved = list((work / "out").glob("checkpoint-*/manifest.json"))
@@ -145,9 +151,9 @@ def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_b
         output, result = _finish(proc)
     resumed_from, last = _check_history(work, output, result, before=3, after=2)
     assert resumed_from % 5 == 0 and resumed_from <= killed_at <= last  # save_steps=5: the last one
-    print(f"{strategy}: a node lost after step {killed_at}; resumed from checkpoint-{resumed_from} on 2 "
-          f"workers; {last - resumed_from} step(s) trained again; {_pause(work, resumed_from):.0f} s without "
-          "a step")
+    print(f"{strategy} ({host}): a node lost after step {killed_at}; resumed from checkpoint-{resumed_from} "
+          f"on 2 workers; {last - resumed_from} step(s) trained again; "
+          f"{_pause(work, resumed_from):.0f} s without a step")
 
 
 @pytest.mark.timeout(600)

@@ -70,8 +70,8 @@ def test_a_checkpoint_save_returns_before_its_files_are_written_and_they_are_tra
     class HoldTheWriter(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
             folder = os.path.join(args.output_dir, "checkpoint-2")
-            if state.global_step == 2:  # the save's writes queue behind this one
-                saves.submit(gate.wait)
+            if state.global_step == 2:  # the writer thread is held: the save's writes queue behind this
+                saves._writer.submit(gate.wait)
                 seen["at-save"] = {k: v.clone() for k, v in model.state_dict().items()}
             if state.global_step == 3:
                 names = ("model.safetensors", "optimizer.pt", "scheduler.pt")
@@ -106,20 +106,30 @@ def test_a_checkpoint_save_returns_before_its_files_are_written_and_they_are_tra
 
 def test_a_snapshot_copies_what_a_step_may_change_and_keeps_frozen_and_tied_tensors_as_they_are(tmp_path):
     """A LoRA-like run (most parameters frozen) copies its trainable tensors only; tied weights share one
-    copy, as they share the live tensor."""
-    from raytrainer.worker.hosted_saves import _snapshot
+    copy, as they share the live tensor; the next save copies into the same host buffers."""
+    from raytrainer.worker.hosted_saves import BackgroundSaves, _snapshot
 
-    model = _trainer(str(tmp_path)).model
+    trainer = _trainer(str(tmp_path))
+    model, saves = trainer.model, BackgroundSaves(trainer)
     for name, param in model.named_parameters():
         param.requires_grad = name.endswith("ln_f.weight")
     live = model.state_dict()
-    snap = _snapshot(model, None)
+    saves.begin()
+    snap = _snapshot(saves, model, None)
+    saves.end()
     assert snap.keys() == live.keys()
     copied = sorted(k for k in live if snap[k].data_ptr() != live[k].data_ptr())
     assert copied == ["transformer.ln_f.weight"]
     assert torch.equal(snap["transformer.ln_f.weight"], live["transformer.ln_f.weight"])
     for param in model.parameters():
         param.requires_grad = True
-    snap = _snapshot(model, None)
-    assert all(snap[k].data_ptr() != live[k].data_ptr() for k in live)
-    assert snap["lm_head.weight"].data_ptr() == snap["transformer.wte.weight"].data_ptr()  # tied: one copy
+    with torch.no_grad():
+        model.transformer.ln_f.weight.add_(1.0)
+    saves.begin()
+    again = _snapshot(saves, model, None)
+    saves.end()
+    assert all(again[k].data_ptr() != live[k].data_ptr() for k in live)
+    assert again["lm_head.weight"].data_ptr() == again["transformer.wte.weight"].data_ptr()  # tied: one copy
+    buffer = again["transformer.ln_f.weight"]
+    assert buffer.data_ptr() == snap["transformer.ln_f.weight"].data_ptr()  # the last save's buffer, reused
+    assert torch.equal(buffer, model.transformer.ln_f.weight.detach())  # ... holding this save's values
