@@ -285,13 +285,31 @@ class HostedTrainer:
             self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,),
                                "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
-            if not hasattr(model_cls, "from_pretrained"):
-                # not AttributeError: Python would hand that to __getattr__, which would hide this message
-                raise RuntimeError(
-                    f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
-                    f"from_pretrained to load it here); its weights are in {folder}")
-            self._model = model_cls.from_pretrained(folder)
+            if hasattr(model_cls, "from_pretrained"):
+                self._model = model_cls.from_pretrained(folder)
+            else:
+                self._model = self._given_model_with(folder, model_cls)
         return self._model
+
+    def _given_model_with(self, folder: str, model_cls: type):
+        """A trained model without ``from_pretrained`` (a plain ``torch.nn.Module``): the one given to the
+        constructor, as the ranks got it, with the weights they wrote (transformers' ``_save``:
+        ``model.safetensors``), every one of them."""
+        import cloudpickle
+        import torch
+        from safetensors.torch import load_file
+
+        trainer_cls, args, kwargs = cloudpickle.loads(self._recipe.payload)
+        given = inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs).arguments.get("model")
+        weights = os.path.join(folder, "model.safetensors")
+        if not (isinstance(given, torch.nn.Module) and type(given) is model_cls and os.path.exists(weights)):
+            # not AttributeError: Python would hand that to __getattr__, which would hide this message
+            raise RuntimeError(
+                f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
+                f"from_pretrained, and the constructor was not given one to load into); its weights are "
+                f"in {folder}")
+        given.load_state_dict(load_file(weights), strict=True)
+        return given
 
     # what launch() and the driver's display read of a trainer
     _display_model = None  # the display's callbacks get no model: it stays on the workers
