@@ -157,12 +157,14 @@ def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_b
 
 
 @pytest.mark.timeout(600)
-def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("host", ["raytrainer", pytest.param("transformers", marks=pytest.mark.full)])
+def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path, host):
+    """raytrainer's Trainer in CI; ``on_ray(transformers.Trainer)`` in the full tier."""
     work = tmp_path / "work"
     work.mkdir()
     # 2 s a step: the cluster's autoscaling coordinator took 6 to 20 s to count the new node's CPU
     with (local_cluster(2, "rt-elg-", up_timeout=240, **SETTINGS) as state,
-          _driver(read(state, "address"), work, 2.0) as proc):
+          _driver(read(state, "address"), work, 2.0, host=host) as proc):
         _wait_for("step 3", lambda: (s := _steps(work)) and s[-1][2] >= 3 and s, proc, 300)
         env = {**os.environ, "RAY_MN_STATE": state, "RAY_MN_AUTH_MODE": "disabled",
                "RAY_MN_VENV": os.path.dirname(os.path.dirname(sys.executable)), "RAY_MN_LIFETIME": "900",
@@ -175,5 +177,5 @@ def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path
     resumed_from, last = _check_history(work, output, result, before=2, after=3)
     assert added_at <= resumed_from and last == resumed_from, (added_at, resumed_from, last)  # none redone
     assert "the cluster has room for more workers: every rank saves a checkpoint" in output
-    print(f"a node added after step {added_at}; the group grew at checkpoint-{resumed_from}; "
+    print(f"{host}: a node added after step {added_at}; the group grew at checkpoint-{resumed_from}; "
           f"{last - resumed_from} step(s) trained again; {_pause(work, resumed_from):.0f} s without a step")
