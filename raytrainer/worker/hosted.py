@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
+from raytrainer.worker.hosted_resume import Resume, localize
 from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
@@ -56,12 +57,11 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
             _save_on_preemption(trainer, session)
+        resume = Resume(None)
         if method == "train" and isinstance(kwargs.get("resume_from_checkpoint"), str):
-            from raytrainer.worker.hosted_commit import localize, saved_world_size
-
-            folder = localize(kwargs["resume_from_checkpoint"], trainer.args, ctx)
-            kwargs = {**kwargs, "resume_from_checkpoint": folder}
-            trainer._raytrainer_saved_on = saved_world_size(folder)  # WorldSizeRecord's
+            resume = localize(kwargs["resume_from_checkpoint"], trainer.args, ctx)
+            kwargs = {**kwargs, "resume_from_checkpoint": resume.folder}
+            trainer._raytrainer_saved_on = resume.saved_on  # WorldSizeRecord's
         if method in ("evaluate", "predict"):  # train: at on_train_begin, on the model it trains
             adapt_mean_losses(trainer)
         if method in ("train", "evaluate", "predict"):
@@ -70,7 +70,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
             output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
         else:
-            output = getattr(trainer, method)(**kwargs)
+            with resume.reading(trainer):
+                output = getattr(trainer, method)(**kwargs)
     if not ctx.is_world_zero:
         return RankResult(trainer.state.global_step)
     from raytrainer.callbacks import state_to_dict

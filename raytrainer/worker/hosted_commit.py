@@ -13,16 +13,14 @@ wrote. Each such rank then hashes its files and, when the storage is not ``outpu
 driver writes ``manifest.json`` when every part has arrived (the commit) and rotates (driver/registry.py).
 
 Before transformers' next save (which may rotate the local folders away) and at the end of training, each rank
-waits for its thread. A resume reads a committed checkpoint, verified against its manifest: in place when it
-is a folder this node sees, else each node's local rank 0 copies it into ``<output_dir>/.raytrainer/resume/``
-first (``localize``).
+waits for its thread. A resume reads a committed checkpoint verified against its manifest, each rank its
+share (worker/hosted_resume.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 
@@ -30,14 +28,12 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from raytrainer.checkpoint import (
-    CheckpointError,
-    CheckpointReader,
     digest_files,
     read_manifest,
 )
 from raytrainer.protocol import CheckpointPart, Kind
 from raytrainer.rank_context import side_group
-from raytrainer.storage import Storage, uri_basename
+from raytrainer.storage import Storage
 from raytrainer.worker.checkpointing import _walk
 
 logger = logging.getLogger(__name__)
@@ -162,41 +158,3 @@ class CommitCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.wait()
 
-
-def localize(uri: str | None, args, ctx) -> str | None:
-    """``uri`` (a committed checkpoint, or one transformers wrote) as a folder this rank can read, checked
-    against its manifest: in place when this node sees it (each rank hashes its share of the files, by
-    size), else copied by the node's local rank 0 into ``<output_dir>/.raytrainer/resume/``, each file hashed
-    as it streams. A file that does not match raises ``DamagedCheckpointError`` on every rank, before
-    transformers reads anything; the driver then resumes from the committed checkpoint before it, where
-    the choice was its own (driver/runner.train_sequence). A folder without a manifest (transformers'
-    own) is read as it is, unverified."""
-    if uri is None:
-        return None
-    try:
-        reader = CheckpointReader(uri, getattr(args, "storage_filesystem", None))
-    except CheckpointError:
-        if "://" not in uri and os.path.isdir(uri):
-            return uri  # not a checkpoint raytrainer knows: transformers says what is wrong with it
-        raise
-    names = sorted(reader.files)
-    if reader.storage.is_local and os.path.isdir(reader.storage.root):
-        reader.verify_share(names, ctx)
-        return reader.storage.root
-    dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", uri_basename(uri))
-    if ctx.is_local_zero:
-        shutil.rmtree(dest, ignore_errors=True)  # what an earlier attempt left
-    reader.download_all(names if ctx.is_local_zero else [], dest, ctx)  # one copy per node
-    if ctx.is_local_zero:
-        logger.info("copied %s to %s to resume from it", uri, dest)
-    return dest
-
-
-def saved_world_size(folder: str | None) -> int | None:
-    """How many ranks saved transformers' checkpoint ``folder``: one ``rng_state_<rank>.pth`` each, or
-    ``rng_state.pth`` alone from one process; None when it holds no RNG state."""
-    if folder is None or not os.path.isdir(folder):
-        return None
-    names = os.listdir(folder)
-    ranks = [n for n in names if n.startswith("rng_state_") and n.endswith(".pth")]
-    return len(ranks) or (1 if "rng_state.pth" in names else None)

@@ -9,6 +9,7 @@ each.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -289,6 +290,69 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
     assert sorted(lost_weights) == sorted(plain_weights)
     for name, tensor in plain_weights.items():
         assert torch.equal(lost_weights[name], tensor), name
+
+
+def _owner(name: str) -> int | None:
+    """The rank a checkpoint file is one rank's own for (its RNG state, a DCP shard, a ZeRO partition)."""
+    found = re.search(r"(?:rng_state_|__|zero_pp_rank_)(\d+)[._]", name.rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_resume_from_a_bucket_reads_each_ranks_share(workdir, host, s3_bucket):
+    """FSDP on 2 CPU workers saving sharded (``SHARDED_STATE_DICT``), committed to an S3 bucket; a new trainer
+    resumes from the bucket's checkpoint-4 along the uninterrupted curve. Each rank's reads, counted at the
+    server by process: the files that are its own (its RNG state, its model and optimizer shards) once,
+    whole; of the other rank's own files at most ranged slices; the files every rank reads at most once. (Both
+    workers share a node here, so a hosted rank finds the other's shards in the node's copy; ranged reads
+    of another node's shards: tests/unit/test_hosted_resume.py.)"""
+    from models import RecordPid
+
+    sharded = dict(fsdp="full_shard auto_wrap", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"},
+                   bf16=False, eval_strategy="no")
+    uri = f"{s3_bucket.uri}/runs/{host}"
+    full = make_trainer(host, str(workdir / "full"), save_steps=4, storage_path=uri, **sharded)
+    try:
+        full.train()
+    finally:
+        end(full)
+    uninterrupted = losses(full)
+    files = s3_bucket.committed(f"runs/{host}")["checkpoint-4"]["files"]
+    owners = {name: _owner(name) for name in files}
+    assert {owners[n] for n in files if n.endswith(".distcp")} == {0, 1}, sorted(files)  # really sharded
+
+    s3_bucket.server.clear_requests()
+    again = make_trainer(host, str(workdir / "again"), save_strategy="no", callbacks=[RecordPid()], **sharded)
+    try:
+        again.train(resume_from_checkpoint=f"{uri}/checkpoint-4")
+    finally:
+        end(again)
+    resumed = losses(again)
+    assert again.state.global_step == 6
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), (step, resumed, uninterrupted)
+
+    pids = {int((workdir / "again" / f"pid-rank{r}").read_text()): r for r in (0, 1)}
+    prefix = f"runs/{host}/checkpoint-4/"
+    reads = {0: {}, 1: {}}
+    for req in s3_bucket.server.requests():
+        if req["method"] == "GET" and req["pid"] in pids and (req["key"] or "").startswith(prefix):
+            got = reads[pids[req["pid"]]]
+            got[req["key"][len(prefix):]] = got.get(req["key"][len(prefix):], 0) + req["bytes_out"]
+    total = sum(meta["size"] for meta in files.values())
+    for rank in (0, 1):  # the figures docs/architecture.md quotes
+        print(f"{host} resume from S3, rank {rank}: {sum(reads[rank].values())} of {total} bytes, by file: "
+              f"{reads[rank]}")
+    for rank, other in ((0, 1), (1, 0)):
+        for name, meta in files.items():
+            if owners[name] == rank:
+                assert reads[rank].get(name, 0) == meta["size"], (rank, name, reads[rank])  # once, whole
+            elif owners[name] == other:
+                # slices (entries DCP stored once for both ranks, in either rank's file), never it all
+                assert reads[rank].get(name, 0) < meta["size"] / 2, (rank, name, reads[rank])
+            else:  # a file every rank reads (the trainer state, DCP's metadata): at most once
+                assert reads[rank].get(name, 0) <= meta["size"], (rank, name, reads[rank])
 
 
 SHARDED = {"fsdp": {"fsdp": "full_shard auto_wrap"}, "zero3": {"deepspeed": ZERO3}}
