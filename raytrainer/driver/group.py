@@ -255,15 +255,13 @@ def _close_before_ray_exits() -> None:
 def attach(trainer, group: WorkerGroup) -> None:
     """Make ``group`` the Trainer's until its ``close()``, or until another Trainer of this process takes it
     while it is idle (``idle_group_for``). When the Trainer is garbage collected the group is left idle for
-    the next one -- except a hosted trainer's, which closes: its ranks hold the trainer they built."""
+    the next one: for a hosted trainer too, whose ranks keep the trainer they built until the next Trainer's
+    first command replaces it (worker/hosted.py)."""
     trainer.__dict__["_group"] = group
     group.owner = weakref.ref(trainer)
     group.stop_idle_timer()
-    if _is_hosted(trainer):
-        group.finalizer = weakref.finalize(trainer, group.close)
-    else:
-        group.finalizer = weakref.finalize(trainer, _left_idle, group)
-        group.finalizer.atexit = False  # at exit every live group closes (_close_before_ray_exits)
+    group.finalizer = weakref.finalize(trainer, _left_idle, group)
+    group.finalizer.atexit = False  # at exit every live group closes (_close_before_ray_exits)
 
 
 def detach(trainer) -> WorkerGroup | None:

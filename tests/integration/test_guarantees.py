@@ -292,6 +292,40 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
         assert torch.equal(lost_weights[name], tensor), name
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_collected_trainers_workers_serve_the_next_trainer_of_its_shape(workdir, host):
+    """A notebook's cell run again, a script's second trainer: the first trainer is garbage collected, and
+    the next one of the same shape trains on its worker group (the same worker processes, no start-up),
+    from a clean slate: the same losses, bitwise, as the first run of the same arguments."""
+    import gc
+
+    from models import RecordPid
+
+    first = make_trainer(host, str(workdir / "first"), callbacks=[RecordPid()], eval_strategy="no")
+    try:
+        first.train()
+    except BaseException:
+        end(first)
+        raise
+    group, first_losses = vars(first)["_group"], losses(first)
+    del first
+    gc.collect()
+    second = make_trainer(host, str(workdir / "second"), callbacks=[RecordPid()], eval_strategy="no")
+    try:
+        assert group.alive and group.owner is None  # idle, for the next trainer of its shape
+        second.train()
+        assert vars(second)["_group"] is group
+        for rank in (0, 1):
+            pid = (workdir / "second" / f"pid-rank{rank}").read_text()
+            assert pid == (workdir / "first" / f"pid-rank{rank}").read_text(), rank  # the same workers
+        assert sorted(losses(second)) == [1, 2, 3, 4, 5, 6]
+        assert losses(second) == first_losses
+    finally:
+        end(second)
+        group.close()
+
+
 def _owner(name: str) -> int | None:
     """The rank a checkpoint file is one rank's own for (its RNG state, a DCP shard, a ZeRO partition)."""
     found = re.search(r"(?:rng_state_|__|zero_pp_rank_)(\d+)[._]", name.rsplit("/", 1)[-1])
