@@ -12,9 +12,9 @@ wrote. Each such rank then hashes its files and, when the storage is not ``outpu
 (``storage_path``: ``s3://``, another folder), copies them there, and sends the driver its part. The
 driver writes ``manifest.json`` when every part has arrived (the commit) and rotates (driver/registry.py).
 
-Before transformers' next save (which may rotate the local folders away) and at the end of training, each rank
-waits for its thread. A resume reads a committed checkpoint verified against its manifest, each rank its
-share (worker/hosted_resume.py).
+As transformers' next save begins (it may rotate the local folders away: a save at a step, an epoch's
+end or a new best metric) and at the end of training, each rank waits for its thread. A resume reads a
+committed checkpoint verified against its manifest, each rank its share (worker/hosted_resume.py).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class CommitCallback(TrainerCallback):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._saved: str | None = None  # the last checkpoint's name, until commit()
+        if saves is not None:  # transformers' next save may rotate the folder this thread reads: it waits
+            saves.before_each.append(self.wait)  # whatever asked for it (a step, an epoch, a new best metric)
 
     def on_save(self, args, state, control, **kwargs):
         self.wait()
@@ -146,14 +148,6 @@ class CommitCallback(TrainerCallback):
                     break
                 time.sleep(0.1)
         self.ctx.barrier()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:  # transformers' save may rotate the folder this thread reads
-            self.wait()
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        if control.should_save:
-            self.wait()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.wait()

@@ -49,10 +49,15 @@ class BackgroundSaves:
         self._buffers: dict[str, torch.Tensor] = {}  # the last save's copies, by path in its state
         self._staged: dict[str, torch.Tensor] = {}  # this save's
         self.saving = False  # inside transformers' _save_checkpoint
+        #: called as each checkpoint save begins, before transformers writes or rotates anything (the last
+        #: checkpoint's commit ends: CommitCallback.wait)
+        self.before_each: list = []
 
     def begin(self) -> None:
         """A checkpoint save begins: the last one's writes are done (their errors are the commit's to
         report), so its buffers may take this one's copies."""
+        for wait in self.before_each:
+            wait()
         concurrent.futures.wait(self._inflight)
         self._inflight, self._staged, self.saving = [], {}, True
 

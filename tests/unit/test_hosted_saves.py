@@ -16,8 +16,9 @@ import torch
 pytestmark = pytest.mark.timeout(300)
 
 
-def _trainer(output_dir: str, callbacks=(), max_steps: int = 4):
-    """transformers' Trainer over a tiny GPT-2 (tied embeddings), a checkpoint every 2 steps."""
+def _trainer(output_dir: str, callbacks=(), max_steps: int = 4, **overrides):
+    """transformers' Trainer over a tiny GPT-2 (tied embeddings), a checkpoint every 2 steps (``overrides``
+    replace any argument; it evaluates on its training rows)."""
     import transformers
 
     torch.manual_seed(0)
@@ -27,9 +28,9 @@ def _trainer(output_dir: str, callbacks=(), max_steps: int = 4):
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 8), generator=gen)]
     args = transformers.TrainingArguments(
         output_dir, per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
-        report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=1e-2)
+        report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=1e-2, **overrides)
     return transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows,
-                                callbacks=list(callbacks))
+                                eval_dataset=rows, callbacks=list(callbacks))
 
 
 def _load(folder: str) -> dict:
@@ -133,3 +134,49 @@ def test_a_snapshot_copies_what_a_step_may_change_and_keeps_frozen_and_tied_tens
     buffer = again["transformer.ln_f.weight"]
     assert buffer.data_ptr() == snap["transformer.ln_f.weight"].data_ptr()  # the last save's buffer, reused
     assert torch.equal(buffer, model.transformer.ln_f.weight.detach())  # ... holding this save's values
+
+
+def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_before_it_rotates(tmp_path, monkeypatch):
+    """``save_strategy="best"`` decides to save after the step's callbacks ran (transformers'
+    ``_maybe_log_save_evaluate``), and with ``save_total_limit=1`` its save deletes the last checkpoint: the
+    save first waits for that checkpoint's commit, still hashing its files on the commit thread (made slow
+    here), so every checkpoint saved is committed and the run ends without an error."""
+    import time
+    import types
+
+    from transformers import TrainerCallback
+
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker import hosted_commit
+    from raytrainer.worker.hosted_saves import write_in_background
+
+    digest = hosted_commit.digest_files
+
+    def slow_digest(folder, names):
+        time.sleep(0.5)  # a large checkpoint's hashing, still going when the next save begins
+        return digest(folder, names)
+
+    monkeypatch.setattr(hosted_commit, "digest_files", slow_digest)
+
+    class Driver:
+        sent: list = []
+
+        def send(self, kind, part, urgent=False):
+            self.sent.append(part.name)
+
+    class Saved(TrainerCallback):
+        names: list = []
+
+        def on_save(self, args, state, control, **kwargs):
+            self.names.append(f"checkpoint-{state.global_step}")
+
+    trainer = _trainer(str(tmp_path), [Saved()], max_steps=5, eval_strategy="steps", eval_steps=1,
+                       save_strategy="best", metric_for_best_model="loss", save_total_limit=1)
+    run = types.SimpleNamespace(output_dir=str(tmp_path), storage_path=None, storage_filesystem=None)
+    commit = hosted_commit.CommitCallback(RankContext(), Driver(), run, write_in_background(trainer))
+    trainer.add_callback(commit)
+    trainer.train()
+    commit.wait()
+    assert len(Saved.names) >= 2, Saved.names  # a new best at least twice: the first save was rotated away
+    assert Driver.sent == Saved.names
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [Saved.names[-1]]
