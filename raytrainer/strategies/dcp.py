@@ -29,7 +29,9 @@ def _checkpoint_group(folder: str):
     return side_group(f"checkpoint:{folder}")
 
 
-def _save(state: dict, folder: str, name: str, pending: list | None) -> None:
+def save_state(state: dict, folder: str, name: str, pending: list | None) -> None:
+    """``state`` into the DCP folder ``folder/name``, small items last in each file; with ``pending`` and a
+    process group up, in the background (the future appended to ``pending``; see above)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -71,7 +73,7 @@ def save_model(model, folder: str, pending: list | None = None) -> str:
     future appended to it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    _save({"model": get_model_state_dict(model)}, folder, MODEL_DIR, pending)
+    save_state({"model": get_model_state_dict(model)}, folder, MODEL_DIR, pending)
     return MODEL_DIR
 
 
@@ -93,7 +95,7 @@ def save_optimizer(model, optimizer, folder: str, pending: list | None = None) -
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (DTensors under FSDP)
-    _save({"optimizer": state}, folder, OPTIMIZER_DIR, pending)
+    save_state({"optimizer": state}, folder, OPTIMIZER_DIR, pending)
     return OPTIMIZER_DIR
 
 

@@ -16,9 +16,15 @@ writes before it returns):
   (strategies/deepspeed_writes.py, as raytrainer's own loop uses): each rank's ZeRO files are copied to the
   host and written on a thread.
 
-The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them.
-Under FSDP accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` still write on the training thread
-(FULL_STATE_DICT gathers on rank 0 first; SHARDED_STATE_DICT through DCP's blocking ``save``).
+- under FSDP with ``SHARDED_STATE_DICT``, accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` call
+  DCP's blocking ``save``; inside a checkpoint save they get raytrainer's background DCP save instead
+  (strategies/dcp.save_state, as raytrainer's own loop saves: ``async_save`` copies the rank's shards to
+  the host, a thread writes them, its collectives on a gloo group beside the step's). tests/unit/
+  test_hosted_saves.py pins how accelerate calls it.
+
+The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them. Under
+FSDP with ``FULL_STATE_DICT`` (transformers' default) the state is gathered on rank 0, a collective, and
+written there on the training thread, as transformers does.
 
 ``CommitCallback`` (worker/hosted_commit.py) waits for a checkpoint's writes (``take``) on its own thread
 before it lists, hashes and commits the folder; the next save and the end of training wait for it. Memory:
@@ -29,6 +35,7 @@ first (DCP's ``async_save`` with ``cache_staged_state_dict`` keeps the same).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import os
 
@@ -65,7 +72,10 @@ class BackgroundSaves:
         self._buffers, self._staged, self.saving = self._staged, {}, False  # unused buffers are freed
 
     def submit(self, fn, *args) -> None:
-        future = self._writer.submit(fn, *args)
+        self.track(self._writer.submit(fn, *args))
+
+    def track(self, future: concurrent.futures.Future) -> None:
+        """A write of this save going on in the background (the writer thread's, or DCP's own)."""
         self._pending.append(future)
         self._inflight.append(future)
 
@@ -108,7 +118,8 @@ def write_in_background(trainer) -> BackgroundSaves:
             engine_in_background(trainer.model_wrapped)
         saves.begin()
         try:
-            save_checkpoint(model, trial)
+            with _dcp_in_background(saves) if trainer.is_fsdp_enabled else contextlib.nullcontext():
+                save_checkpoint(model, trial)
         finally:
             saves.end()
 
@@ -140,6 +151,38 @@ def write_in_background(trainer) -> BackgroundSaves:
     trainer._save_checkpoint, trainer._save, trainer.save_model = _save_checkpoint, _save, save_model_now
     trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     return saves
+
+
+@contextlib.contextmanager
+def _dcp_in_background(saves: BackgroundSaves):
+    """Meanwhile DCP's ``save`` of a folder (accelerate's, under FSDP: ``dist_cp.save(state_dict=...,
+    storage_writer=dist_cp.FileSystemWriter(ckpt_dir), planner=...)``) writes in the background, each
+    future one of ``saves``' writes."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from raytrainer.strategies.dcp import save_state
+
+    blocking = dcp.save
+
+    def save(state_dict=None, *, checkpoint_id=None, storage_writer=None, **kwargs):
+        folder = checkpoint_id or getattr(storage_writer, "path", None)
+        planner = kwargs.get("planner")  # accelerate's is DCP's default; raytrainer's puts small items last
+        if (folder is None or not dist.is_initialized() or set(kwargs) - {"planner"}
+                or (planner is not None and type(planner) is not dcp.DefaultSavePlanner)):
+            return blocking(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs)
+        pending: list = []
+        folder = os.path.abspath(str(folder))
+        save_state(state_dict, os.path.dirname(folder), os.path.basename(folder), pending)
+        for write in pending:
+            saves.track(write)
+        return None
+
+    dcp.save = save
+    try:
+        yield
+    finally:
+        dcp.save = blocking
 
 
 def _snapshot(saves: BackgroundSaves, model, state_dict: dict | None) -> dict:

@@ -147,24 +147,32 @@ def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(work
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", HOSTS)
-def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_it(workdir, host):
-    """Rank 0's write of checkpoint-5's optimizer state is held back 5 s and checkpoint-10's fails as a full
-    disk does (ENOSPC): the step after the save goes on before checkpoint-5's optimizer.pt exists, the run
-    fails naming checkpoint-10 and the error, checkpoint-5 alone is committed -- weights, optimizer,
-    scheduler, trainer state, each rank's RNG state -- and a run resumes from it to the end."""
+@pytest.mark.parametrize(("host", "strategy"), [
+    *[(host, "ddp") for host in HOSTS], pytest.param("raytrainer", "fsdp", marks=pytest.mark.full),
+    ("transformers", "fsdp"), ("trl", "fsdp")])
+def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_it(workdir, host, strategy):
+    """Rank 0's write of checkpoint-5's optimizer state (DDP: ``optimizer.pt``; FSDP saving sharded: its DCP
+    shards) is held back 5 s and checkpoint-10's fails as a full disk does (ENOSPC): the step after the save
+    goes on before checkpoint-5's files exist, the run fails naming checkpoint-10 and the error,
+    checkpoint-5 alone is committed -- weights, optimizer, scheduler, trainer state, each rank's RNG state
+    -- and a run resumes from it to the end. (raytrainer's own FSDP: test_fsdp.py in CI.)"""
     from models import SlowThenFullDisk, train_into_the_full_disk
 
     common = dict(max_steps=12, save_steps=5, eval_strategy="no", max_failures=0)
+    if strategy == "fsdp":
+        common.update(fsdp="full_shard auto_wrap", fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"},
+                      bf16=False)
     out = workdir / "out"
-    trainer = make_trainer(host, str(out), callbacks=[SlowThenFullDisk(slow=5, full=10, writer="optimizer")],
-                           **common)
+    disk = SlowThenFullDisk(slow=5, full=10, writer="optimizer" if strategy == "ddp" else "dcp")
+    trainer = make_trainer(host, str(out), callbacks=[disk], **common)
     try:
         files = train_into_the_full_disk(trainer, out)
     finally:
         end(trainer)
-    stems = {name.split(".")[0] for name in files}  # rng_state_<r>.pth; .safetensors from raytrainer's loop
-    assert {"model", "optimizer", "scheduler", "trainer_state", "rng_state_0", "rng_state_1"} <= stems, files
+    # rng_state_<r>.pth (.safetensors from raytrainer's loop); FSDP's shards in DCP folders
+    stems = {name.split("/")[0].split(".")[0] for name in files}
+    saved = {"model", "optimizer"} if strategy == "ddp" else {"pytorch_model_fsdp_0", "optimizer_0"}
+    assert saved | {"scheduler", "trainer_state", "rng_state_0", "rng_state_1"} <= stems, files
     again = make_trainer(host, str(workdir / "again"), **common)
     try:
         assert again.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 12

@@ -31,13 +31,13 @@ SHARD = f"{SHARDED_MODEL_DIR}/__0_0.distcp"
 def _sharded_checkpoint(folder) -> dict[str, torch.Tensor]:
     """A checkpoint holding a model as DCP shards, written in one process as raytrainer writes them, with
     its manifest."""
-    from raytrainer.strategies.dcp import _save
+    from raytrainer.strategies.dcp import save_state
 
     g = torch.Generator().manual_seed(0)
     model = {"small": torch.arange(10, dtype=torch.float32), "big": torch.randn(5 * BLOCK // 8, generator=g),
              "step": torch.tensor(7.0), "other": torch.randn(BLOCK // 16, generator=g)}
     os.makedirs(folder, exist_ok=True)
-    _save({"model": model}, str(folder), SHARDED_MODEL_DIR, None)
+    save_state({"model": model}, str(folder), SHARDED_MODEL_DIR, None)
     names = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
     manifest = {"format": FORMAT, "global_step": 1, "files": digest_files(str(folder), names)}
     with open(os.path.join(folder, MANIFEST), "w") as f:

@@ -47,15 +47,23 @@ def test_each_rank_copies_its_own_files_and_a_node_the_shared_ones_once():
     # a shard of a rank beyond the world size is some rank's to copy
 
 
-def test_accelerate_makes_the_dcp_reader_of_its_sharded_loads_by_that_name_at_call_time():
-    """What ``_through_storage`` relies on: accelerate's sharded loads import torch.distributed.checkpoint
-    inside the function and make ``dist_cp.FileSystemReader(folder)`` there."""
+def test_accelerate_calls_dcp_by_name_at_call_time_in_its_sharded_saves_and_loads():
+    """What ``hosted_resume._through_storage`` and ``hosted_saves._dcp_in_background`` rely on: accelerate's
+    sharded loads and saves import torch.distributed.checkpoint inside the function and call
+    ``dist_cp.FileSystemReader(folder)`` / ``dist_cp.save(..., storage_writer=dist_cp.FileSystemWriter(
+    folder), planner=DefaultSavePlanner())`` there."""
     from accelerate.utils import fsdp_utils
 
     for load in (fsdp_utils.load_fsdp_model, fsdp_utils.load_fsdp_optimizer):
         source = inspect.getsource(load)
         assert "import torch.distributed.checkpoint as dist_cp" in source, load
         assert "storage_reader=dist_cp.FileSystemReader(ckpt_dir)" in source, load
+    for save in (fsdp_utils.save_fsdp_model, fsdp_utils.save_fsdp_optimizer):
+        source = " ".join(inspect.getsource(save).split())
+        assert "import torch.distributed.checkpoint as dist_cp" in source, save
+        assert "dist_cp.save( state_dict=" in source, save
+        writer = "storage_writer=dist_cp.FileSystemWriter(ckpt_dir), planner=DefaultSavePlanner(),"
+        assert writer in source, save
 
 
 class _Loading:
