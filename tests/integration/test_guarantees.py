@@ -301,7 +301,7 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS_CI_ELSEWHERE)  # raytrainer's: test_warm_workers.py in CI
 def test_a_collected_trainers_workers_serve_the_next_trainer_of_its_shape(workdir, host):
     """A notebook's cell run again, a script's second trainer: the first trainer is garbage collected, and
     the next one of the same shape trains on its worker group (the same worker processes, no start-up),
