@@ -381,12 +381,19 @@ class CheckpointReader:
             self.verify_share(names, ctx)
             yield FileSystemReader(self.storage.path(subdir))
             return
-        from raytrainer.dcp_storage import PyArrowReader, owned_files
+        from raytrainer.dcp_storage import owned_files
 
         mine = owned_files(names, ctx.rank, ctx.world_size)
         with self.local_copy(names, ctx, mine) as tmp, damage_named():
-            yield PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=os.path.join(tmp, subdir),
-                                **self.verifying(subdir))
+            yield self.ranged_reader(subdir, os.path.join(tmp, subdir))
+
+    def ranged_reader(self, subdir: str, cache: str | None):
+        """A DCP reader of ``subdir`` in this checkpoint's storage: the files in the local folder ``cache``
+        (verified copies) read from there, anything else in ranged reads, each verified (``verifying``)."""
+        from raytrainer.dcp_storage import PyArrowReader
+
+        return PyArrowReader(self.storage.fs, self.storage.path(subdir), cache=cache,
+                             **self.verifying(subdir))
 
     def verifying(self, subdir: str) -> dict:
         """What a PyArrowReader of ``subdir`` verifies its reads by: the manifest's entries of its files, by

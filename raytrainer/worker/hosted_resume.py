@@ -46,7 +46,8 @@ _LOADS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler")
 @dataclasses.dataclass
 class Resume:
     """The folder transformers resumes from, the world size that saved it, and the DCP folders in it that are
-    read in ranges from the storage (local path -> the reader's ``dcp_reader`` arguments)."""
+    read in ranges from the storage (local path, which holds this node's copies -> the checkpoint's reader
+    and the folder's name in it)."""
 
     folder: str | None
     saved_on: int | None = None
@@ -89,7 +90,7 @@ def localize(uri: str | None, args, ctx) -> Resume:
     mine = files_to_copy(names, ctx.rank, ctx.world_size, saved_on, ctx.is_local_zero)
     reader.download_all(mine, dest, ctx)
     logger.info("copied %d of the %d files of %s to %s to resume from it", len(mine), len(names), uri, dest)
-    ranged = {os.path.join(dest, d): (reader, d, os.path.join(dest, d)) for d in dcp_folders(names)}
+    ranged = {os.path.join(dest, d): (reader, d) for d in dcp_folders(names)}
     return Resume(dest, saved_on, ranged)
 
 
@@ -133,18 +134,15 @@ def _through_storage(load, ranged: dict, *args, **kwargs):
     tests/unit/test_hosted_resume.py pins that)."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrainer.dcp_storage import PyArrowReader
-
     local = dcp.FileSystemReader
 
     class Reader(local):
         def __new__(cls, path, *a, **k):
-            found = ranged.get(os.path.abspath(str(path)))
-            if found is None:
+            folder = os.path.abspath(str(path))
+            if folder not in ranged:
                 return local(path, *a, **k)
-            reader, subdir, cache = found
-            return PyArrowReader(reader.storage.fs, reader.storage.path(subdir), cache=cache,
-                                 **reader.verifying(subdir))
+            reader, subdir = ranged[folder]
+            return reader.ranged_reader(subdir, cache=folder)
 
     dcp.FileSystemReader = Reader
     try:

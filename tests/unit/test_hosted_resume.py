@@ -90,8 +90,7 @@ def test_a_sharded_load_reads_the_bucket_in_verified_ranges(tmp_path, s3_bucket)
     reader = CheckpointReader(f"{s3_bucket.uri}/runs/checkpoint-1")
     local = tmp_path / "resume"
     (local / SHARDED_MODEL_DIR).mkdir(parents=True)  # nothing of the folder copied: every read is ranged
-    resume = Resume(str(local), 1, {str(local / SHARDED_MODEL_DIR): (reader, SHARDED_MODEL_DIR,
-                                                                    str(local / SHARDED_MODEL_DIR))})
+    resume = Resume(str(local), 1, {str(local / SHARDED_MODEL_DIR): (reader, SHARDED_MODEL_DIR)})
     trainer = _Loading()
     trainer.expected = {k: v for k, v in model.items() if k != "big"}  # a plan that skips the big tensor
     s3_bucket.server.clear_requests()
