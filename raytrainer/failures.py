@@ -22,11 +22,18 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "nccl communicator was aborted", "nccl error", "timed out", "timeout")
 
 
+class Terminated(RuntimeError):
+    """A worker's process was sent SIGTERM (a scheduler ending the job, a VM or pod going away): every rank
+    saved a checkpoint at the step they agreed on, committed it, and stopped (worker/signals.py). Retried
+    per ``max_failures``, from that checkpoint."""
+
+
 def retryable(exc: BaseException) -> bool:
-    """True for what a process or node loss looks like from a surviving rank (and for interrupts)."""
+    """True for what a process or node loss looks like from a surviving rank (and for interrupts and
+    termination signals)."""
     import torch.distributed as dist
 
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, Terminated)):
         return True
     if isinstance(exc, getattr(dist, "DistError", ())):  # DistBackendError, DistNetworkError, ...
         return True

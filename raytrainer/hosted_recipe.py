@@ -99,6 +99,10 @@ class Recipe:
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
         if not self.use_gpu:
             overrides["use_cpu"] = True  # a CPU worker, whatever CUDA this node has
+        if getattr(targs, "enable_jit_checkpoint", False):
+            # transformers' SIGTERM handler needs the main thread, a rank trains on another; every rank
+            # saves on a SIGTERM anyway (worker/signals.py)
+            overrides["enable_jit_checkpoint"] = False
         if getattr(targs, "elastic", False):  # the global batch of max workers, on this many
             from raytrainer.elastic import batch_at
 

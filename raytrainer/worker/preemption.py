@@ -19,7 +19,9 @@ restart resumes from that checkpoint, no step done twice. Ray Train's controller
 notice's deadline (Ray's default 120 s when it gives none); if the group is still there
 ``HOLD_PAST_DEADLINE_S`` later, training goes on. A second notice (another node)
 saves again. A growth is the same checkpoint, then a wait of at most ``GROWTH_HOLD_S`` for Ray Train to
-start the bigger group from it.
+start the bigger group from it. A SIGTERM to a rank's process (worker/signals.py) is the same checkpoint,
+committed, then every rank stops (``failures.Terminated``): Ray Train restarts the group from it per
+``max_failures``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 
 from raytrainer.callbacks import TrainerCallback
 from raytrainer.elastic import GROWTH_HOLD_S
+from raytrainer.failures import Terminated
 from raytrainer.rank_context import side_group
+from raytrainer.worker import signals
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,8 @@ HOLD_PAST_DEADLINE_S = 10.0
 class PreemptionCallback(TrainerCallback):
     """On every rank of a Ray run: a checkpoint at the step the ranks agree on after a preemption notice,
     committed, then no step until the node has gone (the restart resumes there, no step trained twice) or
-    the notice's deadline has passed with the node still there (training goes on)."""
+    the notice's deadline has passed with the node still there (training goes on). After a SIGTERM to a
+    rank's process: the same checkpoint, committed, then every rank stops."""
 
     same_on_every_rank = True  # the ranks agree through the callback's own all-reduce, one check behind
     stays_on_ranks = True  # not sent back to the driver after a call (worker/rank.callback_states)
@@ -75,6 +80,8 @@ class PreemptionCallback(TrainerCallback):
         # an elastic run's growths (rank 0 polls the channel; counted from those asked before this call)
         self.growth = growth if self.ctx.is_world_zero else None
         self.grown = 0  # growths saved for
+        self.listener = signals.listen()  # this process's first SIGTERM, heard while training
+        self.signalled = 0  # 1 + the rank whose process received a SIGTERM, once agreed (0: none)
         self._growth_base = self._growth_asked = 0
         self._growth_ref = None
         if self.growth is not None:
@@ -84,7 +91,8 @@ class PreemptionCallback(TrainerCallback):
         self.every: int | None = None  # steps between checks, once TIMED_STEPS were timed
         self._timed_from: tuple[int, float] | None = None
         self._hold: str | None = None  # the next step waits: for the node to go, or for the group to grow
-        self._flag = torch.zeros(2, dtype=torch.int64)  # [preempted nodes heard of, growths asked]
+        # [preempted nodes heard of, growths asked, 1 + this rank if its process received a SIGTERM]
+        self._flag = torch.zeros(3, dtype=torch.int64)
         self._work = None
         # the check's all-reduces run on CPU threads beside the step's group (NCCL's stream on a GPU)
         self._group = side_group("preemption") if self.ctx.distributed else None
@@ -113,15 +121,16 @@ class PreemptionCallback(TrainerCallback):
             self._growth_ref = self.growth.growth_requested()
         return self._growth_asked - self._growth_base
 
-    def _agreed(self) -> tuple[int, int]:
+    def _agreed(self) -> tuple[int, int, int]:
         """The previous check's agreed counts (every rank the same), and this rank's own counts sent."""
-        agreed = (self.handled, self.grown)
+        agreed = (self.handled, self.grown, self.signalled)
         if self._work is not None:
             self._work.wait()
             agreed = tuple(int(v) for v in self._flag.tolist())
         info = self.notice()
         self._flag[0] = 0 if info is None else max(len(info.preempted_node_to_ranks), 1)
         self._flag[1] = self._growths_asked() if self.growth is not None else 0
+        self._flag[2] = self.ctx.rank + 1 if self.listener is not None and self.listener.received else 0
         if self._group is None:
             return tuple(max(a, int(v)) for a, v in zip(agreed, self._flag.tolist()))
         self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
@@ -132,13 +141,17 @@ class PreemptionCallback(TrainerCallback):
     SAYS = {"preemption": "a node of this run is being preempted (Ray's notice): every rank saves a "
                           "checkpoint at step %d, then waits for the node to go",
             "growth": "the cluster has room for more workers: every rank saves a checkpoint at step %d, from "
-                      "which Ray Train starts the group bigger"}
+                      "which Ray Train starts the group bigger",
+            "signal": "rank %d's process received a SIGTERM: every rank saves a checkpoint at step %d, "
+                      "commits it and stops"}
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self._due(state.global_step):
             return
-        preempted, growths = self._agreed()
-        if preempted > self.handled:
+        preempted, growths, signalled = self._agreed()
+        if signalled > self.signalled:
+            self.signalled, self._hold = signalled, "signal"
+        elif preempted > self.handled:
             self.handled, self._hold = preempted, "preemption"
         elif growths > self.grown:
             self.grown, self._hold = growths, "growth"
@@ -146,7 +159,8 @@ class PreemptionCallback(TrainerCallback):
             return
         control.should_save = True
         if self.ctx.is_world_zero:
-            logger.warning(self.SAYS[self._hold], state.global_step)
+            said = (self.signalled - 1,) if self._hold == "signal" else ()
+            logger.warning(self.SAYS[self._hold], *said, state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         """The step after the notice's checkpoint: the checkpoint is committed (every rank), then no rank
@@ -158,6 +172,13 @@ class PreemptionCallback(TrainerCallback):
         writer = getattr(self.session, "writer", None)
         if writer is not None:
             writer.commit()  # a collective: every rank is at this step
+        if why == "signal":
+            signals.stop_listening(self.listener, acted=True)
+            raise Terminated(
+                f"rank {self.signalled - 1}'s process received a SIGTERM: every rank saved "
+                f"checkpoint-{state.global_step}, committed it, and stopped. Ray Train starts the workers "
+                "again from it while max_failures allows; past that, continue from it with "
+                "trainer.train(resume_from_checkpoint=True)")
         if why == "growth":
             hold_until = time.time() + GROWTH_HOLD_S
             if self.growth is not None:  # rank 0: the scaling policy may restart the group now
@@ -189,6 +210,7 @@ class PreemptionCallback(TrainerCallback):
         return mine if mine != float("inf") else time.time() + DEFAULT_HOLD_S
 
     def on_train_end(self, args, state, control, **kwargs):
+        signals.stop_listening(self.listener, acted=False)
         if self._work is not None:  # every rank started it at the same last step
             self._work.wait()
             self._work = None

@@ -539,6 +539,31 @@ class DieOnceOnRank(TrainerCallback):
             os._exit(1)
 
 
+class SigtermOnceOnRank(TrainerCallback):
+    """Rank ``rank``'s process is sent SIGTERM as step ``step`` begins, once (``output_dir/sigterm`` holds
+    its pid), as a scheduler ending the job signals it: the OS delivers it and Ray's handler on the actor's
+    main thread meets it. The step waits until raytrainer has heard it (at most 5 s), so the signal arrives
+    within step ``step`` however busy the machine is."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import signal
+
+        from raytrainer.worker import signals
+
+        marker = os.path.join(args.output_dir, "sigterm")
+        if state.global_step != self.step - 1 or args.process_index != self.rank or os.path.exists(marker):
+            return
+        with open(marker, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 5
+        while time.time() < deadline and not (signals._listener and signals._listener.received):
+            time.sleep(0.01)
+
+
 class DieOnceInEvaluation(TrainerCallback):
     """Rank 1's process exits at its first prediction step, once (``output_dir/died`` marks it)."""
 

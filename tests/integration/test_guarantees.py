@@ -9,6 +9,7 @@ each.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -99,6 +100,20 @@ def test_a_flag_set_on_one_rank_is_every_ranks(workdir, host):
     assert (workdir / "run" / "checkpoint-2" / "manifest.json").exists()
     assert not (workdir / "run" / "checkpoint-3").exists()
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]
+
+
+def alive(pid: int, wait_s: float) -> bool:
+    """Whether process ``pid`` is still there after at most ``wait_s`` seconds."""
+    import time
+
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def losses(trainer) -> dict[int, float]:
@@ -268,6 +283,81 @@ def test_a_preemption_notice_saves_commits_and_the_restart_resumes_there(workdir
     groups = list(dict.fromkeys(pid for pid, _ in lines))
     assert [[int(s) for pid, s in lines if pid == g] for g in groups] == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert losses(trainer) == pytest.approx(losses(plain), rel=1e-6)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_sigterm_to_a_workers_process_saves_commits_and_the_restart_ends_bitwise(workdir, host, capfd):
+    """max_failures=1: rank 1's process is sent SIGTERM as step 5 of 12 begins (a scheduler ending the
+    job). Every rank saves checkpoint-6 (the ranks agree one check behind), commits it and stops; Ray Train
+    starts the group again, which resumes there (no step trained twice), the signalled process is gone, and
+    the run ends with the losses and every weight of an uninterrupted run, bit for bit (CPU, no dropout)."""
+    from models import SigtermOnceOnRank, StepLog
+
+    # enable_jit_checkpoint: transformers' own SIGTERM handling, replaced on the workers by raytrainer's
+    common = dict(max_steps=12, save_strategy="no", eval_strategy="no", max_failures=1,
+                  enable_jit_checkpoint=True)
+    runs = {}
+    for name, callbacks in (("plain", []), ("signalled", [SigtermOnceOnRank(step=5, rank=1), StepLog()])):
+        trainer = make_trainer(host, str(workdir / name), callbacks=callbacks, **common)
+        capfd.readouterr()
+        try:
+            assert trainer.train().global_step == 12
+            runs[name] = (losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()})
+        finally:
+            end(trainer)
+    console = "".join(capfd.readouterr())
+    out = workdir / "signalled"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    assert json.loads((out / "checkpoint-6" / "manifest.json").read_text())["global_step"] == 6
+    assert "rank 1's process received a SIGTERM: every rank saves a checkpoint at step 6" in console
+    assert "restart 1: Ray Train started the worker group again" in console
+    lines = [line.split() for line in (out / "steps").read_text().splitlines()]
+    groups = list(dict.fromkeys(pid for pid, _ in lines))
+    assert [[int(s) for pid, s in lines if pid == g] for g in groups] == [[1, 2, 3, 4, 5, 6],
+                                                                         [7, 8, 9, 10, 11, 12]]
+    assert not alive(int((out / "sigterm").read_text()), wait_s=15)  # the signalled process ended
+    (plain_losses, plain_weights), (run_losses, run_weights) = runs["plain"], runs["signalled"]
+    assert sorted(run_losses) == list(range(1, 13)) and run_losses == plain_losses
+    assert sorted(run_weights) == sorted(plain_weights)
+    for name, tensor in plain_weights.items():
+        assert torch.equal(run_weights[name], tensor), name
+
+
+@pytest.mark.timeout(400)
+def test_a_sigterm_with_no_failures_left_stops_at_a_committed_checkpoint_the_next_run_resumes(workdir):
+    """max_failures=0 (TRL's SFTTrainer): the SIGTERM's checkpoint is committed on every rank, then train()
+    raises failures.Terminated naming it, with the fix; the next run resumes there and ends with every
+    weight of an uninterrupted run, bit for bit."""
+    from models import SigtermOnceOnRank, StepLog
+
+    from raytrainer.failures import Terminated
+
+    common = dict(max_steps=12, save_strategy="no", eval_strategy="no", max_failures=0)
+    plain = make_trainer("trl", str(workdir / "plain"), **common)
+    try:
+        plain.train()
+        weights = {k: v.clone() for k, v in plain.model.state_dict().items()}
+    finally:
+        end(plain)
+    out = workdir / "out"
+    stopped = make_trainer("trl", str(out), callbacks=[SigtermOnceOnRank(step=5, rank=1)], **common)
+    try:
+        with pytest.raises(Terminated, match=r"rank 1's process received a SIGTERM: every rank saved "
+                                             r"checkpoint-6, committed it.*resume_from_checkpoint=True"):
+            stopped.train()
+    finally:
+        end(stopped)
+    assert json.loads((out / "checkpoint-6" / "manifest.json").read_text())["global_step"] == 6
+    resumed = make_trainer("trl", str(out), callbacks=[StepLog()], **common)
+    try:
+        assert resumed.train(resume_from_checkpoint=True).global_step == 12
+        steps = [int(line.split()[1]) for line in (out / "steps").read_text().splitlines()]
+        assert steps == [7, 8, 9, 10, 11, 12]
+        for name, tensor in weights.items():
+            assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    finally:
+        end(resumed)
 
 
 @pytest.mark.timeout(400)
