@@ -10,8 +10,8 @@ While a rank trains, raytrainer takes the first SIGTERM itself (``listening``): 
 (worker/preemption.py) hears it as it hears Ray's preemption notice, every rank saves a checkpoint at the
 step the ranks agree on, commits it, and stops with ``failures.Terminated``. Ray Train retries that per
 ``max_failures`` (the restart resumes from the checkpoint: no step is trained twice); with none left the
-driver raises it, naming the checkpoint. A second SIGTERM ends the process at once. Outside training Ray's
-handler stands.
+driver raises it, naming the checkpoint. Later SIGTERMs change nothing (a scheduler follows with SIGKILL
+when its grace period ends). Outside training Ray's handler stands.
 
 How: Ray's handler calls the module global ``ray._private.worker.raise_sys_exit_with_custom_error_message``.
 A training thread cannot install a signal handler (``signal.signal`` works on the main thread only), but it
@@ -53,11 +53,10 @@ _ray_exit = None  # Ray's own function, once replaced
 def _on_ray_exit(message, exit_code=1, *args, **kwargs):
     """In place of Ray's exit on a signal (the main thread, in Ray's handler)."""
     listener = _listener
-    if listener is not None and message == RAY_SIGTERM_MESSAGE and listener.received is None:
-        listener.hear("SIGTERM")
-        return None
-    if listener is not None and listener.received is not None and message == RAY_SIGTERM_MESSAGE:
-        os._exit(128 + signal.SIGTERM)  # a second signal while saving for the first: go now
+    if listener is not None and message == RAY_SIGTERM_MESSAGE:
+        if listener.received is None:
+            listener.hear("SIGTERM")
+        return None  # a later one while saving for the first changes nothing (as transformers' JIT save)
     return _ray_exit(message, exit_code, *args, **kwargs)
 
 

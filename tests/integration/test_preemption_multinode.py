@@ -113,6 +113,7 @@ def test_a_preempted_node_s_rank_saves_with_the_others_before_it_goes_and_the_ru
             time.sleep(max(deadline + 1 - time.time(), 0))
             _kill_node(cluster["state"], node_index)
         output = proc.communicate(timeout=420)[0]
+        (tmp_path / "driver.log").write_text(output)  # kept by pytest, to read when an assertion fails
     finally:
         if proc.poll() is None:
             proc.kill()

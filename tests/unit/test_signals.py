@@ -42,6 +42,9 @@ def test_the_first_sigterm_is_heard_and_any_other_exit_is_rays(monkeypatch):
     monkeypatch.setattr(signals, "_listener", listener)
     assert signals._on_ray_exit(signals.RAY_SIGTERM_MESSAGE, exit_code=1) is None
     assert listener.received == "SIGTERM" and listener.at is not None and calls == []
+    heard_at = listener.at
+    assert signals._on_ray_exit(signals.RAY_SIGTERM_MESSAGE, exit_code=1) is None  # a later one: no change
+    assert listener.at == heard_at and calls == []
     signals._on_ray_exit("some other reason", exit_code=2)
     assert calls == [("some other reason", 2)]
     monkeypatch.setattr(signals, "_listener", None)  # not training: Ray's exit
