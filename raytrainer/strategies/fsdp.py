@@ -4,9 +4,11 @@ Chosen the HF way, with ``fsdp="full_shard auto_wrap offload"``-style options an
 
 - ``full_shard``: reshard parameters after forward (ZeRO-3); ``shard_grad_op``: keep them gathered until
   backward (ZeRO-2); ``hybrid_shard`` / ``hybrid_shard_zero2``: shard within a node, replicate across
-  nodes (a 2-D mesh); ``offload``: parameters and optimizer state on the CPU; ``auto_wrap``: shard each
-  ``fsdp_config["transformer_layer_cls_to_wrap"]`` module (or each module with at least
-  ``fsdp_config["min_num_params"]`` parameters) as its own unit, then the root.
+  nodes (a 2-D mesh); ``offload``: parameters and optimizer state on the CPU. Each
+  ``fsdp_config["transformer_layer_cls_to_wrap"]`` module (a transformers model's ``_no_split_modules`` by
+  default, or each module with at least ``fsdp_config["min_num_params"]`` parameters) is sharded as its
+  own unit, then the root, as transformers 5 does with or without ``auto_wrap`` (``fsdp_config
+  ["auto_wrap_policy"] = "NO_WRAP"``: the root alone).
 - ``fsdp_config["activation_checkpointing"]``: recompute the wrapped layers' activations in backward.
 - ``parallelism_config`` (accelerate's ``ParallelismConfig``; see raytrainer/parallelism.py): the mesh
   comes from it -- tensor parallelism over its ``tp`` dimension from the model's ``tp_plan`` first, then
@@ -44,6 +46,13 @@ def _full_options():
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
+
+def wraps(options: set, config: dict) -> bool:
+    """Whether layers are sharded as their own units. transformers 5 wraps by default (its
+    ``auto_wrap_policy`` defaults to ``TRANSFORMER_BASED_WRAP``, ``"auto_wrap"`` is a no-op); only
+    ``fsdp_config["auto_wrap_policy"] = "NO_WRAP"`` shards the model as one unit, every parameter gathered
+    at once in each forward and backward."""
+    return "auto_wrap" in options or str(config.get("auto_wrap_policy", "")).upper() != "NO_WRAP"
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
@@ -214,7 +223,7 @@ class FSDPStrategy(Strategy):
             model = model.to(self.ctx.device)
         # rank 0's full model stays where model_init built it (the CPU): fully_shard moves each unit's
         # tensors to the device as it shards them, so the device never holds more than one unit whole
-        wrap = "auto_wrap" in options or self.parallelism is not None
+        wrap = wraps(options, config) or self.parallelism is not None
         units = self._units(model, config) if wrap else []
         if config.get("activation_checkpointing"):
             _checkpoint_activations(model, units or self._units(model, config))
