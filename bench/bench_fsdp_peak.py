@@ -63,7 +63,8 @@ def child(model: str, side: str, out: str) -> None:
 
     class Peak(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            self.begin = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+            with open("/proc/self/status") as f:
+                self.begin = int(f.read().split("VmRSS:")[1].split()[0]) // 1024
             self.ends = []
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -117,12 +118,21 @@ def main() -> None:
             out = tempfile.mkdtemp(prefix=f"fsdp-peak-{model}-{side}-")
             path = os.pathsep.join(filter(None, [a.before, env.get("PYTHONPATH")]))
             side_env = dict(env, PYTHONPATH=path) if side.endswith("@before") else env
-            subprocess.run([sys.executable, __file__, "--child", model, side.split("@")[0], out],
-                           env=side_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=900)
-            ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 1)]
+            # run from the output folder: the workers put the driver's folder first on their path, and
+            # this repository's would shadow --before's raytrainer
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model, side.split("@")[0],
+                            out], env=side_env, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=900, cwd=out)
+            ranks = []
+            for r in (0, 1):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    ranks.append(json.load(f))
             rows.append({"model": model, "side": side, "ranks": ranks,
                          "peak_mib": max(r["peak_mib"] for r in ranks)})
+    for row in rows:
+        before = [a.before is not None and r["raytrainer"].startswith(os.path.abspath(a.before))
+                  for r in row["ranks"]]
+        assert before == [row["side"].endswith("@before")] * 2, row  # each side ran the raytrainer it names
     print("| model | side | peak RSS / worker (MiB) | x DDP (same tree) | RSS at train begin (MiB) | "
           "parameters / worker | s / step |")
     print("|---|---|---:|---:|---:|---:|---:|")

@@ -47,12 +47,12 @@ def _full_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def wraps(options: set, config: dict) -> bool:
+def wraps(config: dict) -> bool:
     """Whether layers are sharded as their own units. transformers 5 wraps by default (its
     ``auto_wrap_policy`` defaults to ``TRANSFORMER_BASED_WRAP``, ``"auto_wrap"`` is a no-op); only
     ``fsdp_config["auto_wrap_policy"] = "NO_WRAP"`` shards the model as one unit, every parameter gathered
     at once in each forward and backward."""
-    return "auto_wrap" in options or str(config.get("auto_wrap_policy", "")).upper() != "NO_WRAP"
+    return str(config.get("auto_wrap_policy", "")).upper() != "NO_WRAP"
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
@@ -223,7 +223,7 @@ class FSDPStrategy(Strategy):
             model = model.to(self.ctx.device)
         # rank 0's full model stays where model_init built it (the CPU): fully_shard moves each unit's
         # tensors to the device as it shards them, so the device never holds more than one unit whole
-        wrap = wraps(options, config) or self.parallelism is not None
+        wrap = wraps(config) or self.parallelism is not None
         units = self._units(model, config) if wrap else []
         if config.get("activation_checkpointing"):
             _checkpoint_activations(model, units or self._units(model, config))

@@ -334,3 +334,23 @@ def test_deepspeed_filling_is_transformers_and_leaves_its_global_config_alone(tm
     assert run["scheduler"]["params"]["warmup_num_steps"] == 1
     with pytest.raises(ValueError, match=r"ds scheduler.params.total_num_steps=7 vs hf num_training_steps"):
         fill_for_run({"scheduler": {"params": {"total_num_steps": 7}}}, args, 100, hidden_size=8)
+
+
+def test_fsdp_wraps_layers_without_auto_wrap_as_transformers_5_does():
+    """transformers 5 wraps by default: its auto_wrap_policy defaults to accelerate's first policy,
+    TRANSFORMER_BASED_WRAP, and "auto_wrap" in ``fsdp`` is a no-op. raytrainer's FSDP follows; without
+    it ``fsdp="full_shard"`` sharded the whole model as one unit (every parameter gathered at once: issue
+    54's 0.84x of DDP's peak memory). NO_WRAP keeps the root alone."""
+    import inspect
+
+    from accelerate.utils.constants import FSDP_AUTO_WRAP_POLICY
+    from transformers import TrainingArguments as HFArguments
+
+    from raytrainer.strategies.fsdp import wraps
+
+    assert FSDP_AUTO_WRAP_POLICY[0] == "TRANSFORMER_BASED_WRAP"
+    assert 'self.fsdp_config.get("auto_wrap_policy", FSDP_AUTO_WRAP_POLICY[0])' in inspect.getsource(
+        HFArguments._process_fsdp_args)
+    assert wraps({"transformer_layer_cls_to_wrap": ["Linear"]}) and wraps({})
+    assert wraps({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000})
+    assert not wraps({"auto_wrap_policy": "NO_WRAP"})
