@@ -155,59 +155,191 @@ CASES = [
 
 # Fault scenarios and the test that measures each: in CI, or in the full tier (scripts/test.sh --full).
 SCENARIOS = [
-    ("a worker process lost mid-run (rank 1 exits at step 5), max_failures=1", "a new worker group resumes "
-     "from the last committed checkpoint; final weights bitwise equal to an uninterrupted run's",
-     "tests/integration/test_failures.py"),
-    ("a non-finite loss on one rank, max_failures=1", "NonFiniteLossError naming rank 1 and the step; Ray's "
-     "restart does not train again (one training start per rank)", "tests/integration/test_failures.py"),
-    ("a non-finite loss in one process", "stops before the bad update; weights and checkpoints finite; "
-     "skip_step / ignore as asked", "tests/unit/test_precision.py"),
-    ("a stop or save flag set on one rank in on_log / on_evaluate", "agreed on every rank in the same step, "
-     "no hang", "tests/integration/test_ddp.py"),
-    ("a partial latest checkpoint (its save never finished)", "resume_from_checkpoint=True skips it with a "
-     "warning naming it and takes the previous one; an explicit path is an error",
-     "tests/unit/test_checkpoint.py"),
-    ("flipped bytes in a committed checkpoint", "refused when read (sha256 against its manifest), naming the "
-     "file; resume_from_checkpoint=True (or a restart) resumes from the checkpoint before it with a warning "
-     "naming both, bitwise as an uninterrupted run; an explicit path is an error",
-     "tests/unit/test_checkpoint.py"),
-    ("rank 0 killed half-way through writing a checkpoint, max_failures=1", "that checkpoint is never used: "
-     "the new worker group resumes from the one before, writes it again whole, and ends bitwise equal to an "
-     "uninterrupted run", "tests/integration/test_failures.py (full tier)"),
-    ("the storage is full during a save (ENOSPC)", "the run stops with an error naming the checkpoint and "
-     "the file; the checkpoint is not committed, the earlier ones are intact and resume",
-     "tests/unit/test_checkpoint.py"),
-    ("a hub token planted in a Ray Tune search", "not in Tune's trial spec, the output folder, the bucket's "
-     "objects or Ray's session files; trials do not push (warned)", "tests/integration/test_search.py"),
-    ("the driver killed (SIGKILL) mid-run, the script run again with resume_from_checkpoint=True", "the "
-     "rerun goes on from the last committed checkpoint through the same steps and losses as an uninterrupted "
-     "run; no checkpoint is pushed to the hub twice", "tests/unit/test_driver_killed.py"),
-    ("a DeepSpeed checkpoint file holding a pickle payload", "DeepSpeed's own loader runs with "
-     "weights_only=True and its checkpoint types allow-listed: refused, naming the file; the payload never "
-     "runs",
-     "tests/unit/test_deepspeed_load.py"),
-    ("the driver of a 2-worker Ray run killed (SIGKILL) mid-run, the script run again with "
-     "resume_from_checkpoint=True", "Ray ends the killed job's controller, workers, channel and placement "
-     "group; the rerun resumes from the last committed checkpoint through the same steps and losses as an "
-     "uninterrupted run; no checkpoint is pushed to the hub twice",
-     "tests/integration/test_driver_killed_on_ray.py (full tier)"),
-    ("a worker lost more often than max_failures (rank 1 dies twice, max_failures=1)", "an error naming rank "
-     "1; no controller, worker or channel actor and no placement group left; the last committed checkpoint "
-     "resumes", "tests/integration/test_failures.py (full tier)"),
-    ("a worker process lost during a warm `evaluate()` (rank 1 exits at its first prediction step), "
-     "max_failures=1", "Ray Train restarts the group; the new ranks find the command unanswered and run it "
-     "again: the same loss as the trained weights give; the new group serves `predict()`",
-     "tests/integration/test_warm_workers.py (full tier)"),
-    ("Ctrl-C on the driver while `train()` runs on a live group", "KeyboardInterrupt reaches the caller; the "
-     "run is aborted through its controller; its controller, workers and channel end; the next call starts "
-     "a new group", "tests/integration/test_warm_workers.py (full tier)"),
-    ("`close()` / the `with` block after train, evaluate, predict", "no controller, worker or channel actor "
-     "and no placement group left (Ray's state API)", "tests/integration/test_warm_workers.py"),
-    ("one worker slower than the others (rank 1 reads each batch 0.15 s slower)", "the driver names rank 1 "
-     "and its node once (straggler warning); the run's result is unchanged",
-     "tests/integration/test_ddp.py"),
-    ("workers' prints and Ray's own output", "prints reach the console once with their rank; Ray's lines "
-     "stay in its log folder", "tests/integration/test_failures.py"),
+    ('a worker process lost mid-run (rank 1 exits at step 5), max_failures=1',
+     'a new worker group resumes from the last committed checkpoint; final weights bitwise equal to '
+     "an uninterrupted run's",
+     'tests/integration/test_failures.py'),
+    ("Ray Train's preemption notice (a node drain: a spot reclaim, `ray drain-node`), with a deadline "
+     '3 s away, reaches rank 1 at step 3 of 8, 2 workers, `max_failures=0`',
+     'every rank saves at step 4 (the ranks compare at every step for the first 8, about once a '
+     'second after; a decision lands one check after the notice, without a blocking collective); '
+     "checkpoint-4 is committed with both ranks' files and no rank takes step 5; Ray Train restarts "
+     'the group at the deadline without spending `max_failures`; the restart resumes from '
+     "checkpoint-4 (the first group's steps 1-4, the second's 5-8) and ends bitwise where an "
+     "uninterrupted run ends. The notice is set on the worker as Ray's watcher sets it",
+     'tests/integration/test_preemption.py'),
+    ("SIGTERM to rank 1's process as step 5 of 12 begins (a scheduler ending the job), 2 workers, "
+     '`save_strategy="no"`, `max_failures=1`; raytrainer\'s Trainer, `on_ray(transformers.Trainer)` '
+     "and TRL's SFTTrainer, with `enable_jit_checkpoint=True`",
+     'every rank saves checkpoint-6 and commits it, then stops; Ray Train starts the group again, '
+     'which resumes there (steps 1-6, then 7-12: none trained twice); the signalled process is gone; '
+     "losses and every weight equal an uninterrupted run's, bitwise. Before: no checkpoint, training "
+     'went on to step 12, the worker then died and the restart had nothing to do; a hosted trainer '
+     "with `enable_jit_checkpoint=True` failed on every worker (transformers' handler needs the main "
+     'thread)',
+     'tests/integration/test_guarantees.py'),
+    ("the same with `max_failures=0` (TRL's SFTTrainer)",
+     '`train()` raises `Terminated` naming checkpoint-6, committed; '
+     "`train(resume_from_checkpoint=True)` trains steps 7-12 and ends with an uninterrupted run's "
+     'weights, bitwise',
+     'tests/integration/test_guarantees.py'),
+    ("a worker's node drained for preemption on a fresh 3-node local cluster, 2 workers, "
+     '`save_steps=1000`: (a) `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION` with a 15 s '
+     "deadline, the node's processes SIGKILLed after it, `max_failures=0`; (b) SIGTERM to the node's "
+     '`ray start`, as a pod eviction (Ray drains the node for 8 s, then stops it), `max_failures=1`',
+     "Ray's watcher gives notice; both ranks save at the same step, commit, and wait; Ray restarts "
+     'the group on the two nodes left ((a) without counting a failure; in (b) Ray counts one when the '
+     "node stops its processes before Ray Train's controller restarts the group at the same deadline, "
+     'as it did on a loaded machine); the run resumes from that checkpoint and finishes its 60 steps, '
+     "no step trained twice. Before raytrainer pinned its channel actor to the driver's node, the "
+     'channel could sit on the drained node and the restart failed',
+     'tests/integration/test_preemption_multinode.py ((b) full tier)'),
+    ('an elastic run, `num_workers=(2, 3)`, batch 4 (a global batch of 12), on a fresh 3-node local '
+     "cluster: a worker's node loses every process (SIGKILL, no notice) after step 12, "
+     '`max_failures=1`',
+     'Ray Train restarts the group on the 2 nodes left; it resumes from checkpoint-10 on 2 workers '
+     'with 3 x 2 accumulation steps each (the console: "shrunk from 3 to 2 workers"; '
+     '`trainer.state.log_history` records the change) and finishes the epoch; every one of the 360 '
+     "samples is trained exactly once in the run's history, each step trains 12, and losses and final "
+     'weights are those of the same training uninterrupted with a batch of 12, to 1e-4',
+     'tests/integration/test_elastic.py'),
+    ('the same run on 2 nodes; a third node joins after step 7 (`cluster/local-multinode.sh add`)',
+     "at the controller's next check (3 s in the test) raytrainer's scaling policy asks the ranks for "
+     'a checkpoint instead of restarting at once: every rank saves at the same step (checkpoint-13), '
+     'commits and waits; the group restarts on 3 workers from it, no step trained twice ("grown from '
+     '2 to 3 workers"); the same sample count and losses as above',
+     'tests/integration/test_elastic.py'),
+    ('`num_workers=(2, 4)` with a batch of 8 (32 samples a step, which 3 workers cannot split); `(3, '
+     '2)`; `"a:b"`; a range with `auto_find_batch_size`',
+     'refused on the driver before Ray starts, naming the value, the global batch, the sizes that '
+     'cannot split it and the least multiple that works',
+     'tests/unit/test_elastic_args.py'),
+    ('a non-finite loss on one rank, max_failures=1',
+     "NonFiniteLossError naming rank 1 and the step; Ray's restart does not train again (one training "
+     'start per rank)',
+     'tests/integration/test_failures.py'),
+    ('a non-finite loss in one process',
+     'stops before the bad update; weights and checkpoints finite; skip_step / ignore as asked',
+     'tests/unit/test_precision.py'),
+    ('raytrainer installed without extras (`pip install -c constraints.txt .` in a clean venv): the '
+     'demo in one process, `resume_from_checkpoint=True`, a 2-worker run whose rank 1 dies at step 5 '
+     '(max_failures=1)',
+     "the demo ends above 90%; the resume goes on from checkpoint-8 to step 10; the lost worker's run "
+     "ends at the uninterrupted run's weights, bitwise",
+     'scripts/plain_install_check.sh (the first step of `.ci/run`)'),
+    ('a stop or save flag set on one rank in on_log / on_evaluate',
+     'agreed on every rank in the same step, no hang',
+     'tests/integration/test_ddp.py'),
+    ('a partial latest checkpoint (its save never finished)',
+     'resume_from_checkpoint=True skips it with a warning naming it and takes the previous one; an '
+     'explicit path is an error',
+     'tests/unit/test_checkpoint.py'),
+    ('flipped bytes in a committed checkpoint',
+     'refused when read (sha256 against its manifest), naming the file; resume_from_checkpoint=True '
+     '(or a restart) resumes from the checkpoint before it with a warning naming both, bitwise as an '
+     'uninterrupted run; an explicit path is an error',
+     'tests/unit/test_checkpoint.py'),
+    ('flipped bytes in a part of a sharded checkpoint in a bucket that a rank reads in ranges',
+     "refused when that part is read (the sha256 of each block it touches, against the manifest's "
+     'block hashes), naming the file, with the same fallback; the blocks a rank does not need are '
+     'neither read nor checked by it (each file is checked whole by the rank that owns it)',
+     'tests/unit/test_block_hashes.py'),
+    ('rank 0 killed half-way through writing a checkpoint, max_failures=1',
+     'that checkpoint is never used: the new worker group resumes from the one before, writes it '
+     'again whole, and ends bitwise equal to an uninterrupted run',
+     'tests/integration/test_failures.py (full tier)'),
+    ('the storage is full during a save (ENOSPC)',
+     'the run stops with an error naming the checkpoint and the file; the checkpoint is not '
+     'committed, the earlier ones are intact and resume',
+     'tests/unit/test_checkpoint.py'),
+    ('an unwritable storage_path (`/proc/raytrainer-runs`) with save_strategy="no" on 2 workers '
+     '(train, or an evaluate that starts a group)',
+     "refused on the driver within 5 s, naming the path, before Ray starts (Ray's run folder and the "
+     'final weights go there)',
+     'tests/unit/test_checkpoint.py'),
+    ("use_gpu=True on a cluster without GPUs once Ray is up in the process (the script's own "
+     "ray.init, a notebook's second run)",
+     "refused at once, naming each node's resources and the fix; no worker group started",
+     'tests/integration/test_resources.py'),
+    ('resources_per_worker naming a resource no node has',
+     "refused at once, naming it and each node's resources",
+     'tests/integration/test_resources.py'),
+    ('a worker group the nodes cannot hold, on a cluster whose autoscaler may add nodes',
+     'a warning at once (what the run waits for, what the cluster has); the same message as an error '
+     'after RAYTRAINER_RESOURCE_WAIT_S (600 s)',
+     'tests/integration/test_resources.py'),
+    ("Ray Train's own log records on the workers (each reported checkpoint at INFO)",
+     "kept off the console at every log level above debug (in the rank's log file); a 2-worker run "
+     "that saves, evaluates and resumes prints no line of Ray's modules",
+     'tests/integration/test_failures.py'),
+    ("Ray's bookkeeping in output_dir",
+     '`checkpoint_manager_snapshot.json`, `.validate_storage_marker` and the final weights are under '
+     '`.raytrainer/`; output_dir lists the checkpoints (and `logs/`); get_last_checkpoint and a '
+     '`checkpoint-*` glob find only checkpoints; rotation and the lazy best-model load work',
+     'tests/integration/test_checkpoints.py'),
+    ('a hub token planted in a Ray Tune search',
+     "not in Tune's trial spec, the output folder, the bucket's objects or Ray's session files; "
+     'trials do not push (warned)',
+     'tests/integration/test_search.py'),
+    ('the driver killed (SIGKILL) mid-run, the script run again with resume_from_checkpoint=True',
+     'the rerun goes on from the last committed checkpoint through the same steps and losses as an '
+     'uninterrupted run; no checkpoint is pushed to the hub twice',
+     'tests/unit/test_driver_killed.py'),
+    ('a DeepSpeed checkpoint file holding a pickle payload',
+     "DeepSpeed's own loader runs with weights_only=True and its checkpoint types allow-listed: "
+     'refused, naming the file; the payload never runs',
+     'tests/unit/test_deepspeed_load.py'),
+    ('the driver of a 2-worker Ray run killed (SIGKILL) mid-run, the script run again with '
+     'resume_from_checkpoint=True',
+     "Ray ends the killed job's controller, workers, channel and placement group; the rerun resumes "
+     'from the last committed checkpoint through the same steps and losses as an uninterrupted run; '
+     'no checkpoint is pushed to the hub twice',
+     'tests/integration/test_driver_killed_on_ray.py (full tier)'),
+    ('a worker lost more often than max_failures (rank 1 dies twice, max_failures=1)',
+     'an error naming rank 1; no controller, worker or channel actor and no placement group left; the '
+     'last committed checkpoint resumes',
+     'tests/integration/test_failures.py (full tier)'),
+    ('a worker process lost during a warm `evaluate()` (rank 1 exits at its first prediction step), '
+     'max_failures=1',
+     'Ray Train restarts the group; the new ranks find the command unanswered and run it again: the '
+     'same loss as the trained weights give; the new group serves `predict()`',
+     'tests/integration/test_warm_workers.py (full tier)'),
+    ('Ctrl-C on the driver while `train()` runs on a live group',
+     'KeyboardInterrupt reaches the caller; the run is aborted through its controller; its '
+     'controller, workers and channel end; the next call starts a new group',
+     'tests/integration/test_warm_workers.py (full tier)'),
+    ('`close()` / the `with` block after train, evaluate, predict',
+     "no controller, worker or channel actor and no placement group left (Ray's state API)",
+     'tests/integration/test_warm_workers.py'),
+    ('one worker slower than the others (rank 1 reads each batch 0.15 s slower)',
+     "the driver names rank 1 and its node once (straggler warning); the run's result is unchanged",
+     'tests/integration/test_ddp.py'),
+    ('FSDP or ZeRO-3 fine-tuning from `model_init=lambda: from_pretrained(path)`, plain and with PEFT '
+     'LoRA, 2 workers',
+     "every rank starts from exactly the saved weights (LoRA B zero); FSDP's rank 1 builds a "
+     'weightless skeleton (reads no tensor), ZeRO-3 loads partition-wise; the loss falls; LoRA moves '
+     'the adapters only; under transformers 5.23.0 and 5.24.0',
+     'tests/integration/test_from_pretrained.py'),
+    ('PEFT LoRA under FSDP or ZeRO-3, 2 workers, a run resumed from its step-4 checkpoint',
+     "the checkpoint holds PEFT's adapter files and no base weight, in the strategy's own files "
+     "neither (ZeRO's engine state leaves the frozen base out, as transformers.Trainer saves it); it "
+     "loads with `PeftModel.from_pretrained`; the resumed run ends on the uninterrupted run's "
+     'weights, bit for bit',
+     'tests/integration/test_from_pretrained.py'),
+    ('PEFT LoRA on 2 workers: `load_best_model_at_end`, a search over `r` and `lora_alpha`, '
+     '`push_to_hub`',
+     "the driver's model holds the best checkpoint's adapter (the same logits as "
+     "`PeftModel.from_pretrained` of it); each trial's checkpoint is an adapter of its trial's `r` "
+     "and `lora_alpha`; every push holds the adapter's files and no whole model's weights",
+     'tests/integration/test_lora.py'),
+    ('a ZeRO-1/2 (or bf16) checkpoint of 1 worker resumed on 2 where an optimizer group is too small '
+     'to reach rank 1 (a model whose only bias is one number)',
+     "rank 1 takes the group's hyperparameters and no state (its share is padding); the run goes on "
+     "along the uninterrupted run's loss curve, both ways, ZeRO stages 1, 2 and 3",
+     'tests/integration/test_deepspeed.py (stages 2 and 3 in CI, 1 full tier)'),
+    ("workers' prints and Ray's own output",
+     "prints reach the console once with their rank; Ray's lines stay in its log folder",
+     'tests/integration/test_failures.py'),
 ]
 
 

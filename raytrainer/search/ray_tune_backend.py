@@ -230,8 +230,8 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
     if not preset:
         tune_kwargs.setdefault("metric", METRIC)
         tune_kwargs.setdefault("mode", mode)
-    if "storage_path" not in run_kwargs:  # Tune's records beside the trials' run-<id> folders
-        storage = Storage.for_run(args)
+    if "storage_path" not in run_kwargs:  # Tune's records with raytrainer's own, under .raytrainer/
+        storage = Storage.for_run(args).state()
         run_kwargs.update(storage_path=storage.root, storage_filesystem=storage.fs)
     run_kwargs.setdefault("name", "tune")
     if "verbose" not in run_kwargs:  # Tune's status tables only when asked: raytrainer says a line per trial

@@ -204,6 +204,10 @@ class FSDPStrategy(Strategy):
     def setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+        from raytrainer.strategies.malloc import return_freed_memory
+
+        return_freed_memory()  # a step's gathered units and gradients go back to the OS when freed
+
         options = set(self.args.fsdp)
         config = self.args.fsdp_config or {}
         mesh = self._mesh(options)

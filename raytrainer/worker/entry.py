@@ -35,13 +35,11 @@ def worker_main(config: dict) -> None:
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.hosted import forget_hosted, run_hosted
-    from raytrainer.worker.malloc import return_freed_memory
     from raytrainer.worker.place import as_on_the_driver
     from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
 
     TIMES["entry"] = time.time()
-    return_freed_memory()  # before training allocates (worker/malloc.py)
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)
     fresh = ProcessState()

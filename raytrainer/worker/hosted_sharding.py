@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 
+from raytrainer.strategies.malloc import return_freed_memory
+
 
 def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs):
     """``trainer_cls(*args, **kwargs)`` (``targs``: its training arguments): under DeepSpeed, built after
@@ -72,4 +74,5 @@ def shard_cpu_group(state, args) -> bool:
     state.fsdp_plugin = plugin
     # Each AcceleratorState() refreshes its fields from PartialState's: both say FSDP, as they do on GPUs.
     state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return_freed_memory()  # FSDP's transient buffers go back to the OS (strategies/malloc.py)
     return True

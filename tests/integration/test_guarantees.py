@@ -116,6 +116,22 @@ def alive(pid: int, wait_s: float) -> bool:
     return True
 
 
+def steps_by_group(folder) -> list[list[int]]:
+    """The steps StepLog recorded in ``folder/steps``, one list per worker group (rank 0's process)."""
+    lines = [line.split() for line in (folder / "steps").read_text().splitlines()]
+    groups = list(dict.fromkeys(pid for pid, _ in lines))
+    return [[int(s) for pid, s in lines if pid == g] for g in groups]
+
+
+def assert_bitwise(plain: tuple, other: tuple, steps: int) -> None:
+    """Two runs' (losses, weights): a loss at every step, and every loss and weight equal, bit for bit."""
+    (plain_losses, plain_weights), (other_losses, other_weights) = plain, other
+    assert sorted(other_losses) == list(range(1, steps + 1)) and other_losses == plain_losses
+    assert sorted(other_weights) == sorted(plain_weights)
+    for name, tensor in plain_weights.items():
+        assert torch.equal(other_weights[name], tensor), name
+
+
 def losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
@@ -279,9 +295,7 @@ def test_a_preemption_notice_saves_commits_and_the_restart_resumes_there(workdir
     assert json.loads((workdir / "out" / "checkpoint-4" / "manifest.json").read_text())["global_step"] == 4
     assert "checkpoint-4 is committed; no step until the node goes" in console
     assert "restart 1: Ray Train started the worker group again" in console
-    lines = [line.split() for line in (workdir / "out" / "steps").read_text().splitlines()]
-    groups = list(dict.fromkeys(pid for pid, _ in lines))
-    assert [[int(s) for pid, s in lines if pid == g] for g in groups] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert steps_by_group(workdir / "out") == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert losses(trainer) == pytest.approx(losses(plain), rel=1e-6)
 
 
@@ -312,16 +326,9 @@ def test_a_sigterm_to_a_workers_process_saves_commits_and_the_restart_ends_bitwi
     assert json.loads((out / "checkpoint-6" / "manifest.json").read_text())["global_step"] == 6
     assert "rank 1's process received a SIGTERM: every rank saves a checkpoint at step 6" in console
     assert "restart 1: Ray Train started the worker group again" in console
-    lines = [line.split() for line in (out / "steps").read_text().splitlines()]
-    groups = list(dict.fromkeys(pid for pid, _ in lines))
-    assert [[int(s) for pid, s in lines if pid == g] for g in groups] == [[1, 2, 3, 4, 5, 6],
-                                                                         [7, 8, 9, 10, 11, 12]]
+    assert steps_by_group(out) == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     assert not alive(int((out / "sigterm").read_text()), wait_s=15)  # the signalled process ended
-    (plain_losses, plain_weights), (run_losses, run_weights) = runs["plain"], runs["signalled"]
-    assert sorted(run_losses) == list(range(1, 13)) and run_losses == plain_losses
-    assert sorted(run_weights) == sorted(plain_weights)
-    for name, tensor in plain_weights.items():
-        assert torch.equal(run_weights[name], tensor), name
+    assert_bitwise(runs["plain"], runs["signalled"], steps=12)
 
 
 @pytest.mark.timeout(400)
@@ -352,8 +359,7 @@ def test_a_sigterm_with_no_failures_left_stops_at_a_committed_checkpoint_the_nex
     resumed = make_trainer("trl", str(out), callbacks=[StepLog()], **common)
     try:
         assert resumed.train(resume_from_checkpoint=True).global_step == 12
-        steps = [int(line.split()[1]) for line in (out / "steps").read_text().splitlines()]
-        assert steps == [7, 8, 9, 10, 11, 12]
+        assert steps_by_group(out) == [[7, 8, 9, 10, 11, 12]]
         for name, tensor in weights.items():
             assert torch.equal(resumed.model.state_dict()[name], tensor), name
     finally:
@@ -378,16 +384,10 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
         finally:
             end(trainer)
     assert (workdir / "lost" / "died").exists()  # the worker did die
-    lines = [line.split() for line in (workdir / "lost" / "steps").read_text().splitlines()]
-    groups = list(dict.fromkeys(pid for pid, _ in lines))
     # the new group resumed from the latest committed checkpoint: 4, or 2 while 4's commit was in flight
     # (raytrainer's loop commits a save in the step after it, where rank 1 died)
-    assert [int(s) for pid, s in lines if pid == groups[-1]] in ([5, 6, 7, 8], [3, 4, 5, 6, 7, 8])
-    (plain_losses, plain_weights), (lost_losses, lost_weights) = runs["plain"], runs["lost"]
-    assert sorted(lost_losses) == list(range(1, 9)) and lost_losses == plain_losses
-    assert sorted(lost_weights) == sorted(plain_weights)
-    for name, tensor in plain_weights.items():
-        assert torch.equal(lost_weights[name], tensor), name
+    assert steps_by_group(workdir / "lost")[-1] in ([5, 6, 7, 8], [3, 4, 5, 6, 7, 8])
+    assert_bitwise(runs["plain"], runs["lost"], steps=8)
 
 
 @pytest.mark.timeout(400)

@@ -201,7 +201,7 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     _assert_token_nowhere(tmp_path, s3_bucket)
 
     assert isinstance(best, BestRun) and best.hyperparameters["learning_rate"] in rates
-    results = tune.ExperimentAnalysis(f"{storage}/tune")
+    results = tune.ExperimentAnalysis(f"{storage}/.raytrainer/tune")  # Tune's records, with raytrainer's
     last = {df["run_id"].iloc[-1]: df for df in results.trial_dataframes.values() if len(df)}
     assert len(last) == 4
     # the best run's objective is the lowest last-reported objective of all trials (scope "last")

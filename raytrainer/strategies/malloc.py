@@ -1,15 +1,17 @@
-"""Freed tensor memory goes back to the OS on a worker (glibc's fixed mmap threshold).
+"""Under FSDP, memory a step frees goes back to the OS (glibc's mmap threshold fixed at 1 MiB).
 
 glibc's ``malloc`` serves a block of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap`` and gives it
 back to the OS when freed; smaller blocks come from its heaps, where freed memory stays resident for reuse.
 The threshold is dynamic by default: each freed mmapped block raises it to that block's size, up to 32 MiB.
-A training step allocates and frees many tensors of 1-32 MiB (FSDP's gathered layers and their gradients,
-activations, optimizer temporaries); after the first frees they all come from the heaps, which keep
-growing with fragmentation. Measured on 2 CPU workers (bench/bench_fsdp_peak.py, docs/benchmarks.md): a
-268M-parameter causal LM under FSDP peaked at 4,177 MiB per worker, 3,317 MiB with the threshold fixed at
-1 MiB; DDP 6,530 and 5,752 MiB; steps no slower. Set once per worker process, before training allocates.
-A process whose allocator is not glibc's (macOS, jemalloc or tcmalloc preloaded) or whose environment sets
-``MALLOC_MMAP_THRESHOLD_`` itself is left as it is.
+An FSDP step allocates and frees many tensors of 1-32 MiB (each unit's gathered parameters and unsharded
+gradients, activations); after the first frees they all come from the heaps, which keep growing with
+fragmentation. Measured on 2 CPU workers (bench/bench_fsdp_peak.py, docs/benchmarks.md): a 267M-parameter
+causal LM under FSDP peaked at 4,177 MiB per worker, 3,336 MiB with the threshold fixed, steps no slower
+(12.9 s against 13.5 s). Under DDP the same setting saved 6% of the peak but cost 7% of the step time (each
+mmapped block's pages are faulted in anew), so it is FSDP's alone: ``FSDPStrategy.setup_model`` and a
+hosted trainer's FSDP (worker/hosted_sharding.py) set it, once per process. A process whose allocator is
+not glibc's (macOS, jemalloc or tcmalloc preloaded) or whose environment sets ``MALLOC_MMAP_THRESHOLD_``
+itself is left as it is.
 """
 
 from __future__ import annotations
