@@ -91,8 +91,13 @@ def ensure_ray(args) -> None:
         return
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        logger.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        # As on a local instance: Ray's own output (its controller's lines, workers' raw output, a failed
+        # worker's traceback once per line) stays in the cluster's log folders; what the run says comes
+        # through the channel. A script that called ray.init() itself keeps the forwarding it chose.
+        context = ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
+        print(f"raytrainer: connected to the Ray cluster at {address}; Ray's own output: {logs} on each node",
+              file=sys.stderr)
         return
     for key, value in _LOCAL_ENV.items():
         os.environ.setdefault(key, value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,6 +119,10 @@ def test_a_preempted_node_s_rank_saves_with_the_others_before_it_goes_and_the_ru
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-6000:]
+    # raytrainer connected to the cluster: Ray's own actors' lines stay in the cluster's log folders
+    ray_lines = re.findall(r"\((?:TrainController|RayTrainWorker|PlacementGroupCleaner) pid=.*", output)
+    assert not ray_lines, ray_lines[:5]
+    assert f"connected to the Ray cluster at {cluster['address']}" in output
     result = json.loads(output.split("RESULT ", 1)[1].splitlines()[0])
     assert result["global_step"] == 60
 
