@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -25,8 +26,10 @@ M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD = 1 << 20
 
 
+@functools.cache
 def return_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD for this process; True if it was set."""
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD for this process; True if it was set. Once per process:
+    ``find_library`` runs ``ldconfig``, and each FSDP setup (every ``train()``) asks."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or any(
             name in os.environ.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return False
