@@ -4,11 +4,13 @@ Ray instance, or the training). Writes the table of docs/reliability.md.
 
     .venv/bin/python bench/reliability.py                          # print the table
     .venv/bin/python bench/reliability.py --soak 20 --write docs/reliability.md
+    .venv/bin/python bench/reliability.py --keep-soak --chaos chaos-*.json --write docs/reliability.md
 
 A case passes when a ValueError / TypeError / CheckpointError names the offending value, within 5 s, with
 Ray not started and no training step taken. The fault scenarios (killed workers, corrupted checkpoints,
 deterministic failures on workers) are integration tests; the table lists them with the test that
-measures each.
+measures each. ``--chaos`` adds the tables of bench/chaos.py's runs (its ``--json`` files); without it, the
+chaos section of the file ``--write`` replaces is kept as it is.
 """
 
 from __future__ import annotations
@@ -142,6 +144,17 @@ CASES = [
     ("examples without the model's input", lambda o: _train(o, dataset=[{"y": torch.zeros(4),
                                                                           "labels": 1}] * 8)),
     ("an unpicklable callback", lambda o: _train(o, trainer_kw={"callbacks": [Unpicklable()]})),
+    ("num_workers=(3, 2) (min above max)", lambda o: _args(o, num_workers=(3, 2))),
+    ("num_workers=(2, 4) with a global batch 3 workers cannot split",
+     lambda o: _args(o, num_workers=(2, 4), per_device_train_batch_size=8)),
+    ("auto_find_batch_size with num_workers=(1, 2)",
+     lambda o: _args(o, num_workers=(1, 2), auto_find_batch_size=True)),
+    ("parallelism_config of 4 ranks on num_workers=2",
+     lambda o: _args(o, parallelism_config={"dp_shard_size": 2, "tp_size": 2})),
+    ("parallelism_config={'tpsize': 4} (a typo)", lambda o: _args(o, parallelism_config={"tpsize": 4})),
+    ("parallelism_config with deepspeed",
+     lambda o: _args(o, num_workers=4, parallelism_config={"dp_shard_size": 2, "tp_size": 2},
+                     deepspeed={"zero_optimization": {"stage": 3}})),
     ("resume from a folder that does not exist",
      lambda o: _train(o, call_kwargs={"resume_from_checkpoint": os.path.join(o, "nope")})),
     ("resume from a folder that is not a checkpoint",
@@ -363,6 +376,38 @@ def run_case(name, make) -> dict:
             "seconds": seconds, "ray_started": ray_started, "ok": ok}
 
 
+def chaos_section(results: list[dict]) -> list[str]:
+    """bench/chaos.py's results, one table each: faults injected by kind, survived, steps redone, pauses."""
+    from chaos import problems
+    from chaos import table as chaos_table
+
+    lines = ["## Chaos run: many faults in one run (bench/chaos.py; tests/integration/test_chaos.py, full)",
+             "", "One 2-worker run on a local 3-node cluster, faults at random steps from a seed, the script "
+             "run again after the two that end it; held = the final weights equal an uninterrupted run's "
+             "bit for bit, every checkpoint of the save schedule committed and whole, and no actor, "
+             "placement group, process or temporary file of the run left after it."]
+    for r in results:
+        broken = problems(r)
+        verdict = "held." if not broken else "BROKEN: " + "; ".join(broken)
+        lines += ["", f"**{r['host']}**: {len(r['faults'])} faults over {r['steps']} steps "
+                  f"(seed {r['seed']}), {r['launches']} launches of the script, {r['chaos_s']:.0f} s against "
+                  f"{r['reference_s']:.0f} s uninterrupted; measured {r.get('date', '?')}: {verdict}", "",
+                  chaos_table(r)]
+    return lines
+
+
+def _kept_section(path: str | None, heading: str) -> str:
+    """The section of ``path`` that starts with ``heading`` (up to the next ``## ``), or ''."""
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        old = f.read()
+    if f"\n{heading}" not in old:
+        return ""
+    body = old.split(f"\n{heading}", 1)[1]
+    return heading + body.split("\n## ", 1)[0].rstrip("\n") + "\n"
+
+
 def table(rows: list[dict], machine: dict, soaked: dict | None = None) -> str:
     passed = sum(r["ok"] for r in rows)
     lines = [
@@ -404,6 +449,8 @@ def main() -> None:
     parser.add_argument("--write", help="write the markdown table to this file")
     parser.add_argument("--soak", type=int, default=0, metavar="N",
                         help="then N back-to-back runs on Ray, counting what each leaves (bench/soak.py)")
+    parser.add_argument("--chaos", nargs="*", default=[], metavar="JSON",
+                        help="bench/chaos.py --json results: the chaos section (else the file's is kept)")
     parser.add_argument("--keep-soak", action="store_true",
                         help="without --soak: keep the soak section of the file --write replaces (dated)")
     opts = parser.parse_args()
@@ -429,6 +476,16 @@ def main() -> None:
             when = next((line for line in old.splitlines() if line.startswith("Measured ")), "")
         if kept:  # the soak of an earlier run, said so with that run's date and commit
             text += f"\n## Soak{heading}\n\nKept from an earlier run of this script. {when}\n{kept}"
+    if opts.chaos:
+        import json
+
+        results = []
+        for path in opts.chaos:
+            with open(path) as f:
+                results.append(json.load(f))
+        text += "\n" + "\n".join(chaos_section(results)) + "\n"
+    elif kept := _kept_section(opts.write, "## Chaos run"):
+        text += "\n" + kept
     if opts.write:
         with open(opts.write, "w") as f:
             f.write(text)

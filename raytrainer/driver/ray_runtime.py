@@ -46,11 +46,21 @@ def gpus_needed(args) -> float:
 
 
 def serves_state_api() -> bool:
-    """Whether the Ray instance runs Ray's State API: not where raytrainer started it without the dashboard.
-    In the instance's processes (a Tune trial's actor) read from the environment they inherit."""
+    """Whether the Ray instance runs Ray's State API: not where raytrainer started it without the dashboard
+    (its processes, a Tune trial's actor, read that from the environment they inherit), nor on a cluster
+    started without it (``ray start --include-dashboard=false``, or Ray without ``ray[default]``): the
+    dashboard records its address in the cluster's key-value store when it serves (empty when it does not)."""
     if _STARTED_HERE:
         return _DASHBOARD
-    return os.environ.get(DASHBOARD_ENV, "1") == "1"
+    if os.environ.get(LOCAL_MARK_ENV) == "1":
+        return os.environ.get(DASHBOARD_ENV, "1") == "1"
+    import ray.experimental.internal_kv as kv
+    from ray._private import ray_constants
+
+    try:
+        return bool(kv._internal_kv_get("webui:url", namespace=ray_constants.KV_NAMESPACE_DASHBOARD))
+    except Exception:  # not connected, or a Ray that keeps it elsewhere: Ray Train's own default stands
+        return True
 
 
 def in_local_instance() -> bool:

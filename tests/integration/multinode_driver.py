@@ -109,8 +109,10 @@ def main() -> None:
     pushed = load_file(os.path.join(work, "hub", "main", "model.safetensors"))
     same = all(torch.equal(pushed[k], v) for k, v in first.model.state_dict().items())
     losses = [e["loss"] for e in first.state.log_history if "loss" in e]
+    from raytrainer.driver.ray_runtime import serves_state_api
+
     print("RESULT " + json.dumps({"global_step": first.state.global_step, "pushed_is_final": same,
-                                  "logged_losses": losses}), flush=True)
+                                  "logged_losses": losses, "state_api": serves_state_api()}), flush=True)
 
 
 if __name__ == "__main__":

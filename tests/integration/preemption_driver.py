@@ -57,7 +57,9 @@ def main(address: str, work: str, max_failures: int) -> None:
         save_strategy="steps", save_steps=1000, logging_steps=5, report_to="none", disable_tqdm=True, seed=3)
     trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(512), callbacks=[Record(work)])
     out = trainer.train()
-    print("RESULT " + json.dumps({"global_step": out.global_step,
+    from raytrainer.driver.ray_runtime import serves_state_api
+
+    print("RESULT " + json.dumps({"global_step": out.global_step, "state_api": serves_state_api(),
                                   "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}),
           flush=True)
     trainer.close()

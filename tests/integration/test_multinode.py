@@ -77,6 +77,7 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
 
     # the driver pushed the final model once; tensorboard got each logged loss once
     assert result["global_step"] == 6 and result["pushed_is_final"]
+    assert result["state_api"] is True  # this cluster runs the dashboard (test_preemption_multinode's: not)
     runs = glob.glob(str(work / "tb" / "events.out.tfevents.*"))
     assert len(runs) == 1
     acc = EventAccumulator(str(work / "tb"))
