@@ -112,6 +112,26 @@ def placement_groups_of_this_job() -> set[str]:
             if pg_id.endswith(job) and pg["state"] != "REMOVED"}
 
 
+def orphaned_placement_groups() -> set[str]:
+    """The ids of this job's live placement groups whose creating actor has died: a Ray Train controller
+    that died with the Tune trial actor that owned it. Ray keeps a group for as long as its job *or* its
+    creator lives, so such a group holds its CPUs and GPUs until the search's driver ends; nothing of the
+    run is left to remove it (Ray Train's cleaner actor runs only where a State API is served)."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+
+    job = ray.get_runtime_context().get_job_id()
+    out = set()
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        group = PlacementGroupTableData.FromString(raw)
+        made_by_an_actor = group.creator_actor_id != b"\xff" * len(group.creator_actor_id)  # nil: the driver
+        if (made_by_an_actor and group.creator_actor_dead and group.creator_job_id.hex() == job
+                and group.state != PlacementGroupTableData.REMOVED):
+            out.add(group.placement_group_id.hex())
+    return out
+
+
 def remove_placement_groups(ids: set[str]) -> None:
     """Remove the placement groups ``ids``: what the worker groups of Tune trials killed at the end of a
     search left (their controllers died with the trials' actors) where Ray Train's cleaner does not run."""
@@ -119,9 +139,13 @@ def remove_placement_groups(ids: set[str]) -> None:
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     if ids:
-        logger.info("removing %d placement group(s) left by trials that Ray Tune ended", len(ids))
+        logger.info("removing %d placement group(s) left by worker groups of Tune trials that ended or "
+                    "failed (their controllers died with the trials' actors)", len(ids))
     for pg_id in ids:
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        except Exception as exc:  # removed meanwhile (Ray Train's cleaner, where it runs)
+            logger.debug("placement group %s: %s", pg_id, exc)
 
 
 def _forget_previous_ray_run(args, folder: str) -> None:

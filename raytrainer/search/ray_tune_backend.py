@@ -31,6 +31,7 @@ import posixpath
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import cloudpickle
@@ -54,6 +55,7 @@ METRIC = "objective"
 # here would be one the trial's own workers cannot have), a nominal 256 MiB of memory.
 _DRIVER_MEMORY = 256 * 2**20
 _RAY_TRAIN_RUN_RECORD = "checkpoint_manager_snapshot.json"  # Ray Train v2's record of a run's checkpoints
+_ORPHAN_WATCH_S = 60  # how long after a trial fails its worker group's placement group is looked for
 _STOP_TIMEOUT_S = 120  # how long a stopped trial's run may take to wind down (a step, the last commit)
 
 
@@ -239,6 +241,7 @@ def run_ray_tune(trainer, hp_space: Callable, compute_objective: Callable, n_tri
         if not args.disable_tqdm:
             run_kwargs["callbacks"] = [*(run_kwargs.get("callbacks") or []), _trial_lines(list(param_space))]
 
+    run_kwargs["callbacks"] = [*(run_kwargs.get("callbacks") or []), _orphans_removed()]
     trainable = tune.with_parameters(_trainable_class(), spec=_trial_spec(trainer),
                                      compute_objective=compute_objective, hp_name=hp_name)
     tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=param_space,
@@ -295,6 +298,38 @@ def _tune_output(quiet: bool):
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
             os.environ["RAY_AIR_NEW_OUTPUT"] = saved
+
+
+def _orphans_removed():
+    """A Tune callback (in this process): when a trial fails -- its actor died, say -- the placement group
+    of the worker group its actor drove goes at once, not when the search ends (driver/ray_train.py's
+    ``orphaned_placement_groups``), so the trials after it get those CPUs and GPUs."""
+    from ray import tune
+
+    from raytrainer.driver.ray_train import orphaned_placement_groups, remove_placement_groups
+
+    class OrphansRemoved(tune.Callback):
+        """Swept at the failure and at each of Tune's loop iterations for a while after it: the GCS marks
+        the controller dead a moment after Tune hears of the trial actor's death."""
+
+        def __init__(self):
+            self.until = 0.0
+
+        def _failed(self) -> None:
+            self.until = time.monotonic() + _ORPHAN_WATCH_S
+            remove_placement_groups(orphaned_placement_groups())
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._failed()
+
+        def on_trial_recover(self, iteration, trials, trial, **info):
+            self._failed()
+
+        def on_step_begin(self, iteration, trials, **info):
+            if time.monotonic() < self.until:
+                remove_placement_groups(orphaned_placement_groups())
+
+    return OrphansRemoved()
 
 
 def _trial_lines(param_names: list[str]):

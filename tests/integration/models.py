@@ -509,6 +509,19 @@ class StepLog(TrainerCallback):
                 f.write(f"{os.getpid()} {state.global_step}\n")
 
 
+class SlowStepLog(TrainerCallback):
+    """Each step sleeps ``seconds`` on every rank; rank 0 appends ``<pid> <step>`` to ``path``."""
+
+    def __init__(self, path: str, seconds: float):
+        self.path, self.seconds = path, seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+        if state.is_world_process_zero:
+            with open(self.path, "a") as f:
+                f.write(f"{os.getpid()} {state.global_step}\n")
+
+
 class PrintingTrainer(Trainer):
     """Prints one line per rank at the first training step (user code's print() on a worker)."""
 

@@ -12,7 +12,7 @@ import time
 import optuna
 import pytest
 import torch
-from models import Regressor, make_data
+from models import Regressor, SlowStepLog, make_data
 
 from raytrainer import Trainer, TrainingArguments
 from raytrainer.search import BestRun, TrialSummary
@@ -242,3 +242,58 @@ def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkey
     while live_placement_groups() - groups_before and time.time() < deadline:
         time.sleep(1)
     assert not live_placement_groups() - groups_before
+
+
+@pytest.mark.timeout(400)
+def test_a_ray_tune_trial_whose_actor_dies_gives_back_its_worker_group_s_placement_group_at_once(tmp_path):
+    """Two trials, one at a time. Trial 0's actor is SIGKILLed while its worker group trains: its Ray Train
+    controller dies with it, and the worker group's placement group -- which Ray keeps for as long as the
+    search's driver lives -- is removed while trial 1 trains, not when the search ends (before: it held
+    the 2 CPUs of its workers until then)."""
+    import threading
+
+    from ray import tune
+    from ray_state import alive_actors
+
+    from raytrainer.driver.ray_train import orphaned_placement_groups
+
+    steps = tmp_path / "steps"
+    args = _args(tmp_path, max_steps=40, eval_steps=20, save_steps=20)
+    trainer = Trainer(model_init=lambda trial: Regressor(), args=args, train_dataset=make_data(64),
+                      eval_dataset=make_data(16, seed=5), callbacks=[SlowStepLog(str(steps), 0.3)])
+    found: dict = {}
+
+    def search():
+        try:
+            found["best"] = trainer.hyperparameter_search(
+                hp_space=lambda _: {"learning_rate": tune.grid_search([0.1, 0.2])}, n_trials=1, backend="ray",
+                max_concurrent_trials=1)
+        except BaseException as exc:  # raised in the test's thread below
+            found["error"] = exc
+
+    def groups() -> list[list[int]]:  # the steps rank 0 logged, per worker group
+        lines = [line.split() for line in steps.read_text().splitlines()] if steps.exists() else []
+        pids = list(dict.fromkeys(pid for pid, _ in lines))
+        return [[int(s) for pid, s in lines if pid == p] for p in pids]
+
+    def wait_for(what, done, timeout=180):
+        deadline = time.time() + timeout
+        while not done():
+            assert time.time() < deadline, f"no {what} within {timeout} s: {found}"
+            assert thread.is_alive() or what == "the search's end", f"the search ended before {what}: {found}"
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=search, daemon=True)
+    thread.start()
+    wait_for("step 3 of trial 0", lambda: groups() and len(groups()[0]) >= 3)
+    (trial_actor,) = alive_actors(classes=("RaytrainerTrial",))
+    os.kill(trial_actor["Pid"], signal.SIGKILL)
+    wait_for("step 3 of trial 1", lambda: len(groups()) == 2 and len(groups()[1]) >= 3)
+    # trial 0's worker group's placement group is gone while trial 1 still trains
+    wait_for("removal of trial 0's worker group's placement group", lambda: not orphaned_placement_groups(),
+             timeout=30)
+    assert len(groups()[1]) < 40  # trial 1 still trained then
+    wait_for("the search's end", lambda: not thread.is_alive(), timeout=240)
+    assert "error" not in found, found
+    assert found["best"].hyperparameters == {"learning_rate": 0.2}  # the one trial that ended
+    assert groups()[0][-1] < 40 and groups()[1][-1] == 40
