@@ -55,6 +55,7 @@ GONE_AFTER_S = 10  # a node given SIGTERM: what is left of it after this long is
 FIRST_FAULT_AFTER = 2 * SAVE_STEPS + 2  # a checkpoint is committed before the first fault
 CLUSTER_SINGLETON = "_AutoscalingCoordinatorActor"
 GAP = 6  # steps between two planned faults, at least
+TAIL = 40  # steps after the last planned fault: a drained node's notice arrives some 25 steps after the drain
 
 
 @dataclass
@@ -76,7 +77,7 @@ def plan(seed: int, faults: int) -> tuple[list[Fault], int]:
     kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(faults - len(KINDS))]
     rng.shuffle(kinds)
     out = [Fault(kind, FIRST_FAULT_AFTER + GAP * i + rng.randrange(GAP)) for i, kind in enumerate(kinds)]
-    return out, FIRST_FAULT_AFTER + GAP * faults + 2 * SAVE_STEPS
+    return out, FIRST_FAULT_AFTER + GAP * faults + TAIL
 
 
 class Cluster:
@@ -358,6 +359,10 @@ def chaos(host: str, faults: int, seed: int, ip_start: int = 40, port_base: int 
                 new = [(p, s) for p, s in run.lines()[before:] if p != pid]
                 return new and run.ranks() is not None and new[0]
 
+            if fault.kind == "drain-node" and run.proc.poll() == 0:  # the run ended before the notice came
+                fault.notes.append("the run ended before the notice reached it")
+                fault.last = max(s for p, s in run.lines() if p == pid)
+                break
             _, first = run.wait(f"a worker group after {fault.kind}", next_group)
             fault.pause_s = round(time.monotonic() - t0, 1)
             fault.resumed_at = first - 1

@@ -286,7 +286,9 @@ def test_a_ray_tune_trial_whose_actor_dies_gives_back_its_worker_group_s_placeme
     thread = threading.Thread(target=search, daemon=True)
     thread.start()
     wait_for("step 3 of trial 0", lambda: groups() and len(groups()[0]) >= 3)
-    (trial_actor,) = alive_actors(classes=("RaytrainerTrial",))
+    trials = [a for a in alive_actors() if a["ActorClassName"].endswith("ResourceTrainable")]  # Tune's
+    assert len(trials) == 1, [a["ActorClassName"] for a in alive_actors()]
+    (trial_actor,) = trials
     os.kill(trial_actor["Pid"], signal.SIGKILL)
     wait_for("step 3 of trial 1", lambda: len(groups()) == 2 and len(groups()[1]) >= 3)
     # trial 0's worker group's placement group is gone while trial 1 still trains
