@@ -403,7 +403,7 @@ def problems(result: dict) -> list[str]:
     out = []
     if result["weights differ"]:
         out.append(f"final weights differ from the uninterrupted run's: {result['weights differ'][:5]}")
-    checkpoints = result["checkpoints"]
+    checkpoints = {int(step): found for step, found in result["checkpoints"].items()}  # JSON: str keys
     missing = [s for s in result["schedule"] if s not in checkpoints]
     if missing:
         out.append(f"checkpoints of the save schedule missing: {missing}")

@@ -353,6 +353,16 @@ SCENARIOS = [
     ("workers' prints and Ray's own output",
      "prints reach the console once with their rank; Ray's lines stay in its log folder",
      'tests/integration/test_failures.py'),
+    ("a Ray Tune trial's actor SIGKILLed mid-search",
+     "the trial fails; its worker group's placement group (its controller died with the actor) is removed "
+     "while the next trial trains, not when the search ends; the search returns the trial that ended",
+     'tests/integration/test_search.py'),
+    ("20 faults in one run on the 3-node cluster: workers and raylets SIGKILLed, drained nodes, SIGTERM to "
+     "every process of a node, a checkpoint write failing with ENOSPC, the driver SIGKILLed (the script "
+     "run again after the last two)",
+     "the uninterrupted run's final weights bit for bit, every checkpoint of the save schedule committed "
+     "and whole, no actor, placement group, process or temporary file of the run left (tables below)",
+     'tests/integration/test_chaos.py (full tier: DDP, FSDP, ZeRO-3, TRL SFT)'),
 ]
 
 
@@ -468,6 +478,7 @@ def main() -> None:
         with open(opts.write) as f:
             old = f.read()
         heading, _, kept = old.partition("\n## Soak")[2].partition("\n")
+        kept = kept.split("\n## ", 1)[0]  # the soak section only (the chaos section after it is its own)
         earlier = [line for line in kept.splitlines() if line.startswith("Kept from an earlier run")]
         if earlier:  # kept once already: its date stays the measuring run's
             when = earlier[0].split(". ", 1)[1]
