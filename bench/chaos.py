@@ -125,15 +125,23 @@ class Cluster:
         for pid in self.pids(index):
             _signal(pid, sig)
 
-    def replace(self, index: int) -> None:
-        """Node ``index`` is gone: whatever is left of it is SIGKILLed, and a new node joins with its IP."""
-        self.signal_node(index, signal.SIGKILL)
-        deadline = time.time() + 30
-        while self.pids(index) and time.time() < deadline:
-            time.sleep(0.2)
-        os.remove(os.path.join(self.state, f"node{index}.pid"))
-        shutil.rmtree(os.path.join(self.state, f"n{index}"), ignore_errors=True)
-        self._script("add")
+    def replace(self, index: int, tries: int = 3) -> None:
+        """Node ``index`` is gone: whatever is left of it is SIGKILLed, and a new node joins with its IP --
+        tried again, as an autoscaler would, when it does not start in time (a loaded machine)."""
+        for attempt in range(1, tries + 1):
+            self.signal_node(index, signal.SIGKILL)
+            deadline = time.time() + 30
+            while self.pids(index) and time.time() < deadline:
+                time.sleep(0.2)
+            os.remove(os.path.join(self.state, f"node{index}.pid"))
+            shutil.rmtree(os.path.join(self.state, f"n{index}"), ignore_errors=True)
+            try:
+                self._script("add")
+                return
+            except RuntimeError as exc:
+                if attempt == tries:
+                    raise
+                print(f"node {index} did not start (try {attempt} of {tries}): {str(exc)[-300:]}", flush=True)
 
     def down(self) -> None:
         try:
