@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -92,6 +93,15 @@ class Cluster:
                     "RAY_MN_LIFETIME": "5400"}
         self._script("up", str(nodes))
         self.address = self._read("address")
+        self.replacing: threading.Thread | None = None  # a lost node's replacement, joining
+        self.replace_error: Exception | None = None
+
+    def wait_for_replacement(self) -> None:
+        if self.replacing is not None:
+            self.replacing.join()
+            self.replacing = None
+            if self.replace_error is not None:
+                raise self.replace_error
 
     def _script(self, *args: str) -> str:
         done = subprocess.run(["bash", CLUSTER, *args], env=self.env, capture_output=True, text=True,
@@ -140,10 +150,13 @@ class Cluster:
                 return
             except RuntimeError as exc:
                 if attempt == tries:
-                    raise
+                    self.replace_error = exc
+                    return
                 print(f"node {index} did not start (try {attempt} of {tries}): {str(exc)[-300:]}", flush=True)
 
     def down(self) -> None:
+        if self.replacing is not None:
+            self.replacing.join(timeout=300)
         try:
             self._script("down")
         finally:
@@ -248,6 +261,8 @@ def inject(fault: Fault, run: Run, ranks: list[dict], rng: random.Random) -> Non
         fault.notes.append("the run ended naming the checkpoint; run again")
         run.launch()
         return
+    cluster.wait_for_replacement()
+    fault.step = run.lines()[-1][1]  # the run went on while the last lost node was replaced
     # a node that holds a rank, never the head (it holds the cluster's GCS, as a cloud's head node would)
     candidates = [(r, info) for r, info in enumerate(ranks) if info["ip"] != cluster.head_ip()]
     rank, info = rng.choice(candidates)
@@ -267,7 +282,10 @@ def inject(fault: Fault, run: Run, ranks: list[dict], rng: random.Random) -> Non
             env=run.env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         time.sleep(DRAIN_DEADLINE_S + 1)
-    cluster.replace(index)
+    # the node is replaced while the run goes on without it (a new node takes a while to join, longer on a
+    # loaded machine): the next node fault waits for it, so the cluster has its 3 nodes again by then
+    cluster.replacing = threading.Thread(target=cluster.replace, args=(index,), daemon=True)
+    cluster.replacing.start()
 
 
 def committed(out: str) -> dict[int, list[str]]:
