@@ -385,11 +385,16 @@ def chaos(host: str, faults: int, seed: int, ip_start: int = 40, port_base: int 
                 new = [(p, s) for p, s in run.lines()[before:] if p != pid]
                 return new and run.ranks() is not None and new[0]
 
-            if fault.kind == "drain-node" and run.proc.poll() == 0:  # the run ended before the notice came
-                fault.notes.append("the run ended before the notice reached it")
+            try:
+                _, first = run.wait(f"a worker group after {fault.kind}", next_group)
+            except RuntimeError:
+                if run.proc.poll() != 0:
+                    raise
+                # the run ended first: a drain's notice came after its last step, or the script run again
+                # found the final checkpoint committed; the faults after this one are not injected
+                fault.notes.append("the run ended before a new worker group started")
                 fault.last = max(s for p, s in run.lines() if p == pid)
                 break
-            _, first = run.wait(f"a worker group after {fault.kind}", next_group)
             fault.pause_s = round(time.monotonic() - t0, 1)
             fault.resumed_at = first - 1
             fault.last = max(s for p, s in run.lines() if p == pid)
@@ -427,6 +432,10 @@ def _equal(a, b) -> bool:
 def problems(result: dict) -> list[str]:
     """What the chaos run broke, in words; empty when it held."""
     out = []
+    ended_first = [f for f in result["faults"] if not f["target"]]
+    if ended_first:
+        out.append(f"{len(ended_first)} of {len(result['faults'])} faults not injected: the run ended first "
+                   "(a longer run, --faults fewer, or a less loaded machine)")
     if result["weights differ"]:
         out.append(f"final weights differ from the uninterrupted run's: {result['weights differ'][:5]}")
     checkpoints = {int(step): found for step, found in result["checkpoints"].items()}  # JSON: str keys
@@ -441,7 +450,8 @@ def problems(result: dict) -> list[str]:
 def table(result: dict) -> str:
     by_kind: dict[str, list[dict]] = {}
     for f in result["faults"]:
-        by_kind.setdefault(f["kind"], []).append(f)
+        if f["target"]:  # injected
+            by_kind.setdefault(f["kind"], []).append(f)
     lines = ["| fault | injected | survived | steps redone | pause (s, median / max) |",
              "|---|---|---|---|---|"]
     for kind in KINDS:
