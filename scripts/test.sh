@@ -8,7 +8,7 @@
 #                                  check bench/bench_step.py --check (about twice as long)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test,docs
 .venv/bin/ruff check .
 export OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
 tier=(-m "not full")
@@ -18,7 +18,7 @@ if [ "${1:-}" = "--full" ]; then
   tier=()
   full=1
 fi
-.venv/bin/python -m pytest tests -ra --durations=15 "${tier[@]}" "$@"
+.venv/bin/python -m pytest tests -ra --durations=40 "${tier[@]}" "$@"
 # The full tier also runs the GPU benchmark's code on CPU with a tiny config: every side (plain loop,
 # transformers.Trainer, raytrainer num_workers=0 and 1) must produce its row (tests/gpu is collected above
 # and skipped without CUDA; bench/gpu.sh runs it all on a GPU).

@@ -125,16 +125,16 @@ def _check_history(work, output: str, result: dict, before: int, after: int) -> 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("strategy", "host"), [
-    ("ddp", "raytrainer"), ("ddp", "transformers"),
+    ("ddp", "raytrainer"), pytest.param("ddp", "transformers", marks=pytest.mark.full),
     pytest.param("fsdp", "raytrainer", marks=pytest.mark.full),
     pytest.param("zero3", "raytrainer", marks=pytest.mark.full)])
 def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy,
                                                                                       host):
-    """DDP in CI, on raytrainer's Trainer and on ``on_ray(transformers.Trainer)`` (transformers' loop: its
-    batch size and accumulation set for each world size, its step-count skipping landing on the same rows
-    because the global batch is the same); FSDP (its DCP shards resharded from 3 ranks onto 2) and ZeRO-3
-    (DeepSpeed's universal checkpoint, with raytrainer's repair of its optimizer state:
-    tests/unit/test_zero3_universal.py) in the full tier."""
+    """DDP on raytrainer's Trainer in CI; in the full tier, DDP on ``on_ray(transformers.Trainer)``
+    (transformers' loop: its batch size and accumulation set for each world size, its step-count skipping
+    landing on the same rows because the global batch is the same), FSDP (its DCP shards resharded from 3
+    ranks onto 2) and ZeRO-3 (DeepSpeed's universal checkpoint, with raytrainer's repair of its optimizer
+    state: tests/unit/test_zero3_universal.py)."""
     work = tmp_path / "work"
     work.mkdir()
     with (local_cluster(3, "rt-ela-", up_timeout=240, **SETTINGS) as state,

@@ -27,7 +27,8 @@ def _args(out, strategy: str, learning_rate: float, **kw) -> TrainingArguments:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.full)],  # LoRA: below, in CI
+                         ids=["plain", "lora"])
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, strategy, lora):
     from safetensors.torch import load_file
