@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from raytrainer import ArgumentParser, EvalPrediction, Trainer, TrainingArguments
+from raytrainer import ArgumentParser, EvalPrediction, Trainer, TrainingArguments, set_seed
 
 
 class DigitsMLP(torch.nn.Module):
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> float:
     demo_args, args = parser.parse_args_into_dataclasses(args=argv)
 
     train, test = digits_splits(args.seed)
+    set_seed(args.seed)  # before the model is built, as transformers' example scripts do: the same weights
     trainer = Trainer(
         model=DigitsMLP(demo_args.hidden_size), args=args, train_dataset=train, eval_dataset=test,
         compute_metrics=accuracy,

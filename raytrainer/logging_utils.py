@@ -42,6 +42,15 @@ if not _workers.handlers:
     _workers.setLevel(logging.DEBUG)
 
 
+def say(message: str) -> None:
+    """One line of raytrainer's own status on the driver's console (``raytrainer: ...`` on stderr): shown at
+    the default level, and not when the ``raytrainer`` logger is set above WARNING."""
+    if _library.isEnabledFor(logging.WARNING):
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"raytrainer: {message}", file=sys.stderr)  # above a progress bar, which stays whole
+
+
 def emit_worker_record(line) -> None:
     """Print one record a worker forwarded (a ``protocol.LogLine``; its level was checked on the worker)."""
     record = logging.makeLogRecord(

@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
 from raytrainer.driver.pace import StragglerWatch
-from raytrainer.logging_utils import emit_worker_record
+from raytrainer.logging_utils import emit_worker_record, say
 from raytrainer.protocol import Attempt, CallbackEvent, Event, Kind
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,14 @@ class DriverDisplay:
 class Pump(threading.Thread):
     """Drains ``channel`` every ``period`` seconds while a command runs, and once more when stopped."""
 
-    def __init__(self, channel, display: DriverDisplay, registry, period: float = 0.1):
+    def __init__(self, channel, display: DriverDisplay, registry, period: float = 0.1,
+                 started_at: float | None = None):
         super().__init__(daemon=True, name="raytrainer-events")
         self.channel, self.display, self.registry, self.period = channel, display, registry, period
+        # the start of a new group's workers (None on a warm group): the console says when they are up and
+        # when the first step is done, once each
+        self.started_at = started_at
+        self._first_step_said = started_at is None
         self._stop_event = threading.Event()
         self._stop_sent = False
         self._attempt, self._evaluations = 0, 0
@@ -100,6 +106,9 @@ class Pump(threading.Thread):
             self.handlers[event.kind](event.payload)
         except Exception:
             logger.exception("while showing a worker event")
+        if not self._first_step_said and event.kind is Kind.CALLBACK and event.payload.name == "on_step_end":
+            self._first_step_said = True
+            say(f"first step done, {time.time() - self.started_at:.0f} s after the workers' start")
         if event.kind is Kind.CALLBACK and event.payload.name == "on_evaluate" and self.display.steers:
             self._evaluations += 1  # the workers wait for this decision (worker/stop.py)
             stop = bool(self.display.control.should_training_stop)
@@ -110,6 +119,9 @@ class Pump(threading.Thread):
         where training resumes and how many steps it does again."""
         if attempt.number > 0 and not attempt.failed:
             logger.warning(restart_line(attempt, self.display.state.global_step))
+        elif attempt.number == 0 and self.started_at is not None:
+            count = f"{attempt.world_size} " if attempt.world_size else ""
+            say(f"{count}workers up in {time.time() - self.started_at:.0f} s")
         self._attempt, self._evaluations = attempt.number, 0
 
     def stop(self) -> None:

@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 
+from raytrainer.logging_utils import say
 from raytrainer.protocol import Method, RankResult, Spec
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,10 @@ class WorkerGroup:
         self._thread.start()
         _LIVE.add(self)
         _close_before_ray_exits()
-        logger.debug("%s: starting %d workers", self.name, self.args.num_workers)
+        args, strategy = self.args, self.key[-1].removesuffix("Strategy")
+        workers = args.num_workers if args.min_workers in (None, args.num_workers) else \
+            f"{args.min_workers} to {args.num_workers}"
+        say(f"starting {workers} worker(s) on Ray Train ({strategy})")
 
     def _run(self, channel, datasets: dict | None) -> None:
         try:
@@ -152,7 +156,9 @@ class WorkerGroup:
         if not self.started:
             self.start(datasets)
         command = next(self._commands)
-        pump = Pump(self.channel, DriverDisplay(trainer), registry)
+        # the group's first command says when its workers are up, and its first step
+        pump = Pump(self.channel, DriverDisplay(trainer), registry,
+                    started_at=self.started_at if command == 1 else None)
         pump.start()
         started = time.time()
         self.busy = True

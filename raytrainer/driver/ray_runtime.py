@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
+
+from raytrainer.logging_utils import say
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,14 @@ DASHBOARD_ENV = "RAYTRAINER_RAY_DASHBOARD"
 def cpus_needed(args) -> float:
     per_worker = (args.resources_per_worker or {}).get("CPU", 1)
     return args.num_workers * per_worker
+
+
+def machine_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or a Slurm step's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 def gpus_needed(args) -> float:
@@ -93,6 +102,22 @@ def check_gpus_before_start(args) -> None:
             "with GPUs, give a cluster's address (ray_address= or RAY_ADDRESS), or set use_gpu=False.")
 
 
+def local_instance_cpus(args) -> tuple[int, float, int]:
+    """This machine's cores, the CPUs the workers ask for, and the logical CPUs a local instance gets: the
+    workers' share plus 2 spare, or Ray Data's read tasks (which need a CPU) would wait forever behind
+    training workers holding every CPU of a small machine. Workers asking for more CPUs than the machine
+    has are warned of: they would share the cores, every step slower."""
+    cores, needed = machine_cores(), cpus_needed(args)
+    if needed > cores:
+        per_worker = (args.resources_per_worker or {}).get("CPU", 1) or 1
+        logger.warning(
+            "num_workers=%d asks for %g CPUs, but this machine has %d CPU core(s): the workers would share "
+            "them, each step slower than on fewer workers. Set num_workers to %d or fewer, or give a "
+            "cluster's address (ray_address= or RAY_ADDRESS).", args.num_workers, needed, cores,
+            max(1, int(cores // per_worker)))
+    return cores, needed, max(cores, int(needed + 0.999) + 2)
+
+
 def ensure_ray(args) -> None:
     """Attach to the cluster in ``ray_address`` / ``RAY_ADDRESS``, or start a local instance."""
     import ray
@@ -106,15 +131,11 @@ def ensure_ray(args) -> None:
         # through the channel. A script that called ray.init() itself keeps the forwarding it chose.
         context = ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
-        print(f"raytrainer: connected to the Ray cluster at {address}; Ray's own output: {logs} on each node",
-              file=sys.stderr)
+        say(f"connected to the Ray cluster at {address}; Ray's own output: {logs} on each node")
         return
     for key, value in _LOCAL_ENV.items():
         os.environ.setdefault(key, value)
-    # Logical CPUs: the workers' share plus 2 spare, or Ray Data's read tasks (which need a CPU)
-    # would wait forever behind training workers holding every CPU of a small machine.
-    num_cpus = max(os.cpu_count() or 1, int(cpus_needed(args) + 0.999) + 2)
-    logger.info("starting a local Ray instance with %d CPUs", num_cpus)
+    cores, needed, num_cpus = local_instance_cpus(args)
     global _STARTED_HERE, _DASHBOARD
     _STARTED_HERE = True
     # Without the dashboard unless asked for: its head and modules are about 1 GB of the process tree and a
@@ -129,8 +150,8 @@ def ensure_ray(args) -> None:
         context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=_DASHBOARD,
                            log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
     logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
-    print(f"raytrainer: started a local Ray instance ({num_cpus} CPUs); Ray's own output: {logs}",
-          file=sys.stderr)
+    say(f"started a local Ray instance on this machine's {cores} CPU core(s) (Ray schedules {num_cpus} CPUs: "
+        f"{needed:g} for the workers, the rest spare); Ray's own output: {logs}")
 
 
 _SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")

@@ -26,6 +26,7 @@ from raytrainer.data import is_ray_dataset
 from raytrainer.driver import preflight
 from raytrainer.driver.registry import CheckpointRegistry
 from raytrainer.driver.spec import build as build_spec
+from raytrainer.logging_utils import say
 from raytrainer.protocol import RankResult, Spec
 from raytrainer.rank_context import local_context
 from raytrainer.storage import Storage
@@ -73,6 +74,10 @@ def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, o
     pusher = hub.for_training(trainer, registry)
     try:
         while True:
+            if kwargs.get("resume_from_checkpoint"):
+                target = kwargs["resume_from_checkpoint"]
+                say(f"resuming from {target}" + ("" if step_of(target) is None else
+                                                 f": training continues after step {step_of(target)}"))
             try:
                 return once(kwargs)
             except DamagedCheckpointError as exc:

@@ -172,10 +172,11 @@ def test_flipped_bytes_in_a_checkpoint_are_refused_by_name(tmp_path):
     assert again.state.global_step == 0
 
 
-def test_resume_true_falls_back_past_a_damaged_latest_checkpoint(tmp_path, caplog):
+def test_resume_true_falls_back_past_a_damaged_latest_checkpoint(tmp_path, caplog, capsys):
     """resume_from_checkpoint=True chose the latest committed checkpoint, whose weights were damaged after
     the commit: the damage is found when the weights are read, and the run resumes from the checkpoint
-    before it, with a warning naming both -- ending bitwise where an uninterrupted run ends."""
+    before it, with a warning naming both -- ending bitwise where an uninterrupted run ends. The console
+    says each checkpoint a resume starts from, and the step."""
     full = Trainer(model=DropoutNet(), args=args(tmp_path / "full", max_steps=12), train_dataset=data())
     full.train()
     out = tmp_path / "damaged"
@@ -194,6 +195,9 @@ def test_resume_true_falls_back_past_a_damaged_latest_checkpoint(tmp_path, caplo
     assert f"{out}/checkpoint-8 is damaged" in caplog.text
     assert "model.safetensors does not match its manifest checksum" in caplog.text
     assert f"resuming from {out}/checkpoint-4" in caplog.text
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytrainer: resuming")]
+    assert said == [f"raytrainer: resuming from {out}/checkpoint-8: training continues after step 8",
+                    f"raytrainer: resuming from {out}/checkpoint-4: training continues after step 4"]
     assert result.global_step == 12
     assert [h["step"] for h in again.state.log_history if "loss" in h] == [5, 10]
     for name, tensor in full.model.state_dict().items():

@@ -317,3 +317,23 @@ def test_a_driver_side_callback_decides_after_each_evaluation(tmp_path):
     assert backend.decisions == [False, True]
     assert backend.channels[0].stop
     assert [e[0] for e in recorder.events] == ["on_log", "on_evaluate", "on_evaluate"]
+
+
+def test_a_new_groups_start_is_said_once_each_stage_and_a_warm_groups_calls_say_nothing(tmp_path, capsys):
+    """The console says the workers are starting, when they are up and when the first step is done: for
+    the group's first call only; the next call on the warm group starts nothing, and says nothing."""
+    reply = _train_reply(tmp_path)
+    step_ends = [event(Kind.CALLBACK, CallbackEvent("on_step_end", _snapshot(step), {})) for step in (1, 2)]
+    reply.steps[4:4] = step_ends  # after on_train_begin
+    backend = FakeBackend({"train": reply, "evaluate": _eval_reply()})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+
+    trainer.train()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("raytrainer: ")]
+    assert [line.split(" in ")[0].split(",")[0] for line in said] == [
+        "raytrainer: starting 2 worker(s) on Ray Train (DDP)", "raytrainer: workers up",
+        "raytrainer: first step done"], said
+    assert said[2].endswith(" s after the workers' start")
+    trainer.evaluate()
+    assert "raytrainer: " not in capsys.readouterr().err
+    trainer.close()

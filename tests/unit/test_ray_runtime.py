@@ -1,4 +1,5 @@
-"""The local Ray instance is started without the Hub token in its (inherited) environment."""
+"""The local Ray instance: started without the Hub token in its (inherited) environment, with the CPUs the
+workers ask for (and a warning when the machine has fewer cores)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def test_use_gpu_without_gpus_fails_before_ray_starts(monkeypatch, make_args, ma
     with pytest.raises(ValueError, match=f"{before_ray}|{ray_up}"):
         trainer.train()
     assert time.monotonic() - started < 5 and ray.is_initialized() == running
+
+
+def test_the_local_instance_gets_the_workers_cpus_plus_two_and_too_many_workers_are_warned_of(
+        monkeypatch, make_args, caplog):
+    """On this machine's cores: 2 workers of 1 CPU fit 2 cores (Ray gets 2 spare: 4, no warning); 8 workers
+    ask for 8 CPUs of 2 cores: a warning naming the count that fits, and Ray gets 10."""
+    import logging
+
+    from raytrainer.driver import ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "machine_cores", lambda: 2)
+    with caplog.at_level(logging.WARNING, logger="raytrainer"):
+        assert ray_runtime.local_instance_cpus(make_args(num_workers=2)) == (2, 2, 4)
+        assert not caplog.records
+        assert ray_runtime.local_instance_cpus(make_args(num_workers=8)) == (2, 8, 10)
+    [warning] = caplog.records
+    assert warning.getMessage() == (
+        "num_workers=8 asks for 8 CPUs, but this machine has 2 CPU core(s): the workers would share them, "
+        "each step slower than on fewer workers. Set num_workers to 2 or fewer, or give a cluster's address "
+        "(ray_address= or RAY_ADDRESS).")
+    half = make_args(num_workers=8, resources_per_worker={"CPU": 0.5})
+    assert ray_runtime.local_instance_cpus(half) == (2, 4, 6)  # 4 of 2 cores: 4 workers of half a CPU fit
+    assert "Set num_workers to 4 or fewer" in caplog.records[-1].getMessage()
