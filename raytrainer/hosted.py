@@ -122,7 +122,7 @@ class HostedTrainer:
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         from raytrainer.callbacks import state_from_dict
         from raytrainer.driver.registry import CheckpointRegistry
-        from raytrainer.driver.runner import train_sequence
+        from raytrainer.driver.runner import keep_final_state, train_sequence
 
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -132,6 +132,7 @@ class HostedTrainer:
         result = train_sequence(self, kwargs, resume_from_checkpoint, registry,
                                 lambda kw: self._run("train", {**kw, "stop_from_driver": stops}, registry))
         self.state = state_from_dict(result.state)
+        keep_final_state(self)
         return result.output
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,

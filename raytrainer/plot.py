@@ -1,8 +1,10 @@
 """``raytrainer plot OUTPUT_DIR``: PNGs of a run's training and evaluation curves, or of a search's trials.
 
-A run: ``trainer_state.json`` from the latest committed ``checkpoint-<step>/`` (one with a ``manifest.json``)
-or from ``OUTPUT_DIR`` itself (``save_state()``), whichever has the higher ``global_step``; one PNG per
-metric family of ``log_history`` against ``step`` (``loss.png`` holds ``loss`` and ``eval_loss``).
+A run: ``trainer_state.json`` from the latest committed ``checkpoint-<step>/`` (one with a ``manifest.json``),
+from ``OUTPUT_DIR`` itself (``save_state()``) or the final one a run on Ray workers keeps in
+``OUTPUT_DIR/.raytrainer/``, whichever has the higher ``global_step``; one PNG per metric family of
+``log_history`` against ``step`` (``loss.png`` holds ``loss`` and ``eval_loss``), the loss first, then the
+evaluation metrics (not an evaluation's speed), then the rest.
 
 A hyperparameter search: the ``run-<trial id>/trial_summary.json`` files; ``search_objective.png``,
 ``search_best_so_far.png``, ``search_parallel_coordinates.png`` and ``search_trials.png``.
@@ -19,11 +21,14 @@ import os
 import re
 
 STATE_NAME = "trainer_state.json"
+FINAL_STATE = os.path.join(".raytrainer", STATE_NAME)  # driver/runner.keep_final_state
 SUMMARY_NAME = "trial_summary.json"  # raytrainer.search.common.SUMMARY_NAME (not imported: it pulls torch)
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # The entry train() logs once at the end (throughput, FLOPs, mean loss): not a curve.
 _SUMMARY_KEYS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 _NOT_METRICS = {"step", "epoch"}
+# how fast an evaluation ran, not what it measured: left out
+_SPEED_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
 DIRECTIONS = ("minimize", "maximize")
 
 
@@ -33,12 +38,14 @@ class PlotError(ValueError):
 
 # -- finding the data ---------------------------------------------------------------------------------------
 def find_trainer_state(output_dir: str) -> str | None:
-    """The ``trainer_state.json`` to plot: the latest committed checkpoint's or ``output_dir``'s own,
-    whichever has the higher ``global_step`` (``output_dir``'s on a tie: save_state() writes it last)."""
+    """The ``trainer_state.json`` to plot: the latest committed checkpoint's, ``output_dir``'s own
+    (``save_state()``) or the one a run on Ray workers keeps at its end (``.raytrainer/``), whichever has the
+    higher ``global_step`` (on a tie: ``save_state()``'s, then the final one, then the checkpoint's)."""
     candidates = []
-    root = os.path.join(output_dir, STATE_NAME)
-    if os.path.isfile(root):
-        candidates.append((_global_step(root), 1, root))
+    root, final = os.path.join(output_dir, STATE_NAME), os.path.join(output_dir, FINAL_STATE)
+    for rank, path in ((2, root), (1, final)):
+        if os.path.isfile(path):
+            candidates.append((_global_step(path), rank, path))
     steps = [int(m.group(1)) for name in _listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))]
     for step in sorted(steps, reverse=True):
         folder = os.path.join(output_dir, f"checkpoint-{step}")
@@ -90,8 +97,9 @@ def _number(value) -> float | None:
 
 # -- pure helpers ------------------------------------------------------------------------------------------
 def metric_series(log_history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """``{metric: (steps, values)}`` for every numeric metric of ``log_history``, except ``step``, ``epoch``
-    and the end-of-training summary entry."""
+    """``{metric: (steps, values)}`` for every numeric metric of ``log_history``, except ``step``, ``epoch``,
+    an evaluation's speed (``eval_runtime``, ``eval_samples_per_second``, ...) and the end-of-training
+    summary entry."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for entry in log_history:
         step = _number(entry.get("step"))
@@ -99,7 +107,7 @@ def metric_series(log_history: list[dict]) -> dict[str, tuple[list[int], list[fl
             continue
         for key, value in entry.items():
             value = _number(value)
-            if key not in _NOT_METRICS and value is not None:
+            if key not in _NOT_METRICS and not key.endswith(_SPEED_SUFFIXES) and value is not None:
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(int(step))
                 values.append(value)
@@ -108,11 +116,14 @@ def metric_series(log_history: list[dict]) -> dict[str, tuple[list[int], list[fl
 
 def metric_families(names) -> dict[str, list[str]]:
     """``{file stem: metrics}``: ``x`` and ``eval_x`` share axes, named ``x``; a lone ``eval_x`` keeps its
-    name."""
+    name. The loss comes first, then the evaluation metrics, then the rest."""
     groups: dict[str, list[str]] = {}
     for name in sorted(names, key=lambda n: n.startswith("eval_")):  # a training metric before its eval_
         groups.setdefault(name.removeprefix("eval_"), []).append(name)
-    return dict(sorted((base if base in group else group[0], group) for base, group in groups.items()))
+    families = {base if base in group else group[0]: group for base, group in groups.items()}
+    # the loss first, then what evaluations measured, then the rest (learning rate, gradient norm), by name
+    order = lambda stem: (stem != "loss", not any(n.startswith("eval_") for n in families[stem]), stem)  # noqa: E731
+    return {stem: families[stem] for stem in sorted(families, key=order)}
 
 
 def first_objective(objective) -> float | None:
@@ -187,7 +198,8 @@ def plot_run(output_dir: str, out_dir: str) -> list[str]:
     """One PNG per metric family of the run's ``trainer_state.json``; returns the paths written."""
     path = find_trainer_state(output_dir)
     if path is None:
-        raise PlotError(f"{output_dir} holds no {STATE_NAME} (looked for {output_dir}/{STATE_NAME} and "
+        raise PlotError(f"{output_dir} holds no {STATE_NAME} (looked for {output_dir}/{STATE_NAME}, "
+                        f"{output_dir}/{FINAL_STATE} and "
                         f"committed {output_dir}/checkpoint-<step>/{STATE_NAME})")
     state = _read_json(path)
     series = metric_series(state.get("log_history") or [])
@@ -302,6 +314,6 @@ def plot(output_dir: str, out_dir: str | None = None, direction: str = "minimize
         return plot_search(output_dir, out_dir, direction)
     if find_trainer_state(output_dir) is None:
         raise PlotError(f"nothing to plot in {output_dir}: it holds neither a {STATE_NAME} (looked for "
-                        f"{STATE_NAME} there and in committed checkpoint-<step>/ folders) nor hyperparameter "
-                        f"search trials (run-<trial id>/{SUMMARY_NAME})")
+                        f"{STATE_NAME} there, in {FINAL_STATE} and in committed checkpoint-<step>/ folders) "
+                        f"nor hyperparameter search trials (run-<trial id>/{SUMMARY_NAME})")
     return plot_run(output_dir, out_dir)

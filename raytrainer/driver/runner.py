@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import posixpath
 
 from raytrainer import final_weights, hub
@@ -61,9 +62,21 @@ def run(trainer, method: str, kwargs: dict):
 
     output = train_sequence(trainer, kwargs, asked, registry, once, preflight.check_resume_target)
     trainer.__dict__.pop("_init_mem_metrics", None)  # reported by this run (a worker's copy on Ray)
+    keep_final_state(trainer)
     if trainer.args.load_best_model_at_end:
         _load_best_model(trainer)
     return output
+
+
+def keep_final_state(trainer) -> None:
+    """After a ``train()`` on Ray workers, the run's final ``TrainerState`` in the driver's
+    ``output_dir/.raytrainer/trainer_state.json``: what ``raytrainer plot`` draws from a run that saved no
+    checkpoint (a run in this process leaves ``output_dir`` as transformers does: ``save_state()`` writes
+    it there)."""
+    if trainer.args.num_workers > 0:
+        folder = os.path.join(trainer.args.output_dir, ".raytrainer")
+        os.makedirs(folder, exist_ok=True)
+        trainer.state.save_to_json(os.path.join(folder, "trainer_state.json"))
 
 
 def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, once, check_target=None):

@@ -80,6 +80,11 @@ def _set_env(address: str, port: int) -> None:
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
     _set_torch_distributed_env_vars()  # RANK, LOCAL_RANK, WORLD_SIZE, ... as torchrun sets them
+    if not ray.get_gpu_ids():
+        # DeepSpeed's own name for a worker without a GPU: what its detection would settle on anyway, without
+        # the "Setting accelerator to CPU" warning it prints when it first loads (transformers' first save
+        # imports it through accelerate, DeepSpeed or not)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _init_process_group(**kwargs) -> None:

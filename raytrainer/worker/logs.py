@@ -80,6 +80,21 @@ class _ForwardStream(io.TextIOBase):
 
 
 @contextlib.contextmanager
+def _library_progress_bars_off():
+    """transformers' and huggingface_hub's progress bars off on a worker ("Writing model shards" at each save,
+    "Loading weights", downloads): the console's one bar is the driver's. Put back as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def rank_logging(args, rank: int, channel=None, driver_hf_level: int | None = None):
     """Apply the rank's log level; forward to ``channel`` (None: in the driver's own process).
 
@@ -113,6 +128,7 @@ def rank_logging(args, rank: int, channel=None, driver_hf_level: int | None = No
         added = [file_handler, forward]
     streams = contextlib.ExitStack()
     if channel is not None:  # print() and warnings of the rank's Python code reach the driver's console
+        streams.enter_context(_library_progress_bars_off())
         streams.enter_context(contextlib.redirect_stdout(_ForwardStream(channel, rank, sys.stdout)))
         streams.enter_context(contextlib.redirect_stderr(_ForwardStream(channel, rank, sys.stderr)))
     try:

@@ -65,7 +65,9 @@ def test_output_dir_holds_checkpoints_and_raytrainer_s_state_in_one_hidden_folde
     names = sorted(os.listdir(out))
     checkpoints = sorted({"checkpoint-6", os.path.basename(best)})
     assert names == [".raytrainer", *checkpoints, "logs"], names
-    assert sorted(os.listdir(out / ".raytrainer")) == ["final-model", "ray"]
+    assert sorted(os.listdir(out / ".raytrainer")) == ["final-model", "ray", "trainer_state.json"]
+    final = json.loads((out / ".raytrainer" / "trainer_state.json").read_text())  # `raytrainer plot` reads it
+    assert final["global_step"] == 6 and final["log_history"] == trainer.state.log_history
     ray_files = set(os.listdir(out / ".raytrainer" / "ray"))  # Ray Train's run folder
     assert ".validate_storage_marker" in ray_files
     assert ray_files <= {".validate_storage_marker", "checkpoint_manager_snapshot.json"}

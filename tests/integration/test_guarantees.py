@@ -333,6 +333,10 @@ def test_a_sigterm_to_a_workers_process_saves_commits_and_the_restart_ends_bitwi
     assert json.loads((out / "checkpoint-6" / "manifest.json").read_text())["global_step"] == 6
     assert "rank 1's process received a SIGTERM: every rank saves a checkpoint at step 6" in console
     assert "restart 1: Ray Train started the worker group again" in console
+    # the start said, and a worker's library noise kept off the console: transformers' "Writing model
+    # shards" bar at the save, DeepSpeed's accelerator warning when that save first imports it
+    assert "raytrainer: starting 2 worker(s) on Ray Train (DDP)" in console and "workers up in" in console
+    assert "Writing model shards" not in console and "Setting accelerator" not in console, console
     assert steps_by_group(out) == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     assert not alive(int((out / "sigterm").read_text()), wait_s=15)  # the signalled process ended
     assert_bitwise(runs["plain"], runs["signalled"], steps=12)

@@ -28,8 +28,7 @@ from raytrainer.plot import (
     normalise,
 )
 
-RUN_PNGS = {"loss.png", "learning_rate.png", "grad_norm.png", "eval_runtime.png",
-            "eval_samples_per_second.png", "eval_steps_per_second.png"}
+RUN_PNGS = {"loss.png", "learning_rate.png", "grad_norm.png"}  # no eval_runtime.png: a speed, not a metric
 SEARCH_PNGS = {"search_objective.png", "search_best_so_far.png", "search_parallel_coordinates.png",
                "search_trials.png"}
 
@@ -98,6 +97,7 @@ def test_plots_a_runs_curves_from_its_latest_checkpoint(trained, capsys):
     code, printed, err = run_cli(capsys, output_dir)
     assert code == 0, err
     assert_written(printed, os.path.join(output_dir, "plots"), RUN_PNGS)  # the default --out
+    assert os.path.basename(printed[0]) == "loss.png"  # the loss first
 
     path = find_trainer_state(output_dir)
     assert path == os.path.join(output_dir, "checkpoint-8", "trainer_state.json")
@@ -131,6 +131,30 @@ def test_picks_the_trainer_state_with_the_most_steps(trained, tmp_path, monkeypa
     assert "train_runtime" in history[-1] and "train_loss" in history[-1]
     # the same PNGs as from the checkpoint: no train_runtime.png, total_flos.png, train_loss.png...
     assert {f"{stem}.png" for stem in metric_families(metric_series(history))} == RUN_PNGS
+
+
+def test_a_run_on_workers_that_saved_no_checkpoint_plots_from_its_final_state(trained, tmp_path, capsys):
+    """A run on Ray workers keeps its final trainer state in .raytrainer/ (driver/runner.keep_final_state):
+    with no checkpoint (save_strategy="no", the demo) that is what is drawn; a later checkpoint wins."""
+    trainer, _ = trained
+    run = tmp_path / "run"
+    (run / ".raytrainer").mkdir(parents=True)
+    trainer.state.save_to_json(str(run / ".raytrainer" / "trainer_state.json"))
+    assert find_trainer_state(str(run)) == str(run / ".raytrainer" / "trainer_state.json")
+    code, printed, err = run_cli(capsys, str(run))
+    assert code == 0, err
+    assert_written(printed, str(run / "plots"), RUN_PNGS)
+    ahead = run / "checkpoint-9"
+    ahead.mkdir()
+    (ahead / "manifest.json").write_text("{}")
+    state = json.loads((run / ".raytrainer" / "trainer_state.json").read_text())
+    (ahead / "trainer_state.json").write_text(json.dumps({**state, "global_step": 9}))
+    assert find_trainer_state(str(run)) == str(ahead / "trainer_state.json")
+
+
+def test_the_loss_comes_first_then_evaluation_metrics_then_the_rest():
+    names = ["grad_norm", "learning_rate", "eval_accuracy", "eval_loss", "loss", "eval_f1"]
+    assert list(metric_families(names)) == ["loss", "eval_accuracy", "eval_f1", "grad_norm", "learning_rate"]
 
 
 def test_metric_series_skips_non_numbers_and_the_summary():
