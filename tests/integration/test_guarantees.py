@@ -24,8 +24,8 @@ def hosts(*in_ci: str) -> list:
     """The three hosts, those not named ``in_ci`` in the full tier. ``on_ray(transformers.Trainer)`` and TRL's
     SFTTrainer take one path (transformers' loop hosted by raytrainer/hosted.py), so CI runs each guarantee
     on raytrainer's Trainer and one of the two, the other in the full tier; where raytrainer's own Trainer
-    runs the same check in CI already (test_preemption.py, test_failures.py, test_warm_workers.py), the
-    hosted one alone."""
+    runs the same check in CI already (test_ddp.py, test_elastic.py, test_preemption.py, test_failures.py,
+    test_warm_workers.py), the hosted one alone."""
     return [host if host in in_ci else pytest.param(host, marks=pytest.mark.full) for host in HOSTS]
 
 
@@ -88,7 +88,7 @@ def end(trainer) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("host", hosts("raytrainer", "trl"))
+@pytest.mark.parametrize("host", hosts("trl"))  # raytrainer's: test_ddp.py's flags test, in CI
 def test_a_flag_set_on_one_rank_is_every_ranks(workdir, host):
     """A save asked in on_evaluate on rank 0 only (step 2) and a stop asked in on_step_end on rank 1 only
     (step 3): both ranks save at step 2 (a collective: a save on one rank hung the other), the checkpoint is
@@ -253,7 +253,7 @@ def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, hos
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("raytrainer", "trl"))
+@pytest.mark.parametrize("host", hosts("trl"))  # raytrainer's: test_elastic.py (3 workers, then 2), in CI
 def test_a_checkpoint_of_two_workers_resumes_on_one_along_the_uninterrupted_curve(workdir, host):
     """Saved on 2 workers x 2 rows, resumed on 1 worker x 4 (the same global batch) from step 2 of 6, with
     16 rows (4 steps an epoch: the resumed run crosses an epoch boundary): the losses of steps 3 to 6 are

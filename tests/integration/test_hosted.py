@@ -460,6 +460,7 @@ def test_a_search_over_hosted_model_init_trials_runs_on_pooled_workers_and_prune
     assert rates == {best.hyperparameters["learning_rate"]}  # the trial's (a constant schedule)
 
 
+@pytest.mark.full  # in CI: the Optuna search over hosted trials above, and test_search.py's Ray Tune searches
 @pytest.mark.timeout(420)
 def test_a_ray_tune_search_over_hosted_trials_trains_each_trial_with_its_hyperparameters(tmp_path):
     """backend="ray": each Tune trial actor gets a copy of the hosted trainer (no group, no pusher, no
