@@ -552,6 +552,17 @@ class DieOnceOnRank(TrainerCallback):
             os._exit(1)
 
 
+class RaiseOnRank(TrainerCallback):
+    """The user's code fails on one rank: ``ValueError`` as step ``step`` ends on rank ``rank``."""
+
+    def __init__(self, step: int, rank: int = 1):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank:
+            raise ValueError(f"the user's callback failed on rank {self.rank} at step {self.step}")
+
+
 class SigtermOnceOnRank(TrainerCallback):
     """Rank ``rank``'s process is sent SIGTERM as step ``step`` begins, once (``output_dir/sigterm`` holds
     its pid), as a scheduler ending the job signals it: the OS delivers it and Ray's handler on the actor's

@@ -3,7 +3,8 @@
     python multinode_driver.py ADDRESS WORKDIR
 
 Run 1 (log_on_each_node=True, save_on_each_node=True, report_to tensorboard, pushes to a file:// hub with
-a hub token); run 2 (log_on_each_node=False); run 3 (HSDP on 4 workers: parallelism_config). Every rank
+a hub token); run 2 (log_on_each_node=False); run 3 (HSDP on 4 workers: parallelism_config); run 4 saves,
+evaluates and fails on rank 1 (the user's callback raises). Every rank
 logs one INFO line naming its ranks; log_level is info for main processes and warning for replicas, so
 which lines reach this driver's output shows the log_on_each_node behaviour. Prints ``RESULT <json>`` at
 the end.
@@ -81,7 +82,15 @@ class MeshReport(TrainerCallback):
             json.dump(info, f)
 
 
-def run(address: str, work: str, tag: str, **overrides) -> Trainer:
+class FailOnRank1(TrainerCallback):
+    """The user's code failing on a worker: ``ValueError`` on rank 1 as step 3 ends."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3 and args.process_index == 1:
+            raise ValueError("the user's callback failed on rank 1 at step 3")
+
+
+def run(address: str, work: str, tag: str, extra_callbacks=(), **overrides) -> Trainer:
     values = {"num_workers": 2, "placement_strategy": "STRICT_SPREAD", "max_steps": 6,
               "per_device_train_batch_size": 8, "learning_rate": 0.05, "logging_steps": 2,
               "save_strategy": "steps", "save_steps": 6, "log_level": "info", "log_level_replica": "warning",
@@ -89,7 +98,8 @@ def run(address: str, work: str, tag: str, **overrides) -> Trainer:
     values.update(overrides)
     args = TrainingArguments(output_dir=os.path.join(work, tag), ray_address=address, **values)
     callbacks = [RankReport(work, tag)] + ([MeshReport(work)] if args.parallelism_config is not None else [])
-    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(96), callbacks=callbacks)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(96), eval_dataset=make_data(16),
+                      callbacks=callbacks + list(extra_callbacks))
     trainer.train()
     return trainer
 
@@ -104,6 +114,13 @@ def main() -> None:
     # HSDP over both nodes' 4 workers (2 each): replicas across the nodes, shards within one
     run(address, work, "hsdp", num_workers=4, placement_strategy="PACK", per_device_train_batch_size=4,
         parallelism_config={"dp_replicate_size": 2, "dp_shard_size": 2})
+    # saves, evaluates, then the user's code fails on rank 1: raised here, the console says it once
+    try:
+        run(address, work, "fails", save_steps=2, eval_strategy="steps", eval_steps=2, log_level="passive",
+            extra_callbacks=[FailOnRank1()])
+        failed = None
+    except ValueError as exc:
+        failed = str(exc)
     from safetensors.torch import load_file
 
     pushed = load_file(os.path.join(work, "hub", "main", "model.safetensors"))
@@ -112,7 +129,8 @@ def main() -> None:
     from raytrainer.driver.ray_runtime import serves_state_api
 
     print("RESULT " + json.dumps({"global_step": first.state.global_step, "pushed_is_final": same,
-                                  "logged_losses": losses, "state_api": serves_state_api()}), flush=True)
+                                  "logged_losses": losses, "state_api": serves_state_api(),
+                                  "failed": failed}), flush=True)
 
 
 if __name__ == "__main__":

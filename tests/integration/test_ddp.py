@@ -251,6 +251,7 @@ def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, ca
         assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
 
 
+@pytest.mark.full  # CI: the agreement itself (the test above); this one counts what it costs
 def test_callbacks_that_never_write_a_flag_cost_no_agreement_per_step(tmp_path):
     """A user callback that only looks (it counts all-reduces) lets the ranks skip the per-step agreement
     on the control flags; one whose code may set a flag gets it after every step (8 here)."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from console_lines import RAY_LINE, not_ours
 from models import CountTrainingStarts, InfLossOnRank, Regressor, make_data
 
 from raytrainer import TrainingArguments
@@ -44,36 +43,41 @@ def test_the_console_shows_the_run_and_its_prints_not_ray_s_internals(tmp_path, 
         assert internal not in console, internal
 
 
-_RAY_LINE = re.compile(r"(^|[\s\[(])ray\.[a-z_]|[/\\]ray[/\\]|RayDeprecationWarning|TrainingReport\(")
+def test_a_run_that_saves_evaluates_resumes_and_fails_on_a_worker_shows_only_raytrainer_s_lines(tmp_path,
+                                                                                                capfd):
+    """Every checkpoint a worker reports, every evaluation, a resume and the user's code failing on rank 1:
+    at the default log level (the first and last runs) and at log_level="info" (the resumed one) every line
+    of the console is raytrainer's (its own, the ranks' forwarded records and prints, the logged losses and
+    metrics), none from Ray's modules (Ray Train logs each reported checkpoint at INFO on a logger of its
+    own, which reached the console through the rank's forwarded records), and the failure's exception is
+    raised on the driver, not printed."""
+    from models import RaiseOnRank
 
-
-def test_a_run_that_saves_evaluates_and_resumes_shows_no_ray_line_at_the_default_level(tmp_path, capfd):
-    """Every checkpoint a worker reports, every evaluation and a resume: at the default log level (the first
-    run) and at log_level="info" (the resumed one) the console holds raytrainer's lines (the logged losses
-    and metrics) and none from Ray's modules (Ray Train logs each reported
-    checkpoint at INFO on a logger of its own, which reached the console through the rank's forwarded
-    records)."""
     from raytrainer import Trainer
 
-    def run(max_steps, resume=None, log_level="passive"):
+    def run(max_steps, resume=None, log_level="passive", callbacks=()):
         args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, max_steps=max_steps,
                                  per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
                                  eval_strategy="steps", eval_steps=2, logging_steps=2, report_to="none",
                                  disable_tqdm=True, log_level=log_level)
         with Trainer(model=Regressor(), args=args, train_dataset=make_data(32),
-                     eval_dataset=make_data(8, seed=2)) as trainer:
+                     eval_dataset=make_data(8, seed=2), callbacks=list(callbacks)) as trainer:
             trainer.train(resume_from_checkpoint=resume)
             return trainer.state.global_step
 
     capfd.readouterr()
     assert run(4) == 4
     assert run(6, resume=True, log_level="info") == 6
+    with pytest.raises(ValueError, match="the user's callback failed on rank 1 at step 7"):
+        run(8, resume=True, callbacks=[RaiseOnRank(7)])
     console = "".join(capfd.readouterr())
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
                                                                        "checkpoint-6"]
-    ray_lines = [line for line in console.splitlines() if _RAY_LINE.search(line)]
+    ray_lines = [line for line in console.splitlines() if RAY_LINE.search(line)]
     assert ray_lines == [], "\n".join(ray_lines)
     assert console.count("{'eval_loss'") == 3 and console.count("{'train_runtime'") == 2, console
+    assert not_ours(console) == [], "\n".join(not_ours(console))
+    assert console.count("raytrainer: resuming from") == 2  # the resumed run's and the failed run's
 
 
 def _run_with_one_loss(out, model, callbacks=()):

@@ -100,6 +100,7 @@ def test_sharded_saves_write_in_the_background_and_a_failed_write_fails_the_run_
     assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 18
 
 
+@pytest.mark.full  # CI: the sharded checkpoints above, consolidated at the end of every run
 @pytest.mark.timeout(300)
 def test_full_state_dict_checkpoints_are_consolidated_and_hold_what_the_sharded_ones_do(tmp_path):
     """FULL_STATE_DICT: model.safetensors and optimizer.pt gathered on rank 0, no DCP folders; the same run

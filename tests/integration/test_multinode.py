@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from console_lines import not_ours
 from local_cluster import ROOT, local_cluster, read
 
 DRIVER = os.path.join(os.path.dirname(__file__), "multinode_driver.py")
@@ -78,6 +79,12 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
     # the driver pushed the final model once; tensorboard got each logged loss once
     assert result["global_step"] == 6 and result["pushed_is_final"]
     assert result["state_api"] is True  # this cluster runs the dashboard (test_preemption_multinode's: not)
+
+    # on a running cluster too, every line of the console is raytrainer's or the script's own (RESULT), the
+    # worker's failure included: raised in the script, not printed by Ray
+    assert result["failed"] == "the user's callback failed on rank 1 at step 3"
+    assert not_ours(output, "RESULT ") == [], "\n".join(not_ours(output, "RESULT "))
+    assert output.count("raytrainer: connected to the Ray cluster at") == 1
     runs = glob.glob(str(work / "tb" / "events.out.tfevents.*"))
     assert len(runs) == 1
     acc = EventAccumulator(str(work / "tb"))
