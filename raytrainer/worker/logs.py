@@ -16,6 +16,7 @@ as it found it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -40,7 +41,12 @@ class _ForwardHandler(logging.Handler):
             return
         try:
             record.rank = self.rank
-            text = self.format(record)
+            # a message of several lines stays whole on the console: its blank edges dropped (transformers
+            # logs "\n***** Running Evaluation *****") and every further line (a traceback's) under the
+            # rank's prefix
+            shown = copy.copy(record)
+            shown.msg, shown.args = record.getMessage().strip("\n"), None
+            text = self.format(shown).replace("\n", f"\n[rank{self.rank}] ")
             self.channel.send(Kind.LOG, LogLine(record.levelno, text),
                               urgent=record.levelno >= logging.WARNING)
         except Exception:
