@@ -109,7 +109,7 @@ def local_instance_cpus(args) -> tuple[int, float, int]:
     has are warned of: they would share the cores, every step slower."""
     cores, needed = machine_cores(), cpus_needed(args)
     if needed > cores:
-        per_worker = (args.resources_per_worker or {}).get("CPU", 1) or 1
+        per_worker = needed / args.num_workers
         logger.warning(
             "num_workers=%d asks for %g CPUs, but this machine has %d CPU core(s): the workers would share "
             "them, each step slower than on fewer workers. Set num_workers to %d or fewer, or give a "

@@ -74,9 +74,11 @@ def keep_final_state(trainer) -> None:
     checkpoint (a run in this process leaves ``output_dir`` as transformers does: ``save_state()`` writes
     it there)."""
     if trainer.args.num_workers > 0:
-        folder = os.path.join(trainer.args.output_dir, ".raytrainer")
-        os.makedirs(folder, exist_ok=True)
-        trainer.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+        from raytrainer.plot import FINAL_STATE  # the path the plot command reads (plot.py: stdlib only)
+
+        path = os.path.join(trainer.args.output_dir, FINAL_STATE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        trainer.state.save_to_json(path)
 
 
 def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, once, check_target=None):
@@ -89,8 +91,9 @@ def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, o
         while True:
             if kwargs.get("resume_from_checkpoint"):
                 target = kwargs["resume_from_checkpoint"]
-                say(f"resuming from {target}" + ("" if step_of(target) is None else
-                                                 f": training continues after step {step_of(target)}"))
+                step = step_of(target)
+                after = "" if step is None else f": training continues after step {step}"
+                say(f"resuming from {target}{after}")
             try:
                 return once(kwargs)
             except DamagedCheckpointError as exc:
