@@ -166,7 +166,8 @@ CASES = [
                       call_kwargs={"resume_from_checkpoint": _other_model_checkpoint(o)})),
 ]
 
-# Fault scenarios and the test that measures each: in CI, or in the full tier (scripts/test.sh --full).
+# Fault scenarios and the test that measures each (CI runs those tests/integration/ci_tier.py lists; the full
+# tier, scripts/test.sh --full, runs every one).
 SCENARIOS = [
     ('a worker process lost mid-run (rank 1 exits at step 5), max_failures=1',
      'a new worker group resumes from the last committed checkpoint; final weights bitwise equal to '
@@ -349,7 +350,7 @@ SCENARIOS = [
      'to reach rank 1 (a model whose only bias is one number)',
      "rank 1 takes the group's hyperparameters and no state (its share is padding); the run goes on "
      "along the uninterrupted run's loss curve, both ways, ZeRO stages 1, 2 and 3",
-     'tests/integration/test_deepspeed.py (stages 2 and 3 in CI, 1 full tier)'),
+     'tests/integration/test_deepspeed.py (stages 1, 2 and 3)'),
     ("workers' prints and Ray's own output",
      "prints reach the console once with their rank; Ray's lines stay in its log folder",
      'tests/integration/test_failures.py'),

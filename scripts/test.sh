@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: set up, lint, then unit tests (in-process) and integration tests (one shared local
 # Ray instance, 2 CPU workers, gloo). Extra args go to pytest.
-#   bash scripts/test.sh           the CI tier: tests marked `full` (second variants of what it covers:
-#                                  other ZeRO stages, FSDP twins of DeepSpeed tests, 256 MiB model_init
-#                                  runs) are deselected, and pytest says how many
+#   bash scripts/test.sh           the CI tier: every unit test, and the integration tests that
+#                                  tests/integration/ci_tier.py lists (each guarantee and path once); the
+#                                  others are marked `full` and deselected, and pytest says how many
 #   bash scripts/test.sh --full    every test, bench/mfu.py --tiny --check and the per-step regression
 #                                  check bench/bench_step.py --check (about twice as long)
 set -euo pipefail

@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+from ci_tier import CI_TESTS
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -47,9 +48,12 @@ def _integration(ray_session):
     raytrainer.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not full"` deselects
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.integration)
+        if item.nodeid.split("tests/integration/", 1)[-1] not in CI_TESTS:
+            item.add_marker(pytest.mark.full)  # the full tier: ci_tier.py says what CI runs
         if not any(m.name == "timeout" for m in item.iter_markers()):
             item.add_marker(pytest.mark.timeout(240))
 

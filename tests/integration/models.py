@@ -14,7 +14,7 @@ from raytrainer import Trainer, TrainerCallback
 log = logging.getLogger("tests.integration")
 
 
-#: The arguments that pick each strategy, for tests run once per strategy (DDP in CI, the rest full tier).
+#: The arguments that pick each strategy, for tests run once per strategy.
 STRATEGY_ARGS = {
     "ddp": {},
     "fsdp": {"fsdp": "full_shard"},

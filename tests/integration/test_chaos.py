@@ -26,7 +26,6 @@ def _integration():  # overrides the conftest's: the run has a cluster of its ow
     yield
 
 
-@pytest.mark.full
 @pytest.mark.timeout(3000)
 @pytest.mark.parametrize("host", ["ddp", "fsdp", "zero3", "trl"])
 def test_twenty_faults_in_one_run_end_with_the_uninterrupted_weights_and_leave_nothing(host):

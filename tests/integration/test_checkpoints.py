@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 from models import DropoutRegressor, make_data
 
@@ -20,7 +19,6 @@ def _args(out, **kw) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
-@pytest.mark.full  # the full tier: CI resumes bitwise on 2 workers after a lost worker (test_failures.py)
 def test_two_worker_resume_mid_epoch_is_bitwise_equal_and_rotation_runs_on_the_driver(tmp_path):
     """storage_path is a file:// URI: the files go through pyarrow (staged, then copied), as for a bucket,
     and Ray Train's run folder is that folder, not a local one named after the URI."""

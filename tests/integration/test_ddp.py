@@ -152,7 +152,6 @@ def test_demo_reaches_90_percent_on_two_workers(tmp_path):
     assert accuracy > 0.90
 
 
-@pytest.mark.full  # the full tier: Ray Data sharding (CI trains from map-style datasets on 2 workers)
 def test_ray_dataset_is_sharded_per_worker(tmp_path):
     """A ray.data.Dataset trains on 2 workers, each reading its equal shard; evaluation sees every row."""
     import ray
@@ -180,7 +179,6 @@ def test_ray_dataset_is_sharded_per_worker(tmp_path):
     assert evals[-1]["eval_loss"] == pytest.approx(float(batch_means.mean()), rel=1e-5)
 
 
-@pytest.mark.full  # the full tier: Ray Data (CI trains from map-style datasets on 2 workers)
 @pytest.mark.timeout(300)
 def test_ray_dataset_rows_are_all_trained_on_in_a_new_order_every_epoch(tmp_path, capfd):
     """65 rows on 2 workers: the driver repeats row 0 so that Ray's equal split drops none (33 per rank, as
@@ -251,7 +249,6 @@ def test_flags_set_in_on_log_and_on_evaluate_on_one_rank_are_agreed(tmp_path, ca
         assert f"rank {rank} saved at [2] and ended at step 4" in (logs / f"rank-{rank}.log").read_text()
 
 
-@pytest.mark.full  # CI: the agreement itself (the test above); this one counts what it costs
 def test_callbacks_that_never_write_a_flag_cost_no_agreement_per_step(tmp_path):
     """A user callback that only looks (it counts all-reduces) lets the ranks skip the per-step agreement
     on the control flags; one whose code may set a flag gets it after every step (8 here)."""

@@ -28,7 +28,6 @@ def _config(stage: int, **extra) -> dict:
     return {**_CONFIG, "zero_optimization": {"stage": stage}, **extra}
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): CI trains and resumes ZeRO-3 below
 @pytest.mark.parametrize("strategy", ["fsdp", "zero0", "zero2", "zero3"])
 def test_each_strategy_reaches_the_ddp_accuracy_band_on_the_demo(tmp_path, strategy):
     import train_digits
@@ -85,13 +84,7 @@ def test_zero3_saves_write_in_the_background_and_a_failed_write_fails_the_run_na
 
 
 @pytest.mark.timeout(900)  # five runs: the full one, a resume, 2 -> 1 and 1 -> 2 with conversions
-@pytest.mark.parametrize(("stage", "bf16"), [
-    # CI runs stage 3 (its checkpoints hold the model only as partitions); the full tier
-    # (scripts/test.sh --full) stages 1 and 2 too
-    pytest.param(1, False, marks=pytest.mark.full),
-    pytest.param(2, False, marks=pytest.mark.full),
-    (3, True),
-])
+@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (2, False), (3, True)])
 def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, capfd, stage, bf16):
     """Each ZeRO stage that partitions the optimizer state (1-3): trains, resumes exactly on as many
     workers, and goes on along the uninterrupted run's loss curve on 1 worker (2 -> 1) and back on 2
@@ -176,7 +169,6 @@ def _assert_curve_goes_on(resumed, reference, after: int) -> None:
         assert abs(mine[step] - ref[step]) < 0.25 * ref[step], (step, mine, ref)
 
 
-@pytest.mark.full  # the full tier: NEFTune and the ZeRO engine are each in CI
 def test_neftune_noise_under_a_deepspeed_engine(tmp_path, capfd):
     """The NEFTune hook sits on the embedding module the engine wraps: noise in train mode only, on
     every rank, and removed when training ends."""
@@ -196,7 +188,6 @@ def test_neftune_noise_under_a_deepspeed_engine(tmp_path, capfd):
         assert f"rank {rank}: neftune hooks at train end=0" in console
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, two runs
 @pytest.mark.timeout(600)
 def test_zero3_model_init_builds_partitioned_and_resumes(tmp_path, capfd):
     """ZeRO-3 with model_init: built under deepspeed.zero.Init, so each rank holds half the parameters and its

@@ -94,7 +94,6 @@ def _losses(folder) -> list[tuple[int, float]]:
     return [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
 
 
-@pytest.mark.full  # the full tier: three 2-worker runs; CI kills a worker mid-run (test_failures.py)
 @pytest.mark.timeout(600)
 def test_a_killed_ray_driver_leaves_no_actor_and_the_rerun_resumes_the_same_steps(tmp_path, ray_session):
     from ray_state import alive_actors, live_placement_groups

@@ -125,12 +125,10 @@ def _check_history(work, output: str, result: dict, before: int, after: int) -> 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("strategy", "host"), [
-    ("ddp", "raytrainer"), pytest.param("ddp", "transformers", marks=pytest.mark.full),
-    pytest.param("fsdp", "raytrainer", marks=pytest.mark.full),
-    pytest.param("zero3", "raytrainer", marks=pytest.mark.full)])
+    ("ddp", "raytrainer"), ("ddp", "transformers"), ("fsdp", "raytrainer"), ("zero3", "raytrainer")])
 def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy,
                                                                                       host):
-    """DDP on raytrainer's Trainer in CI; in the full tier, DDP on ``on_ray(transformers.Trainer)``
+    """DDP on raytrainer's Trainer; DDP on ``on_ray(transformers.Trainer)``
     (transformers' loop: its batch size and accumulation set for each world size, its step-count skipping
     landing on the same rows because the global batch is the same), FSDP (its DCP shards resharded from 3
     ranks onto 2) and ZeRO-3 (DeepSpeed's universal checkpoint, with raytrainer's repair of its optimizer
@@ -157,9 +155,9 @@ def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_b
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("host", ["raytrainer", pytest.param("transformers", marks=pytest.mark.full)])
+@pytest.mark.parametrize("host", ["raytrainer", "transformers"])
 def test_an_elastic_run_grows_onto_a_node_added_mid_run_at_a_checkpoint(tmp_path, host):
-    """raytrainer's Trainer in CI; ``on_ray(transformers.Trainer)`` in the full tier."""
+    """On raytrainer's Trainer and on ``on_ray(transformers.Trainer)``."""
     work = tmp_path / "work"
     work.mkdir()
     # 2 s a step: the cluster's autoscaling coordinator took 6 to 20 s to count the new node's CPU

@@ -22,8 +22,7 @@ SMOKE = ["--num_workers", "2", "--disable_tqdm", "1", "--report_to", "none", "--
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", [
     ["--accelerate_config", os.path.join(CONFIGS, "accelerate_fsdp.yaml")],
-    pytest.param(["--fsdp", "full_shard auto_wrap", "--fsdp_config", os.path.join(CONFIGS, "fsdp.json")],
-                 marks=pytest.mark.full),
+    ["--fsdp", "full_shard auto_wrap", "--fsdp_config", os.path.join(CONFIGS, "fsdp.json")],
     ["--deepspeed", os.path.join(CONFIGS, "ds_zero3.json")],
 ], ids=["accelerate-fsdp-yaml", "fsdp-config", "zero3-json"])
 def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, capsys):
@@ -51,9 +50,9 @@ def test_the_gpt2_example_learns_under_each_strategy_config(tmp_path, strategy, 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.full)])
+@pytest.mark.parametrize("workers", [0, 2])
 def test_the_asha_search_example(tmp_path, capsys, workers):
-    """CI: each trial in its Tune trial actor (--num_workers 0); the full tier: on 2 Ray workers each."""
+    """Each trial in its Tune trial actor (--num_workers 0), and on 2 Ray workers each."""
     out = search_asha.main(["--n_trials", "4", "--num_train_epochs", "2", "--output_dir", str(tmp_path),
                             "--disable_tqdm", "1", "--report_to", "none", "--min_accuracy", "0.5",
                             "--num_workers", str(workers)])
@@ -69,8 +68,7 @@ def test_the_asha_search_example(tmp_path, capsys, workers):
 
 
 @pytest.mark.timeout(600)
-# 2 nodes in the full tier: CI runs two nodes in test_multinode.py
-@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=pytest.mark.full)])
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_the_local_cluster_job_example(tmp_path, nodes):
     """examples/local_cluster_job.sh as written: a local cluster of 1 or 2 nodes, the demo submitted as a
     job (with Ray's token authentication on the 1-node cluster), its exit status the job's, the cluster

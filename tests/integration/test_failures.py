@@ -111,7 +111,6 @@ def test_a_lost_worker_is_replaced_and_the_run_resumes_bitwise(tmp_path, uninter
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): CI kills a worker mid-run (test above)
 def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_path, uninterrupted, caplog):
     """Rank 0 dies half-way through writing checkpoint-4 (its weights file cut short, no manifest): the new
     worker group resumes from checkpoint-2, the last committed one, writes checkpoint-4 again whole, and ends
@@ -133,7 +132,6 @@ def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_
     assert set(rewritten) == set(uninterrupted)
 
 
-@pytest.mark.full  # the full tier: CI loses a worker once and resumes (test above)
 def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_path, ray_session):
     """Rank 1 dies at step 5, and again at step 5 after the restart: with max_failures=1 the second loss ends
     the run with an error naming rank 1; the last committed checkpoint is intact and resumes; the run leaves

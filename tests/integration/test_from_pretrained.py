@@ -27,9 +27,9 @@ def _args(out, strategy: str, learning_rate: float, **kw) -> TrainingArguments:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.full)],  # LoRA: below, in CI
+@pytest.mark.parametrize("lora", [False, True],
                          ids=["plain", "lora"])
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("zero3", marks=pytest.mark.full)])  # ZeRO-3: full
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, strategy, lora):
     from safetensors.torch import load_file
 
@@ -79,7 +79,7 @@ def test_model_init_from_pretrained_fine_tunes_on_two_workers(tmp_path, capfd, s
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("zero3", marks=pytest.mark.full)])  # ZeRO-3: full
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_lora_under_a_sharded_strategy_checkpoints_the_adapter_only_and_resumes_bitwise(tmp_path, strategy):
     """PEFT's LoRA on a frozen base sharded by FSDP or partitioned by ZeRO-3, 2 workers: each checkpoint's
     model is the adapter (PEFT's files, loadable with PeftModel.from_pretrained), and a run resumed from the

@@ -100,7 +100,6 @@ def test_sharded_saves_write_in_the_background_and_a_failed_write_fails_the_run_
     assert resumed.train(resume_from_checkpoint=str(out / "checkpoint-5")).global_step == 18
 
 
-@pytest.mark.full  # CI: the sharded checkpoints above, consolidated at the end of every run
 @pytest.mark.timeout(300)
 def test_full_state_dict_checkpoints_are_consolidated_and_hold_what_the_sharded_ones_do(tmp_path):
     """FULL_STATE_DICT: model.safetensors and optimizer.pt gathered on rank 0, no DCP folders; the same run
@@ -139,7 +138,6 @@ def test_full_state_dict_checkpoints_are_consolidated_and_hold_what_the_sharded_
         assert torch.equal(tensor, expected[name]), name
 
 
-@pytest.mark.full  # the full tier: CI runs examples/train_gpt2.py with an accelerate FSDP YAML
 def test_an_accelerate_fsdp_yaml_runs_fsdp(tmp_path, capfd):
     import os
 
@@ -230,7 +228,6 @@ def test_fsdp_initialises_each_rank_shard_of_a_plain_torch_model_with_each_modul
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses), losses
 
 
-@pytest.mark.full  # the full tier: CI initialises shards in the test above
 @pytest.mark.timeout(300)
 def test_fsdp_falls_back_to_rank_0_when_a_shard_cannot_be_initialised(tmp_path, capfd):
     """A model whose initialisation fails on one rank's shard: every rank agrees, warns, and goes rank 0's
@@ -250,7 +247,6 @@ def test_fsdp_falls_back_to_rank_0_when_a_shard_cannot_be_initialised(tmp_path, 
         assert torch.equal(built.model.state_dict()[name], tensor), name
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): a 256 MiB model, four runs
 @pytest.mark.timeout(900)
 def test_fsdp_model_init_never_builds_the_whole_model_on_a_rank(tmp_path, capfd):
     """model_init of a model whose root has reset_parameters(): every rank builds it on the meta device and

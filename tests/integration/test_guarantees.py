@@ -1,8 +1,8 @@
 """raytrainer's guarantees, for every host: raytrainer's own Trainer, ``on_ray(transformers.Trainer)``
 (transformers' loop on each rank) and TRL's ``SFTTrainer`` (``raytrainer.trl``), each on 2 workers.
 
-Each test is parametrized over the three hosts (``HOSTS``; ``hosts()`` says which run in CI and which in the
-full tier); the same tiny GPT-2, made from a config and saved as a model folder (no dropout: runs on
+Each test is parametrized over the three hosts (``HOSTS``; ci_tier.py names the one CI runs, the others run in
+the full tier); the same tiny GPT-2, made from a config and saved as a model folder (no dropout: runs on
 different worker counts draw the same numbers), trains under each.
 """
 
@@ -18,15 +18,6 @@ import torch
 from hosted_fixtures import ZERO3, OneRankDecides, ShardReport, order_sensitive_metrics, write_tiny_lm
 
 HOSTS = ["raytrainer", "transformers", "trl"]
-
-
-def hosts(*in_ci: str) -> list:
-    """The three hosts, those not named ``in_ci`` in the full tier. ``on_ray(transformers.Trainer)`` and TRL's
-    SFTTrainer take one path (transformers' loop hosted by raytrainer/hosted.py), so CI runs each guarantee
-    on raytrainer's Trainer and one of the two, the other in the full tier; where raytrainer's own Trainer
-    runs the same check in CI already (test_ddp.py, test_elastic.py, test_preemption.py, test_failures.py,
-    test_warm_workers.py), the hosted one alone."""
-    return [host if host in in_ci else pytest.param(host, marks=pytest.mark.full) for host in HOSTS]
 
 
 @pytest.fixture
@@ -88,7 +79,7 @@ def end(trainer) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("host", hosts("trl"))  # raytrainer's: test_ddp.py's flags test, in CI
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_flag_set_on_one_rank_is_every_ranks(workdir, host):
     """A save asked in on_evaluate on rank 0 only (step 2) and a stop asked in on_step_end on rank 1 only
     (step 3): both ranks save at step 2 (a collective: a save on one rank hung the other), the checkpoint is
@@ -143,7 +134,7 @@ def losses(trainer) -> dict[int, float]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("raytrainer", "transformers"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(workdir, host, caplog):
     """resume_from_checkpoint=True picks the latest committed checkpoint; its weights were damaged after the
     commit (same size: only the manifest's checksum can tell). The ranks refuse it before reading it, and
@@ -185,15 +176,13 @@ def test_a_resume_verifies_the_checkpoint_and_falls_back_past_a_damaged_one(work
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("host", "strategy"), [
-    ("raytrainer", "ddp"), pytest.param("transformers", "ddp", marks=pytest.mark.full), ("trl", "ddp"),
-    pytest.param("raytrainer", "fsdp", marks=pytest.mark.full), ("transformers", "fsdp"),
-    pytest.param("trl", "fsdp", marks=pytest.mark.full)])
+    (host, strategy) for strategy in ("ddp", "fsdp") for host in HOSTS])
 def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_it(workdir, host, strategy):
     """Rank 0's write of checkpoint-5's optimizer state (DDP: ``optimizer.pt``; FSDP saving sharded: its DCP
     shards) is held back 5 s and checkpoint-10's fails as a full disk does (ENOSPC): the step after the save
     goes on before checkpoint-5's files exist, the run fails naming checkpoint-10 and the error,
     checkpoint-5 alone is committed -- weights, optimizer, scheduler, trainer state, each rank's RNG state
-    -- and a run resumes from it to the end. (raytrainer's own FSDP: test_fsdp.py in CI.)"""
+    -- and a run resumes from it to the end."""
     from models import SlowThenFullDisk, train_into_the_full_disk
 
     common = dict(max_steps=12, save_steps=5, eval_strategy="no", max_failures=0)
@@ -220,7 +209,7 @@ def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("host", hosts("raytrainer", "transformers"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, host):
     """10 evaluation rows in batches of 2 on 2 workers: the last step's batch on rank 1 is padding, cut again
     after the gathering (accelerate pads an uneven split with rows from the start, so a row count that
@@ -253,7 +242,7 @@ def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, hos
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("trl"))  # raytrainer's: test_elastic.py (3 workers, then 2), in CI
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_checkpoint_of_two_workers_resumes_on_one_along_the_uninterrupted_curve(workdir, host):
     """Saved on 2 workers x 2 rows, resumed on 1 worker x 4 (the same global batch) from step 2 of 6, with
     16 rows (4 steps an epoch: the resumed run crosses an epoch boundary): the losses of steps 3 to 6 are
@@ -276,7 +265,7 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_along_the_uninterrupted_curv
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("trl"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_preemption_notice_saves_commits_and_the_restart_resumes_there(workdir, host, capfd):
     """Ray's preemption notice reaches rank 1 at step 3 (deadline 3 s): every rank saves checkpoint-4 (the
     ranks agree one check behind), the hold says it is committed only once the manifest is written, no
@@ -307,7 +296,7 @@ def test_a_preemption_notice_saves_commits_and_the_restart_resumes_there(workdir
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("raytrainer", "trl"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_sigterm_to_a_workers_process_saves_commits_and_the_restart_ends_bitwise(workdir, host, capfd):
     """max_failures=1: rank 1's process is sent SIGTERM as step 5 of 12 begins (a scheduler ending the
     job). Every rank saves checkpoint-6 (the ranks agree one check behind), commits it and stops; Ray Train
@@ -378,7 +367,7 @@ def test_a_sigterm_with_no_failures_left_stops_at_a_committed_checkpoint_the_nex
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("trl"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupted_one_ends(workdir, host):
     """max_failures=1: rank 1's process dies at the end of step 5; Ray Train starts the group again, which
     resumes from the latest committed checkpoint (not from the start): the losses and every final weight
@@ -402,7 +391,7 @@ def test_a_lost_worker_is_replaced_and_the_run_ends_bitwise_where_an_uninterrupt
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("host", hosts("transformers"))  # raytrainer's: test_warm_workers.py in CI
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_collected_trainers_workers_serve_the_next_trainer_of_its_shape(workdir, host):
     """A notebook's cell run again, a script's second trainer: the first trainer is garbage collected, and
     the next one of the same shape trains on its worker group (the same worker processes, no start-up),
@@ -442,7 +431,7 @@ def _owner(name: str) -> int | None:
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("host", hosts("raytrainer", "trl"))
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_resume_from_a_bucket_reads_each_ranks_share(workdir, host, s3_bucket):
     """FSDP on 2 CPU workers saving sharded (``SHARDED_STATE_DICT``), committed to an S3 bucket; a new trainer
     resumes from the bucket's checkpoint-4 along the uninterrupted curve. Each rank's reads, counted at the
@@ -503,10 +492,7 @@ SHARDED = {"fsdp": {"fsdp": "full_shard auto_wrap"}, "zero3": {"deepspeed": ZERO
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("host", "strategy"), [
-    pytest.param("raytrainer", "fsdp", marks=pytest.mark.full),
-    pytest.param("transformers", "fsdp", marks=pytest.mark.full), ("trl", "fsdp"),
-    pytest.param("raytrainer", "zero3", marks=pytest.mark.full),
-    pytest.param("transformers", "zero3", marks=pytest.mark.full), ("trl", "zero3")])
+    (host, strategy) for strategy in ("fsdp", "zero3") for host in HOSTS])
 def test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes(workdir, host, strategy):
     """FSDP (``fsdp="full_shard auto_wrap"``) or ZeRO-3 (a DeepSpeed config) on 2 CPU workers: each rank
     holds its half of the weights (for transformers' loop under FSDP, accelerate alone wrapped a CPU group

@@ -75,9 +75,7 @@ def load_saved(kind: str, folder: str):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [  # LoRA: sharded below in CI; the reward model: its loop is SFT's
-    "sft", pytest.param("sft-peft", marks=pytest.mark.full), "dpo",
-    pytest.param("reward", marks=pytest.mark.full)])
+@pytest.mark.parametrize("name", ["sft", "sft-peft", "dpo", "reward"])
 def test_a_trl_script_on_two_workers_trains_as_in_one_process_and_resumes(name, workdir, monkeypatch):
     script_name, flags, kind = SCRIPTS[name]
     script = trl_script_on_ray(script_name, str(workdir))
@@ -164,9 +162,9 @@ STRATEGIES = {
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("name", "strategy"), [
-    ("sft-peft", "fsdp"),  # SFTTrainer itself under FSDP: test_guarantees.py's sharded test, in CI
-    *(pytest.param(n, "fsdp", marks=pytest.mark.full) for n in ("sft", "dpo", "reward", "grpo")),
-    *(pytest.param(n, "zero3", marks=pytest.mark.full) for n in ("sft", "sft-peft", "dpo", "grpo"))])
+    ("sft-peft", "fsdp"),
+    *((n, "fsdp") for n in ("sft", "dpo", "reward", "grpo")),
+    *((n, "zero3") for n in ("sft", "sft-peft", "dpo", "grpo"))])
 def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy, workdir, monkeypatch):
     """TRL's script with ``--fsdp "full_shard auto_wrap"`` or a ZeRO-3 ``--deepspeed`` config on 2 CPU
     workers: the model is prepared by the strategy (its checkpoint files), it learns, and under FSDP the
@@ -343,7 +341,6 @@ def test_sentence_transformers_trainer_on_two_workers_matches_one_process(tmp_pa
     assert abs(two - statistics.fmean(one)) <= max(2 * (max(one) - min(one)), 0.01)
 
 
-@pytest.mark.full  # in CI: test_guarantees.py's lost worker (TRL) and resume from a bucket
 @pytest.mark.timeout(600)
 def test_a_lost_worker_is_replaced_and_the_hosted_run_resumes_from_its_last_committed_checkpoint(tmp_path,
                                                                                                 s3_bucket):
@@ -460,7 +457,6 @@ def test_a_search_over_hosted_model_init_trials_runs_on_pooled_workers_and_prune
     assert rates == {best.hyperparameters["learning_rate"]}  # the trial's (a constant schedule)
 
 
-@pytest.mark.full  # in CI: the Optuna search over hosted trials above, and test_search.py's Ray Tune searches
 @pytest.mark.timeout(420)
 def test_a_ray_tune_search_over_hosted_trials_trains_each_trial_with_its_hyperparameters(tmp_path):
     """backend="ray": each Tune trial actor gets a copy of the hosted trainer (no group, no pusher, no

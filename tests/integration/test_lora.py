@@ -92,7 +92,6 @@ class ByTrialNumber(optuna.samplers.BaseSampler):
         return self.values[name][trial.number]
 
 
-@pytest.mark.full  # in CI: test_search.py's searches over model_init trials
 @pytest.mark.timeout(300)
 def test_a_search_over_the_lora_rank_builds_each_trials_adapter_with_its_r_and_alpha(tmp_path):
     """hp_space suggests r (categorical) and lora_alpha, which are no TrainingArguments field: they reach

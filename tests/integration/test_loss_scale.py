@@ -76,9 +76,9 @@ def run(trainer_cls, args_cls, tmp_path, name: str, build, causal: bool, batch: 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("model", "host"), [  # each kind of loss and each host once in CI
-    ("bert-classifier", "raytrainer"), pytest.param("bert-classifier", "hosted", marks=pytest.mark.full),
-    pytest.param("gpt2-lm", "raytrainer", marks=pytest.mark.full), ("gpt2-lm", "hosted")])
+@pytest.mark.parametrize(("model", "host"), [
+    ("bert-classifier", "raytrainer"), ("bert-classifier", "hosted"),
+    ("gpt2-lm", "raytrainer"), ("gpt2-lm", "hosted")])
 def test_two_workers_log_one_process_loss_grad_norm_and_eval_loss(tmp_path, host, model):
     build, causal = {"bert-classifier": (bert_classifier, False), "gpt2-lm": (gpt2_lm, True)}[model]
     one = run(transformers.Trainer, transformers.TrainingArguments, tmp_path, "one", build, causal, 8, 1)
@@ -97,8 +97,7 @@ def test_two_workers_log_one_process_loss_grad_norm_and_eval_loss(tmp_path, host
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", [pytest.param("fsdp", marks=pytest.mark.full),
-                                      pytest.param("zero3", marks=pytest.mark.full)])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_a_mean_loss_under_a_sharding_strategy_logs_one_process_loss(tmp_path, strategy):
     """The question asked of the model (two extra forwards on the first batch) runs on sharded engines too:
     FSDP2 and ZeRO-3 on 2 workers x 2 x 2 accumulation steps against one process."""

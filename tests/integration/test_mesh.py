@@ -91,7 +91,6 @@ def test_fsdp_x_tp_and_hsdp_train_like_ddp_and_a_checkpoint_resumes_on_another_m
     assert abs(tp_pred.predictions - ddp_pred.predictions).max() < 2e-2
 
 
-@pytest.mark.full  # CI: tensor parallelism on a transformers model (the tests above and below)
 def test_a_plain_torch_model_with_a_tp_plan_initialises_its_shards_on_each_rank(tmp_path, capfd):
     """model_init building a plain torch model: every rank builds it on the meta device, tensor parallelism
     then FSDP shard the skeleton, and each rank initialises only its own shards (each module's own

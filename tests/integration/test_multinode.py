@@ -111,7 +111,6 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
                 assert TOKEN.encode() not in f.read(), os.path.join(root, name)
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): test_submit.py submits in CI
 @pytest.mark.timeout(600)
 def test_submit_the_docs_example_with_checkpoints_in_a_bucket(cluster, s3_bucket, tmp_path):
     """docs/cluster.md's example: `raytrainer submit ... -- python train_digits.py --num_workers 2

@@ -13,11 +13,10 @@ from raytrainer import Trainer, TrainingArguments
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.full),
-                                      pytest.param("zero3", marks=pytest.mark.full)])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_a_notice_saves_on_every_rank_and_the_restart_at_its_deadline_resumes_there_bitwise(tmp_path, capfd,
                                                                                          strategy):
-    """DDP in CI; FSDP (a DCP checkpoint, each rank its shard) and ZeRO-3 in the full tier."""
+    """DDP, FSDP (a DCP checkpoint, each rank its shard) and ZeRO-3."""
     def args(out: str) -> TrainingArguments:
         return TrainingArguments(output_dir=str(tmp_path / out), num_workers=2, max_steps=8, max_failures=0,
                                  per_device_train_batch_size=4, save_strategy="no", logging_steps=1,

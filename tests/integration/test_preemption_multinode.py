@@ -62,8 +62,8 @@ def _kill_node(state: str, index: int) -> None:
 
 
 @pytest.mark.timeout(600)
-# the SIGTERM case is the same notice from another source: a second variant, in the full tier
-@pytest.mark.parametrize("how", ["drain-node", pytest.param("sigterm", marks=pytest.mark.full)])
+# the SIGTERM case is the same notice from another source
+@pytest.mark.parametrize("how", ["drain-node", "sigterm"])
 def test_a_preempted_node_s_rank_saves_with_the_others_before_it_goes_and_the_run_resumes_there(
         cluster, tmp_path, how):
     """``drain-node``: ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` (a 15 s deadline), then the

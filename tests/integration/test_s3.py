@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-import pytest
 import torch
 from models import RecordPid, WideDropoutRegressor, make_data
 from test_fsdp import _args  # FSDP full_shard on 2 workers, saving every 5 steps
@@ -35,7 +34,6 @@ def _reads_by_rank(requests, out) -> dict[int, dict[str, int]]:
     return reads
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): CI reads a bucket with ZeRO-3 below
 def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tmp_path, s3_bucket):
     uri = f"{s3_bucket.uri}/runs/fsdp"
     data = make_data(48)
@@ -86,7 +84,6 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
         assert sum(reads[rank].values()) <= 0.6 * sum(sizes.values()), (rank, dict(reads[rank]), sizes)
 
 
-@pytest.mark.full  # the full tier: CI writes a search's checkpoints to a bucket (test_search.py)
 def test_deepspeed_zero3_resumes_from_a_bucket_each_rank_downloading_its_own_partition(tmp_path, s3_bucket):
     """DeepSpeed's loader reads files by path: from a bucket each rank downloads (verified) its own ZeRO
     partition files and the shared ones, none of the other rank's -- the checkpoint holds no gathered model,

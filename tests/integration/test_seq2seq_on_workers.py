@@ -33,7 +33,6 @@ _ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.full  # the full tier: CI compares Seq2Seq generation with transformers' in one process
 @pytest.mark.parametrize("strategy", [{}, {"fsdp": "full_shard auto_wrap"}, {"deepspeed": _ZERO3}],
                          ids=["ddp", "fsdp", "zero3"])
 def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strategy):
@@ -65,7 +64,6 @@ def test_generation_on_two_workers_equals_one_process(tmp_path, trained, strateg
     assert two.metrics["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-5)
 
 
-@pytest.mark.full  # the full tier (scripts/test.sh --full): tests/unit runs the example in one process
 def test_the_translation_example_on_two_workers(tmp_path, capsys):
     """examples/translate.py as written, in its smoke setting, with --num_workers 2: it trains, generates on
     the workers and scores the generations with BLEU."""

@@ -40,7 +40,7 @@ def _cli(args, token, home, timeout=300):
 @pytest.mark.timeout(300)
 def test_submit_with_token_auth_and_the_job_commands(head, tmp_path):
     """Token auth and `raytrainer jobs`, on a short job. The demo itself is submitted with token auth by
-    examples/local_cluster_job.sh in CI (tests/integration/test_examples_on_workers.py)."""
+    examples/local_cluster_job.sh (tests/integration/test_examples_on_workers.py)."""
     address, token, _ = head
     denied = _cli(["submit", "--address", address, "--", "python", "-c", "print('never runs')"], None,
                   tmp_path)
@@ -67,7 +67,6 @@ def test_submit_with_token_auth_and_the_job_commands(head, tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.full  # the full tier: CI submits with token auth (test above) and the demo by the example
 def test_exit_status_follows_the_job(head, tmp_path):
     address, token, _ = head
     failed = _cli(["submit", "--address", address, "--", "python", "-c", "import sys; sys.exit(7)"], token,

@@ -125,7 +125,6 @@ def test_a_second_trainer_runs_on_the_first_ones_group_as_on_a_fresh_group(tmp_p
     assert run_actors() <= before_actors and placement_groups() <= before_groups
 
 
-@pytest.mark.full  # the full tier: CI loses a worker during train (test_failures.py)
 def test_worker_lost_during_a_warm_evaluate_is_recovered(tmp_path, ray_session):
     """max_failures=1: rank 1 dies in the middle of evaluate() on the live group; Ray Train restarts the
     group, the evaluation runs again on the new workers and returns the same loss; the group then serves
@@ -176,7 +175,6 @@ def _final_weights(folder) -> dict:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.full  # the full tier: CI runs optuna trials on a warm group (test_search.py)
 def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_session):
     """5 optuna trials (dropout, different seeds, rates and lengths) run one after another on one live
     group (the same two worker processes train every trial); trial 3, run again alone in a search of its
@@ -209,7 +207,6 @@ def test_trials_on_a_warm_group_equal_the_same_trial_run_alone(tmp_path, ray_ses
     assert any(not torch.equal(first[k], pooled[k]) for k in pooled)  # the trials did differ
 
 
-@pytest.mark.full  # the full tier: CI checks that a search leaves the Ctrl-C handler as it was
 def test_ctrl_c_during_a_command_aborts_the_run(tmp_path, ray_session):
     """SIGINT on the driver while train() runs on the workers (Ray Train's own Ctrl-C handler is not there:
     fit() runs in a driver thread): KeyboardInterrupt reaches the caller, the run is aborted through its

@@ -18,7 +18,6 @@ def _args(out, strategy: str, workers: int, **kw):
     return _fsdp_args(out, num_workers=workers, per_device_train_batch_size=8 // workers, **sharding, **kw)
 
 
-@pytest.mark.full  # the full tier: five 2-worker or 1-worker runs per strategy
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_checkpoint_resumes_on_another_number_of_workers_both_ways(tmp_path, strategy):
