@@ -50,9 +50,14 @@ def _integration(ray_session):
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not full"` deselects
 def pytest_collection_modifyitems(items):
+    """The session's items, the unit tests' too (a conftest's hook sees them all): this folder's only."""
+    here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
+        path = str(item.path)
+        if os.path.dirname(path) != here:
+            continue
         item.add_marker(pytest.mark.integration)
-        if item.nodeid.split("tests/integration/", 1)[-1] not in CI_TESTS:
+        if f"{os.path.basename(path)}::{item.nodeid.split('::', 1)[1]}" not in CI_TESTS:
             item.add_marker(pytest.mark.full)  # the full tier: ci_tier.py says what CI runs
         if not any(m.name == "timeout" for m in item.iter_markers()):
             item.add_marker(pytest.mark.timeout(240))
