@@ -246,20 +246,11 @@ class FSDPStrategy(Strategy):
         return model
 
     def _initialise_shards(self, model: torch.nn.Module) -> bool:
-        """Allocate this rank's shards of the meta-built ``model`` and initialise them with the model's own
-        initialisation; False (on every rank) where that failed on any rank. Random draws: each rank its own
-        stream (on a CPU mesh DTensor's random ops draw from the local generator, so the same seed would give
-        every shard the same values); every rank then goes on from the shared generator state it had."""
-        import warnings
-
-        model.to_empty(device=self.ctx.device)
-        devices = [self.ctx.device] if self.ctx.device.type == "cuda" else []
+        """Allocate this rank's shards of the meta-built ``model`` and initialise them (``fill_shards``);
+        False (on every rank) where that failed on any rank."""
         error = None
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
-                torch.manual_seed(torch.initial_seed() + self.ctx.rank)
-                warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
-                self._init_shards[1]()
+            fill_shards(model, self._init_shards[1], self.ctx.rank, self.ctx.device)
         except Exception as exc:  # any failure means: the rank-0 way
             error = exc
         if self.ctx.any_flags([error is not None])[0]:
@@ -267,34 +258,11 @@ class FSDPStrategy(Strategy):
                 "FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
                 "broadcasts it instead", type(model).__name__, error or "on another rank")
             return False
-        self._agree_on_replicas(model)
-        return True
-
-    def _agree_on_replicas(self, model: torch.nn.Module) -> None:
-        """Each rank drew its own values above, also where ranks hold copies of the same values -- HSDP's
-        replicas, a tensor-parallel group's replicated parameters (norms, biases of rowwise layers, layers
-        without a plan) and buffers: those copies take the values of the first rank that holds them (a
-        broadcast over each dimension a tensor is not sharded on; replicated tensors are the small ones)."""
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
         tp_group = None
         if self.parallelism is not None and self.parallelism.tp_enabled:
             tp_group = self.device_mesh.get_group("tp")
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                groups = []
-                if isinstance(tensor, DTensor):
-                    mesh, local = tensor.device_mesh, tensor.to_local()
-                    groups = [mesh.get_group(i) for i, p in enumerate(tensor.placements) if p.is_replicate()]
-                    if tp_group is not None and "tp" not in mesh.mesh_dim_names:
-                        groups.append(tp_group)  # sharded over the data-parallel ranks only: copies over tp
-                else:
-                    local = tensor
-                    groups = [None]  # a plain tensor: one copy per rank
-                for group in groups:
-                    source = 0 if group is None else dist.get_global_rank(group, 0)
-                    dist.broadcast(local, src=source, group=group)
+        agree_on_replicas(model, tp_group)
+        return True
 
     def _fill_from_rank0(self, model: torch.nn.Module, full: dict | None) -> None:
         """Allocate the meta ranks' shards, then fill every rank's shard from rank 0's full weights one
@@ -427,6 +395,46 @@ def _gradient_sync_off(model):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def fill_shards(model: torch.nn.Module, initialise, rank: int, device: torch.device) -> None:
+    """Allocate this rank's shards of the meta-built, sharded ``model`` on ``device`` and run ``initialise``
+    on them (the model's own initialisation, the pretrained files' bytes). Random draws: each rank its own
+    stream (on a CPU mesh DTensor's random ops draw from the local generator, so the same seed would give
+    every shard the same values); every rank then goes on from the shared generator state it had. Copies
+    of the same values on several ranks are made equal after (``agree_on_replicas``)."""
+    import warnings
+
+    model.to_empty(device=device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
+        torch.manual_seed(torch.initial_seed() + rank)
+        warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+        initialise()
+
+
+def agree_on_replicas(model: torch.nn.Module, tp_group=None) -> None:
+    """Each rank drew its own values in ``fill_shards``, also where ranks hold copies of the same values --
+    HSDP's replicas, a tensor-parallel group's replicated parameters (norms, biases of rowwise layers, layers
+    without a plan; ``tp_group``) and buffers: those copies take the values of the first rank that holds them
+    (a broadcast over each dimension a tensor is not sharded on; replicated tensors are the small ones)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            groups = []
+            if isinstance(tensor, DTensor):
+                mesh, local = tensor.device_mesh, tensor.to_local()
+                groups = [mesh.get_group(i) for i, p in enumerate(tensor.placements) if p.is_replicate()]
+                if tp_group is not None and "tp" not in mesh.mesh_dim_names:
+                    groups.append(tp_group)  # sharded over the data-parallel ranks only: copies over tp
+            else:
+                local = tensor
+                groups = [None]  # a plain tensor: one copy per rank
+            for group in groups:
+                source = 0 if group is None else dist.get_global_rank(group, 0)
+                dist.broadcast(local, src=source, group=group)
 
 
 def _from_files(factory):

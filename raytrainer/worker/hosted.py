@@ -44,9 +44,11 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     trainer = _LIVE.get(recipe.key)
     if trainer is None:
         _LIVE.clear()
-        trainer_cls, args, kwargs_init, targs, given = recipe.fetched(payload).unpack(ctx.world_size)
+        fetched = recipe.fetched(payload)
+        trainer_cls, args, kwargs_init, targs, given = fetched.unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
-            trainer = build_trainer(trainer_cls, args, kwargs_init, targs)
+            trainer = build_trainer(trainer_cls, args, kwargs_init, targs,
+                                    again=lambda: fetched.unpack(ctx.world_size)[1:3])
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer

@@ -19,19 +19,46 @@ and the driver's ``trainer.model`` is consolidated from the partitions (``save_w
 from __future__ import annotations
 
 import functools
+import logging
 
 from raytrainer.strategies.malloc import return_freed_memory
 
+logger = logging.getLogger(__name__)
 
-def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs):
+
+def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=None):
     """``trainer_cls(*args, **kwargs)`` (``targs``: its training arguments): under DeepSpeed, built after
-    DeepSpeed's communication is set up over the worker group; on a CPU group given ``fsdp``, sharded."""
+    DeepSpeed's communication is set up over the worker group; on a CPU group given ``fsdp``, sharded. Under
+    FSDP2 on several ranks, given ``again`` (a fresh ``(args, kwargs)`` of the same recipe, for a second
+    build), the model it loads with ``from_pretrained`` is read shard by shard (worker/hosted_loading.py)."""
     import torch
+
+    from raytrainer.worker import hosted_loading
 
     if getattr(targs, "deepspeed", None) and torch.distributed.is_initialized():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # over the worker group
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if again is None or not hosted_loading.wanted(targs, world_size):
+        return _construct(trainer_cls, args, kwargs)
+    loaded = hosted_loading.FirstLoad()
+    with loaded.weightless():
+        trainer = _construct(trainer_cls, args, kwargs, by_shard=True)
+    if hosted_loading.shard_from_files(trainer, loaded, trainer.model):
+        trainer.model_wrapped = trainer.model
+        return trainer
+    logger.info("FSDP: the model %s trains is not the pretrained files' as they are; every rank builds the "
+                "trainer again, loading the whole model, which prepare() then shards", trainer_cls.__name__)
+    del trainer, loaded
+    return _construct(trainer_cls, *again())
+
+
+def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = False):
+    """``trainer_cls(*args, **kwargs)``, its accelerator switched to FSDP on a CPU group given ``fsdp``;
+    ``by_shard``: each ``model_init`` of ``train()`` reads its shards of the files (hosted_loading.py)."""
+    from raytrainer.worker import hosted_loading
+
     trainer = trainer_cls.__new__(trainer_cls)
     create = trainer.create_accelerator_and_postprocess  # the class's own (a subclass may override it)
 
@@ -42,6 +69,8 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs):
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
     trainer.__init__(*args, **kwargs)
+    if by_shard:  # after __init__: its own model_init call is the constructor's load, sharded by the caller
+        hosted_loading.load_sharded_model_init(trainer)
     trainer._raytrainer_save_whole = functools.partial(save_whole, trainer)  # the driver's trainer.model
     return trainer
 

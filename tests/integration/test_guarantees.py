@@ -41,9 +41,11 @@ def counting_rows(n: int, offset: int = 0) -> list[dict]:
 
 
 def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, compute_metrics=None,
-                 train_rows: int = 48, **overrides):
+                 train_rows: int = 48, by_path: bool = False, **overrides):
     """A trainer of ``host`` on 2 workers: 6 steps of 2 x 2 rows, an evaluation every 2 steps, no saves
-    unless a callback asks (``overrides`` replace any argument)."""
+    unless a callback asks (``overrides`` replace any argument). The model is loaded on the driver and sent,
+    or with ``by_path`` loaded on the workers: ``model_init`` calling ``from_pretrained`` (TRL's SFTTrainer
+    loads the path it is given on the workers either way)."""
     import datasets
     import transformers
 
@@ -69,8 +71,13 @@ def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, c
     else:
         trainer_cls, args_cls = raytrainer.Trainer, raytrainer.TrainingArguments
     tokens = [[{k: v for k, v in r.items() if k != "text"} for r in rows] for rows in (train, evaluation)]
-    model = transformers.GPT2LMHeadModel.from_pretrained("tiny-model")
-    return trainer_cls(model=model, args=args_cls(**args), train_dataset=tokens[0], eval_dataset=tokens[1],
+    if by_path:
+        from models import FromPretrained
+
+        given = {"model_init": FromPretrained("tiny-model")}
+    else:
+        given = {"model": transformers.GPT2LMHeadModel.from_pretrained("tiny-model")}
+    return trainer_cls(**given, args=args_cls(**args), train_dataset=tokens[0], eval_dataset=tokens[1],
                        callbacks=list(callbacks), compute_metrics=compute_metrics)
 
 
@@ -532,3 +539,36 @@ def test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes(work
     assert again.state.global_step == 6 and sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
         assert resumed[step] == pytest.approx(sharded_losses[step], rel=1e-5), (step, resumed, sharded_losses)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("host", HOSTS)
+def test_under_fsdp_each_rank_reads_only_its_shards_of_a_pretrained_model(workdir, host, capfd):
+    """FSDP on 2 workers, the model loaded on the workers by path (``model_init`` with ``from_pretrained``;
+    TRL's ``model="tiny-model"``): each rank builds a skeleton and reads only its shards' bytes from the
+    safetensors file, never the whole model, and starts from exactly the pretrained weights; then trains."""
+    from models import ReportStartingWeights
+
+    trainer = make_trainer(host, str(workdir / "out"), by_path=True, fsdp="full_shard auto_wrap", bf16=False,
+                           eval_strategy="no", save_strategy="no", log_level="info",
+                           log_level_replica="info", callbacks=[ReportStartingWeights("tiny-model")])
+    capfd.readouterr()
+    try:
+        assert trainer.train().global_step == 6
+        trained = losses(trainer)
+    finally:
+        end(trainer)
+    console = "".join(capfd.readouterr())
+    read = {int(r): (int(n), int(total)) for r, n, total in re.findall(
+        r"\[rank(\d)\].*read (\d+) bytes of this rank's shards of the pretrained weights from the files "
+        r"\(the whole weights: (\d+) bytes\)", console)}
+    assert sorted(read) == [0, 1], console[-3000:]
+    for n, total in read.values():
+        assert 0.4 * total < n < 0.6 * total, read  # its half of the weights' bytes, not the whole
+    starts = {int(r): (float(d), int(c), int(h), int(f)) for r, d, c, h, f in re.findall(
+        r"rank (\d): built_on=\w+ start_diff=(\S+) compared=(\d+) lora_b_max=\S+ held=(\d+) full=(\d+)",
+        console)}
+    assert sorted(starts) == [0, 1], console[-3000:]
+    for diff, compared, held, full in starts.values():
+        assert diff == 0.0 and compared > 0 and held < 0.6 * full, starts  # the files' weights, a half each
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6] and trained[6] < trained[1], trained

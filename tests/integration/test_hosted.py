@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import statistics
 import sys
@@ -165,11 +166,14 @@ STRATEGIES = {
     ("sft-peft", "fsdp"),
     *((n, "fsdp") for n in ("sft", "dpo", "reward", "grpo")),
     *((n, "zero3") for n in ("sft", "sft-peft", "dpo", "grpo"))])
-def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy, workdir, monkeypatch):
+def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy, workdir, monkeypatch,
+                                                                  capfd):
     """TRL's script with ``--fsdp "full_shard auto_wrap"`` or a ZeRO-3 ``--deepspeed`` config on 2 CPU
     workers: the model is prepared by the strategy (its checkpoint files), it learns, and under FSDP the
     output folder is a model folder (under ZeRO-3 transformers' ``save_model`` writes DeepSpeed's
-    partitions, as under accelerate launch). What each rank holds:
+    partitions, as under accelerate launch). Under FSDP each rank reads only its shards of the model the
+    script names (raytrainer/worker/hosted_loading.py), except the reward model, whose new head the files
+    lack (loaded whole, sharded by ``prepare``). What each rank holds:
     tests/integration/test_guarantees.py::test_a_sharded_strategy_shards_on_cpu_workers_trains_as_ddp_and_resumes."""
     (workdir / "zero3.json").write_text(json.dumps(ZERO3))
     (workdir / "rewards.py").write_text(REWARD_MODULE)
@@ -180,7 +184,18 @@ def test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves(name, strategy
     run_script(script, "--model_name_or_path", "tiny-model", *own, "--output_dir", "out",
                "--max_steps", "6", "--per_device_train_batch_size", "2", "--logging_steps", "1",
                "--save_steps", "3", "--learning_rate", "5e-3", "--report_to", "none", "--use_cpu",
-               "--disable_tqdm", "True", *flags, "--num_workers", "2", monkeypatch=monkeypatch)
+               "--disable_tqdm", "True", *flags, "--num_workers", "2", "--log_level", "info",
+               "--log_level_replica", "info", monkeypatch=monkeypatch)
+    console = "".join(capfd.readouterr())
+    if strategy == "fsdp":
+        whole = os.path.getsize("tiny-model/model.safetensors")
+        read = dict(re.findall(r"\[rank(\d)\].*read (\d+) bytes of this rank's shards", console))
+        again = re.findall(r"\[rank(\d)\].*every rank builds the trainer again", console)
+        if name == "reward":
+            assert sorted(again) == ["0", "1"] and not read, console[-3000:]
+        else:
+            assert sorted(read) == ["0", "1"] and not again, console[-3000:]
+            assert all(int(n) < 0.6 * whole for n in read.values()), (read, whole)
     for step in (3, 6):
         saved = set(os.listdir(f"out/checkpoint-{step}"))
         assert files | {"trainer_state.json", "manifest.json"} <= saved, saved

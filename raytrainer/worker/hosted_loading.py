@@ -1,0 +1,121 @@
+"""Under FSDP each rank of a hosted trainer reads only its shards of the ``from_pretrained`` model it trains.
+
+TRL's trainers load the model named by ``model=`` (a path or hub id) in their constructor; transformers'
+Trainer loads ``model_init``'s in its constructor and again in ``train()``. Left as they are, every rank loads
+the whole model and accelerate's ``prepare`` then shards it: at 70B, 280 GB of fp32 weights on each rank for
+a moment, which no node holds eight times. raytrainer's own FSDP path builds a skeleton and reads each
+rank's shards from the safetensors files (strategies/file_shards.py); a hosted trainer gets the same here:
+
+- the first ``PreTrainedModel.from_pretrained`` of the trainer's construction (or of a ``model_init`` call)
+  builds the skeleton under ``meta_model.weightless_loading``, which records each weight's file and key;
+- once the trainer holds that model, it is sharded by accelerate's own ``fsdp2_prepare_model`` (the wrap
+  policy, mixed precision and units transformers' ``train()`` would give it), each rank allocates its shards
+  and reads their bytes from the files (``fsdp.fill_shards``); buffers the files lack (rotary tables) come
+  from the model's own initialisation, PEFT's LoRA adapters from PEFT's;
+- ``train()`` then finds the model sharded (accelerate leaves an FSDP module as it is) and creates the
+  optimizer on the shards.
+
+Where the files cannot give the trained model's weights as they are (a head added after loading, a model the
+trainer did not take from the first load, adapters derived from the base weights) every rank builds the
+trainer again the ordinary way: whole, then sharded by ``prepare``. So also with FSDP1,
+``cpu_ram_efficient_loading`` (accelerate's rank-0 loading, as asked), CPU offload, activation checkpointing
+or ``torch_compile`` (accelerate orders those around its own sharding), and one worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def wanted(targs, world_size: int) -> bool:
+    """Whether ``targs`` (the rank's TrainingArguments) shard with FSDP2 where per-shard loading applies."""
+    plugin = getattr(targs, "fsdp_plugin_args", None) or {}
+    return (world_size > 1 and bool(plugin) and plugin.get("fsdp_version", 1) == 2
+            and not plugin.get("cpu_ram_efficient_loading") and not plugin.get("cpu_offload")
+            and not plugin.get("activation_checkpointing") and not getattr(targs, "torch_compile", False)
+            and getattr(targs, "parallelism_config", None) is None)
+
+
+class FirstLoad:
+    """Meanwhile (``with load:``), the first ``from_pretrained`` builds a skeleton whose weights' files are
+    recorded (``model``, ``sources``); any later one loads for real."""
+
+    def __init__(self):
+        self.model, self.sources = None, {}
+
+    @contextlib.contextmanager
+    def weightless(self):
+        import transformers.modeling_utils as modeling_utils
+
+        from raytrainer.meta_model import weightless_loading
+
+        owner = modeling_utils.PreTrainedModel
+        original = vars(owner)["from_pretrained"]
+
+        def from_pretrained(cls, *args, **kwargs):
+            owner.from_pretrained = original  # this call only (weightless_loading patches it in turn)
+            with weightless_loading(self.sources):
+                self.model = cls.from_pretrained(*args, **kwargs)
+            return self.model
+
+        owner.from_pretrained = classmethod(from_pretrained)
+        try:
+            yield self
+        finally:
+            owner.from_pretrained = original
+
+
+def shard_from_files(trainer, loaded: FirstLoad, model) -> bool:
+    """Shard ``model`` (the trainer's, which ``loaded`` built weightless) with the trainer's accelerator
+    and fill each rank's shards from the files: True on every rank, or False on every rank (nothing done)
+    where any rank cannot (the model not that skeleton, weights the files lack, no FSDP2 accelerator)."""
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    from raytrainer.meta_model import is_skeleton, sources_by_name
+    from raytrainer.strategies.file_shards import files_initialiser
+    from raytrainer.strategies.fsdp import _initialiser
+
+    accelerator = trainer.accelerator
+    initialise = None
+    mine = (loaded.model is not None and is_skeleton(model)
+            and any(m is loaded.model for m in model.modules())
+            and accelerator.state.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2)
+    if mine:
+        files = sources_by_name(model, loaded.sources)
+        initialise = files_initialiser(model, files, _initialiser(model)) if files else None
+    flag = torch.tensor([int(initialise is not None)], device=accelerator.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        return False
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
+
+    fsdp2_prepare_model(accelerator, model)  # in place, on the meta device: no weight is materialised
+    fill_shards(model, initialise, dist.get_rank(), accelerator.device)
+    agree_on_replicas(model)
+    return True
+
+
+def load_sharded_model_init(trainer) -> None:
+    """``trainer.call_model_init`` (``train()`` calls it again for each run) builds its model sharded from
+    the files where it can, else whole as before."""
+    call = trainer.call_model_init
+
+    def call_model_init(trial=None):
+        loaded = FirstLoad()
+        with loaded.weightless():
+            model = call(trial)
+        if shard_from_files(trainer, loaded, model):
+            return model
+        logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds it "
+                    "whole, then shards it", type(model).__name__)
+        return call(trial)
+
+    trainer.call_model_init = call_model_init
