@@ -14,8 +14,12 @@ local Ray instance, so its own fresh workers):
     fsdp_rank0   the same with ``fsdp_config["cpu_ram_efficient_loading"]``: rank 0 builds the whole model
                  and broadcasts it into every rank's shard (what every from_pretrained took before)
 
-and, with ``--sides``: ``zero3`` (DeepSpeed ZeRO-3, ``from_pretrained`` partitioned by transformers'
-``zero.Init``; DeepSpeed's buckets sized for a CPU worker, as docs/architecture.md explains), and
+and, with ``--sides``: ``hosted_ddp``, ``hosted_fsdp``, ``hosted_fsdp_rank0``, the same three with
+``on_ray(transformers.Trainer)`` (transformers' loop on each rank: under FSDP each rank reads its shards,
+worker/hosted_loading.py; with ``cpu_ram_efficient_loading`` every rank loads the whole model, which is what
+every hosted trainer did before, and accelerate broadcasts rank 0's); ``zero3`` (DeepSpeed ZeRO-3,
+``from_pretrained`` partitioned by transformers' ``zero.Init``; DeepSpeed's buckets sized for a CPU worker,
+as docs/architecture.md explains), and
 ``fsdp_config`` / ``zero3_config``: the same model from ``from_config`` (initialised, not loaded).
 
 On every worker a callback reads the kernel's high-water mark of the process's RSS (``VmHWM``: its whole
@@ -42,6 +46,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("ddp", "fsdp", "fsdp_rank0")
 MORE = ("zero3", "fsdp_config", "zero3_config")  # --sides ddp,zero3,fsdp_config,zero3_config
+HOSTED = ("hosted_ddp", "hosted_fsdp", "hosted_fsdp_rank0")  # --sides hosted_ddp,hosted_fsdp,...
 
 
 def _status_kb(key: str) -> int:
@@ -54,9 +59,11 @@ def _status_kb(key: str) -> int:
 
 def run_child(cfg: dict) -> None:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    from raytrainer import Trainer, TrainerCallback, TrainingArguments
+    import raytrainer
+    from raytrainer import TrainerCallback
 
     class Probe(TrainerCallback):
         """On every worker: VmHWM at train begin and at the end, the parameter bytes this rank holds."""
@@ -76,7 +83,13 @@ def run_child(cfg: dict) -> None:
                            "param_bytes_held": self.held, "global_step": state.global_step}, f)
 
     path = cfg["pretrained"]
-    side = cfg["side"]
+    hosted = cfg["side"].startswith("hosted_")  # transformers' Trainer on the workers (on_ray)
+    side = cfg["side"].removeprefix("hosted_")
+    if hosted:
+        Trainer = raytrainer.on_ray(transformers.Trainer)
+        TrainingArguments = raytrainer.config_on_ray(transformers.TrainingArguments)
+    else:
+        Trainer, TrainingArguments = raytrainer.Trainer, raytrainer.TrainingArguments
 
     def model_init():
         if side.endswith("_config"):  # the same model from its config: initialised, not loaded
@@ -148,7 +161,8 @@ def _load(path: str):
 
 def markdown(result: dict) -> str:
     MiB = 1024
-    ddp = max(r["vmhwm_end_kb"] for r in result["sides"]["ddp"]["ranks"])
+    base = "ddp" if "ddp" in result["sides"] else "hosted_ddp"
+    ddp = max(r["vmhwm_end_kb"] for r in result["sides"][base]["ranks"])
     lines = [f"{result['date']}, {result['machine']}: {result['params'] / 1e6:.0f}M parameters (float32 file "
              f"{result['file_bytes'] / 2**20:.0f} MiB), 2 CPU workers, {result['steps']} steps",
              "", "| side | peak RSS rank 0 / rank 1 (MiB) | at train begin rank 0 / rank 1 (MiB) | "

@@ -25,6 +25,7 @@ or ``torch_compile`` (accelerate orders those around its own sharding), and one 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 import torch
@@ -109,13 +110,25 @@ def load_sharded_model_init(trainer) -> None:
     call = trainer.call_model_init
 
     def call_model_init(trial=None):
+        handler = trainer.callback_handler
+        if not any(m is trainer.model for m in trainer.accelerator._models):
+            # train() replaces the constructor's model with this call's: not held twice while it builds (a
+            # model_init that fails leaves the trainer without one; train() raises its error). The callbacks'
+            # model (transformers keeps the constructor's there) becomes the model trained.
+            if handler.model is trainer.model:
+                handler.model = None
+            trainer.model = trainer.model_wrapped = None
+            gc.collect()  # transformers models sit in reference cycles: freed by a collection, not the drop
         loaded = FirstLoad()
         with loaded.weightless():
             model = call(trial)
-        if shard_from_files(trainer, loaded, model):
-            return model
-        logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds it "
-                    "whole, then shards it", type(model).__name__)
-        return call(trial)
+        if not shard_from_files(trainer, loaded, model):
+            logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds it "
+                        "whole, then shards it", type(model).__name__)
+            del model, loaded
+            model = call(trial)
+        if handler.model is None:
+            handler.model = model
+        return model
 
     trainer.call_model_init = call_model_init
