@@ -74,7 +74,8 @@ class FirstLoad:
 def shard_from_files(trainer, loaded: FirstLoad, model) -> bool:
     """Shard ``model`` (the trainer's, which ``loaded`` built weightless) with the trainer's accelerator
     and fill each rank's shards from the files: True on every rank, or False on every rank (nothing done)
-    where any rank cannot (the model not that skeleton, weights the files lack, no FSDP2 accelerator)."""
+    where any rank cannot (no trainer: its construction failed; the model not that skeleton; weights the
+    files lack; no FSDP2 accelerator)."""
     import torch.distributed as dist
     from accelerate.utils import DistributedType
 
@@ -82,16 +83,17 @@ def shard_from_files(trainer, loaded: FirstLoad, model) -> bool:
     from raytrainer.strategies.file_shards import files_initialiser
     from raytrainer.strategies.fsdp import _initialiser
 
-    accelerator = trainer.accelerator
+    accelerator = getattr(trainer, "accelerator", None)
     initialise = None
-    mine = (loaded.model is not None and is_skeleton(model)
+    mine = (accelerator is not None and loaded.model is not None and is_skeleton(model)
             and any(m is loaded.model for m in model.modules())
             and accelerator.state.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2)
     if mine:
         files = sources_by_name(model, loaded.sources)
         initialise = files_initialiser(model, files, _initialiser(model)) if files else None
-    flag = torch.tensor([int(initialise is not None)], device=accelerator.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(initialise is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank takes the same way
     if not flag.item():
         return False
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model

@@ -43,9 +43,14 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=Non
     if again is None or not hosted_loading.wanted(targs, world_size):
         return _construct(trainer_cls, args, kwargs)
     loaded = hosted_loading.FirstLoad()
-    with loaded.weightless():
-        trainer = _construct(trainer_cls, args, kwargs, by_shard=True)
-    if hosted_loading.shard_from_files(trainer, loaded, trainer.model):
+    try:
+        with loaded.weightless():
+            trainer = _construct(trainer_cls, args, kwargs, by_shard=True)
+    except Exception as exc:  # a constructor that reads the weights it loaded: the ordinary way (below)
+        logger.info("FSDP: %s could not be built on a weightless model (%s: %s)", trainer_cls.__name__,
+                    type(exc).__name__, exc)
+        trainer = None
+    if hosted_loading.shard_from_files(trainer, loaded, getattr(trainer, "model", None)):
         trainer.model_wrapped = trainer.model
         return trainer
     logger.info("FSDP: the model %s trains is not the pretrained files' as they are; every rank builds the "

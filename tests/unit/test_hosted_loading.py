@@ -39,6 +39,20 @@ class _FromPretrained:
         return transformers.AutoModelForCausalLM.from_pretrained(self.path)
 
 
+def _checks_its_weights():
+    """A Trainer subclass whose constructor loads the model by path and reads a weight's value (which a
+    weightless skeleton has not got): every rank builds it again the ordinary way."""
+    import transformers
+
+    class ChecksItsWeights(transformers.Trainer):
+        def __init__(self, model, **kwargs):
+            model = transformers.AutoModelForCausalLM.from_pretrained(model)
+            assert float(model.lm_head.weight.abs().sum()) > 0
+            super().__init__(model=model, **kwargs)
+
+    return ChecksItsWeights
+
+
 def _recipe(kind: str, folder: str, output_dir: str):
     """(trainer class, args, kwargs, training arguments) as a hosted rank unpacks them."""
     import torch
@@ -59,6 +73,8 @@ def _recipe(kind: str, folder: str, output_dir: str):
         return trl.SFTTrainer, (), dict(model=folder, args=args, train_dataset=rows), args
     args = transformers.TrainingArguments(**common)
     rows = [{"input_ids": row, "labels": row} for row in ids]
+    if kind == "reads_weights":
+        return _checks_its_weights(), (), dict(model=folder, args=args, train_dataset=rows), args
     return transformers.Trainer, (), dict(model_init=_FromPretrained(folder), args=args,
                                           train_dataset=rows), args
 
@@ -106,8 +122,8 @@ def _run(tmp_path, kind: str, by_shard: bool) -> list[dict]:
     return sorted(run_two_ranks(target, _free_port(), timeout=240), key=lambda r: r["rank"])
 
 
-@pytest.mark.parametrize("kind", ["trl", "model_init"])
-def test_each_rank_reads_its_shards_and_trains_as_the_whole_load(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["trl", "model_init", "reads_weights"])
+def test_under_fsdp_a_hosted_rank_reads_its_shards_where_it_can_and_trains_as_the_whole_load(tmp_path, kind):
     from safetensors.torch import load_file
 
     whole = _run(tmp_path, kind, by_shard=False)
@@ -116,8 +132,14 @@ def test_each_rank_reads_its_shards_and_trains_as_the_whole_load(tmp_path, kind)
     file_bytes = sum(t.numel() * t.element_size() for t in saved.values())
     for ordinary, r in zip(whole, shards):
         assert r["sharded"] and ordinary["sharded"]
-        assert r["built_sharded"] and not ordinary["built_sharded"]  # sharded before train(), by construction
         read = [line for line in r["lines"] if "bytes of this rank's shards" in line]
+        if kind == "reads_weights":  # built again, whole, and sharded by prepare as before
+            assert not read and not r["built_sharded"], r["lines"]
+            assert any("could not be built on a weightless model" in line for line in r["lines"])
+            assert any("builds the trainer again" in line for line in r["lines"])
+            assert r["losses"] == ordinary["losses"] and len(r["losses"]) == 4
+            continue
+        assert r["built_sharded"] and not ordinary["built_sharded"]  # sharded before train(), by construction
         assert len(read) == (1 if kind == "trl" else 2), r["lines"]  # model_init: __init__'s and train()'s
         found = re.search(r"read (\d+) bytes .* whole weights: (\d+) bytes", read[0])
         count, total = map(int, found.groups())
