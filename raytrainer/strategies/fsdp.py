@@ -440,8 +440,7 @@ def agree_on_replicas(model: torch.nn.Module, tp_group=None) -> None:
 def _from_files(factory):
     """``factory()`` as a skeleton on every rank, with how to fill its shards from the pretrained files it
     loads; (None, None) where it cannot be built so or the files do not give its weights."""
-    from raytrainer.meta_model import sources_by_name, weightless_loading
-    from raytrainer.strategies.file_shards import files_initialiser
+    from raytrainer.meta_model import weightless_loading
 
     sources: dict = {}
     try:
@@ -450,11 +449,18 @@ def _from_files(factory):
     except Exception as exc:  # any failure only means: the rank-0 way
         logger.debug("FSDP: model_init cannot build a weightless copy (%s: %s)", type(exc).__name__, exc)
         return None, None
-    files = sources_by_name(model, sources)
-    if not files:
-        return None, None
-    initialise = files_initialiser(model, files, _initialiser(model))
+    initialise = initialiser_from_files(model, sources)
     return (model, initialise) if initialise is not None else (None, None)
+
+
+def initialiser_from_files(model: torch.nn.Module, sources: dict):
+    """What fills ``model``'s shards from the files ``weightless_loading(sources)`` saw its weights set from
+    (``file_shards.files_initialiser``), or None where the files do not give them all."""
+    from raytrainer.meta_model import sources_by_name
+    from raytrainer.strategies.file_shards import files_initialiser
+
+    files = sources_by_name(model, sources)
+    return files_initialiser(model, files, _initialiser(model)) if files else None
 
 
 def _skeleton(factory, rank: int) -> torch.nn.Module:

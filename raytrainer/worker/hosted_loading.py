@@ -18,8 +18,9 @@ rank's shards from the safetensors files (strategies/file_shards.py); a hosted t
 Where the files cannot give the trained model's weights as they are (a head added after loading, a model the
 trainer did not take from the first load, adapters derived from the base weights) every rank builds the
 trainer again the ordinary way: whole, then sharded by ``prepare``. So also with FSDP1,
-``cpu_ram_efficient_loading`` (accelerate's rank-0 loading, as asked), CPU offload, activation checkpointing
-or ``torch_compile`` (accelerate orders those around its own sharding), and one worker.
+``cpu_ram_efficient_loading`` (accelerate's rank-0 loading, as asked), CPU offload, activation checkpointing,
+``torch_compile`` or ``parallelism_config`` (accelerate orders those around its own sharding), and one
+worker. A trainer whose construction loads nothing (a model given as an object) is kept as built.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def wanted(targs, world_size: int) -> bool:
 
 
 class FirstLoad:
-    """Meanwhile (``with load:``), the first ``from_pretrained`` builds a skeleton whose weights' files are
-    recorded (``model``, ``sources``); any later one loads for real."""
+    """Meanwhile (``with first_load.weightless():``), the first ``from_pretrained`` builds a skeleton whose
+    weights' files are recorded (``model``, ``sources``); any later one loads for real."""
 
     def __init__(self):
         self.model, self.sources = None, {}
@@ -71,31 +72,37 @@ class FirstLoad:
             owner.from_pretrained = original
 
 
-def shard_from_files(trainer, loaded: FirstLoad, model) -> bool:
-    """Shard ``model`` (the trainer's, which ``loaded`` built weightless) with the trainer's accelerator
-    and fill each rank's shards from the files: True on every rank, or False on every rank (nothing done)
-    where any rank cannot (no trainer: its construction failed; the model not that skeleton; weights the
-    files lack; no FSDP2 accelerator)."""
+#: What ``shard_from_files`` did, the same on every rank.
+SHARDED, AS_BUILT, AGAIN = "sharded", "as built", "again"
+
+
+def shard_from_files(trainer, loaded: FirstLoad, model) -> str:
+    """Shard ``model`` (the trainer's) with the trainer's accelerator and fill each rank's shards from the
+    files, where ``loaded`` built it weightless on every rank (SHARDED); leave it where no rank loaded
+    anything weightless (AS_BUILT: a model given as an object, or built from a config); else AGAIN: build it
+    the ordinary way (no trainer: its construction failed; a skeleton that is not the model trained, or whose
+    weights the files lack; no FSDP2 accelerator). Every rank gets the same answer."""
     import torch.distributed as dist
     from accelerate.utils import DistributedType
 
-    from raytrainer.meta_model import is_skeleton, sources_by_name
-    from raytrainer.strategies.file_shards import files_initialiser
-    from raytrainer.strategies.fsdp import _initialiser
+    from raytrainer.meta_model import is_skeleton
+    from raytrainer.strategies.fsdp import initialiser_from_files
 
     accelerator = getattr(trainer, "accelerator", None)
-    initialise = None
-    mine = (accelerator is not None and loaded.model is not None and is_skeleton(model)
+    initialise, untouched = None, accelerator is not None and loaded.model is None
+    if (accelerator is not None and loaded.model is not None and is_skeleton(model)
             and any(m is loaded.model for m in model.modules())
-            and accelerator.state.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2)
-    if mine:
-        files = sources_by_name(model, loaded.sources)
-        initialise = files_initialiser(model, files, _initialiser(model)) if files else None
+            and accelerator.state.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2):
+        initialise = initialiser_from_files(model, loaded.sources)
+    mine = 2 if initialise is not None else 1 if untouched else 0
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(initialise is not None)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank takes the same way
-    if not flag.item():
-        return False
+    votes = torch.tensor([mine, -mine], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)  # the least and the most any rank can do
+    least, most = int(votes[0]), -int(votes[1])
+    if least != most or least == 0:
+        return AGAIN
+    if least == 1:
+        return AS_BUILT
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
@@ -103,7 +110,7 @@ def shard_from_files(trainer, loaded: FirstLoad, model) -> bool:
     fsdp2_prepare_model(accelerator, model)  # in place, on the meta device: no weight is materialised
     fill_shards(model, initialise, dist.get_rank(), accelerator.device)
     agree_on_replicas(model)
-    return True
+    return SHARDED
 
 
 def load_sharded_model_init(trainer) -> None:
@@ -124,7 +131,7 @@ def load_sharded_model_init(trainer) -> None:
         loaded = FirstLoad()
         with loaded.weightless():
             model = call(trial)
-        if not shard_from_files(trainer, loaded, model):
+        if shard_from_files(trainer, loaded, model) == AGAIN:
             logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds it "
                         "whole, then shards it", type(model).__name__)
             del model, loaded

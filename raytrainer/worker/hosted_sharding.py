@@ -50,8 +50,10 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=Non
         logger.info("FSDP: %s could not be built on a weightless model (%s: %s)", trainer_cls.__name__,
                     type(exc).__name__, exc)
         trainer = None
-    if hosted_loading.shard_from_files(trainer, loaded, getattr(trainer, "model", None)):
+    done = hosted_loading.shard_from_files(trainer, loaded, getattr(trainer, "model", None))
+    if done == hosted_loading.SHARDED:
         trainer.model_wrapped = trainer.model
+    if done != hosted_loading.AGAIN:
         return trainer
     logger.info("FSDP: the model %s trains is not the pretrained files' as they are; every rank builds the "
                 "trainer again, loading the whole model, which prepare() then shards", trainer_cls.__name__)
