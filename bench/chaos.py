@@ -49,6 +49,7 @@ from chaos_driver import SAVE_STEPS  # noqa: E402
 
 CLUSTER = os.path.join(ROOT, "cluster", "local-multinode.sh")
 DRIVER = os.path.join(HERE, "chaos_driver.py")
+HOSTS = ["ddp", "fsdp", "zero3", "trl"]  # raytrainer's Trainer by strategy; TRL's SFTTrainer
 KINDS = ("kill-worker", "kill-raylet", "drain-node", "sigterm-node", "storage-full", "kill-driver")
 NODE_KINDS = ("kill-raylet", "drain-node", "sigterm-node")
 DRAIN_DEADLINE_S = 10
@@ -466,7 +467,7 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", default="ddp", choices=["ddp", "fsdp", "zero3", "trl"])
+    parser.add_argument("--host", default="ddp", choices=HOSTS)
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the result here too")

@@ -387,9 +387,10 @@ def run_case(name, make) -> dict:
             "seconds": seconds, "ray_started": ray_started, "ok": ok}
 
 
-def chaos_section(results: list[dict]) -> list[str]:
-    """bench/chaos.py's results, one table each: faults injected by kind, survived, steps redone, pauses."""
-    from chaos import problems
+def chaos_section(results: list[dict], kept: str = "") -> list[str]:
+    """bench/chaos.py's results, one table each: faults injected by kind, survived, steps redone, pauses.
+    A host these results lack keeps its table from ``kept`` (the file's chaos section; each table dated)."""
+    from chaos import HOSTS, problems
     from chaos import table as chaos_table
 
     lines = ["## Chaos run: many faults in one run (bench/chaos.py; tests/integration/test_chaos.py, full)",
@@ -397,13 +398,17 @@ def chaos_section(results: list[dict]) -> list[str]:
              "run again after the two that end it; held = the final weights equal an uninterrupted run's "
              "bit for bit, every checkpoint of the save schedule committed and whole, and no actor, "
              "placement group, process or temporary file of the run left after it."]
+    blocks = {part.split("**", 1)[0]: "**" + part.rstrip("\n") for part in kept.split("\n**")[1:]}
     for r in results:
         broken = problems(r)
         verdict = "held." if not broken else "BROKEN: " + "; ".join(broken)
-        lines += ["", f"**{r['host']}**: {len(r['faults'])} faults over {r['steps']} steps "
-                  f"(seed {r['seed']}), {r['launches']} launches of the script, {r['chaos_s']:.0f} s against "
-                  f"{r['reference_s']:.0f} s uninterrupted; measured {r.get('date', '?')}: {verdict}", "",
-                  chaos_table(r)]
+        blocks[r["host"]] = "\n".join([
+            f"**{r['host']}**: {len(r['faults'])} faults over {r['steps']} steps "
+            f"(seed {r['seed']}), {r['launches']} launches of the script, {r['chaos_s']:.0f} s against "
+            f"{r['reference_s']:.0f} s uninterrupted; measured {r.get('date', '?')}: {verdict}", "",
+            chaos_table(r)])
+    for host in sorted(blocks, key=lambda h: (HOSTS.index(h) if h in HOSTS else len(HOSTS), h)):
+        lines += ["", blocks[host]]
     return lines
 
 
@@ -495,7 +500,7 @@ def main() -> None:
         for path in opts.chaos:
             with open(path) as f:
                 results.append(json.load(f))
-        text += "\n" + "\n".join(chaos_section(results)) + "\n"
+        text += "\n" + "\n".join(chaos_section(results, _kept_section(opts.write, "## Chaos run"))) + "\n"
     elif kept := _kept_section(opts.write, "## Chaos run"):
         text += "\n" + kept
     if opts.write:

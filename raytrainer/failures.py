@@ -48,6 +48,16 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, ConnectionError, OSError)) and any(m in text for m in _PEER_LOST)
 
 
+def torn_down(world_size: int) -> bool:
+    """True when this rank's process group is gone while it trained: Ray Train's controller, ending a group
+    that lost a worker, destroys each surviving rank's process group from the actor's main thread
+    (``on_shutdown``) while the rank's training thread runs. Whatever that thread raises next ("Default
+    process group has not been initialized", a ValueError) is the lost worker's failure, to be retried."""
+    import torch.distributed as dist
+
+    return world_size > 1 and not dist.is_initialized()
+
+
 #: The innermost frames of a worker's traceback that travel with its exception to the driver.
 TRACEBACK_FRAMES = 30
 

@@ -93,7 +93,10 @@ class Recipe:
         """The class and the constructor's arguments, ``args=`` as an instance of its base class (no Ray
         fields: transformers' own process view, which accelerate sets up from this rank's environment), that
         instance, and the arguments as given (with the Ray fields: ``storage_path``...)."""
-        trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
+        from raytrainer.import_scratch import imports_in_own_folder
+
+        with imports_in_own_folder():
+            trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
         signature = inspect.signature(trainer_cls.__init__)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)

@@ -19,8 +19,10 @@ def __getattr__(name: str):
     import trl
 
     from raytrainer.hosted import config_on_ray, on_ray
+    from raytrainer.import_scratch import imports_in_own_folder
 
-    value = getattr(trl, name)  # AttributeError for a name TRL lacks, as `from trl import` would raise
+    with imports_in_own_folder():  # wandb's temporary folders, when a trainer's module imports it
+        value = getattr(trl, name)  # AttributeError for a name TRL lacks, as `from trl import` would raise
     if isinstance(value, type) and issubclass(value, transformers.Trainer):
         return _here(on_ray(value), name)
     if isinstance(value, type) and issubclass(value, transformers.TrainingArguments):

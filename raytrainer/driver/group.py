@@ -141,6 +141,9 @@ class WorkerGroup:
             self._thread.join(timeout)
         channel.kill()
         self._ended = None  # Ray Train's error holds its controller's handle in its traceback
+        from raytrainer.import_scratch import reap
+
+        reap()  # the folders of this node's workers that a fault killed (import_scratch.py)
 
     def stop_idle_timer(self) -> None:
         """A Trainer holds the group again, or it closes: its idle timer (a thread) ends now."""

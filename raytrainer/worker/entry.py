@@ -32,6 +32,7 @@ def worker_main(config: dict) -> None:
     import ray
 
     from raytrainer.hosted_recipe import Recipe
+    from raytrainer.import_scratch import imports_in_own_folder, remove_own
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
     from raytrainer.worker.hosted import forget_hosted, run_hosted
@@ -54,7 +55,8 @@ def worker_main(config: dict) -> None:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
             # driver's did (a folder the script put on sys.path, which Ray does not pass on)
             with as_on_the_driver(spec.cwd, spec.paths):
-                trainer = cloudpickle.loads(spec.trainer)
+                with imports_in_own_folder():  # wandb's folders, when TRL imports it (import_scratch.py)
+                    trainer = cloudpickle.loads(spec.trainer)
                 TIMES["spec"] = time.time()
                 # a Recipe: a transformers.Trainer subclass that transformers' own loop runs (hosted.py)
                 hosted = isinstance(trainer, Recipe)
@@ -63,13 +65,14 @@ def worker_main(config: dict) -> None:
                 run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
                 result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
-            if not failures.retryable(exc):
+            if not (failures.retryable(exc) or failures.torn_down(ctx.world_size)):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
             raise
         del trainer, spec, session
         client.set_result(command.id, result)
         fresh.restore()
         done = command.id
+    remove_own()  # the group closed: Ray Train ends this process without an interpreter exit
 
 
 class ProcessState:

@@ -48,3 +48,26 @@ def test_an_exception_that_does_not_pickle_arrives_as_its_text_and_frames():
     assert type(arrived) is RuntimeError
     assert str(arrived).startswith("rank 0: Unpicklable: a lock inside\n")
     assert "test_an_exception_that_does_not_pickle_arrives_as_its_text_and_frames" in str(arrived)
+
+
+def test_a_process_group_torn_down_under_a_training_rank_is_a_lost_workers_failure_not_the_users(tmp_path):
+    """Ray Train ends a group that lost a worker by destroying each surviving rank's process group from the
+    actor's main thread while its training thread runs: the thread's next collective (transformers'
+    ``store_flos`` at a save, seen in a chaos run) raises a ValueError, which must be retried, not raised
+    on the driver as a deterministic failure."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert not failures.torn_down(2)
+    finally:
+        dist.destroy_process_group()
+    try:
+        dist.get_world_size()
+    except ValueError as exc:
+        raised = exc
+    else:
+        raise AssertionError("torch no longer raises when the default group is gone")
+    assert "Default process group has not been initialized" in str(raised)
+    assert not failures.retryable(raised)  # alone it reads as the user's error
+    assert failures.torn_down(2) and not failures.torn_down(1)  # one rank has no group to lose
