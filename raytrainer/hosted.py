@@ -286,11 +286,23 @@ class HostedTrainer:
             self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,),
                                "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
-            if hasattr(model_cls, "from_pretrained"):
+            if _is_peft(model_cls):
+                self._model = self._adapter_on_its_base(folder, model_cls)
+            elif hasattr(model_cls, "from_pretrained"):
                 self._model = model_cls.from_pretrained(folder)
             else:
                 self._model = self._given_model_with(folder, model_cls)
         return self._model
+
+    def _adapter_on_its_base(self, folder: str, model_cls: type):
+        """A PEFT model: the ranks saved its adapter (PEFT's files), which goes onto its base model loaded
+        from where the ranks loaded it (the adapter config's ``base_model_name_or_path``, read from the
+        driver's working directory, as the ranks read it). The base was frozen: its files are its weights."""
+        from peft import PeftConfig
+
+        base_cls = self._run("call", {"name": "model.base_model.model.__class__", "call": False}).output
+        base = base_cls.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path)
+        return model_cls.from_pretrained(base, folder)
 
     def _given_model_with(self, folder: str, model_cls: type):
         """A trained model without ``from_pretrained`` (a plain ``torch.nn.Module``): the one given to the
@@ -316,6 +328,13 @@ class HostedTrainer:
     _display_model = None  # the display's callbacks get no model: it stays on the workers
     processing_class = None
     train_dataset = None
+
+
+def _is_peft(model_cls: type) -> bool:
+    import sys
+
+    peft = sys.modules.get("peft")  # a PEFT model came back: peft is imported
+    return peft is not None and issubclass(model_cls, peft.PeftModel)
 
 
 def _rebuilt(cls: type, state: dict) -> HostedTrainer:

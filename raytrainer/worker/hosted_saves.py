@@ -22,6 +22,9 @@ writes before it returns):
   the host, a thread writes them, its collectives on a gloo group beside the step's). tests/unit/
   test_hosted_saves.py pins how accelerate calls it.
 
+Under FSDP a LoRA model's checkpoint leaves out its frozen weights under every name they have
+(``_no_frozen_aliases``: torch's filter missed a frozen embedding tied to ``lm_head``).
+
 The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them. Under
 FSDP with ``FULL_STATE_DICT`` (transformers' default) the state is gathered on rank 0, a collective, and
 written there on the training thread, as transformers does.
@@ -118,7 +121,10 @@ def write_in_background(trainer) -> BackgroundSaves:
             engine_in_background(trainer.model_wrapped)
         saves.begin()
         try:
-            with _dcp_in_background(saves) if trainer.is_fsdp_enabled else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if trainer.is_fsdp_enabled:
+                    stack.enter_context(_dcp_in_background(saves))
+                    stack.enter_context(_no_frozen_aliases())
                 save_checkpoint(model, trial)
         finally:
             saves.end()
@@ -183,6 +189,32 @@ def _dcp_in_background(saves: BackgroundSaves):
         yield
     finally:
         dcp.save = blocking
+
+
+@contextlib.contextmanager
+def _no_frozen_aliases():
+    """Meanwhile torch's ``get_model_state_dict`` asked to leave the frozen parameters out leaves out every
+    name of them. It drops each under the one name ``named_parameters()`` gives it, so a frozen weight tied
+    to another name stayed: a LoRA model whose frozen embedding is tied to its ``lm_head`` (GPT-2, Gemma,
+    small Qwen and Llama models) kept ``lm_head.weight``, the whole embedding, in every FSDP checkpoint that
+    accelerate saved adapter-only (``save_fsdp_model``, ``ignore_frozen_params=True``; a Gemma's 590M
+    numbers per save). Loading it back is unchanged: accelerate loads an adapter-only file not strictly."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    everything = dcp_state.get_model_state_dict
+
+    def get_model_state_dict(model, *, submodules=None, options=None):
+        state = everything(model, submodules=submodules, options=options)
+        if options is None or not options.ignore_frozen_params:
+            return state
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {name: value for name, value in state.items() if name not in frozen}
+
+    dcp_state.get_model_state_dict = get_model_state_dict
+    try:
+        yield
+    finally:
+        dcp_state.get_model_state_dict = everything
 
 
 def _snapshot(saves: BackgroundSaves, model, state_dict: dict | None) -> dict:

@@ -159,3 +159,30 @@ class ShardReport(TrainerCallback):
         report = {"sharded": zero3 or isinstance(model, FSDPModule), "held": held, "whole": whole}
         with open(os.path.join(args.output_dir, f"shard-rank{args.process_index}.json"), "w") as f:
             json.dump(report, f)
+
+
+def numbers_saved(checkpoint) -> int:
+    """How many numbers the tensors in a checkpoint's files hold in all, RNG states aside: its safetensors,
+    its torch.save'd files (DeepSpeed's engine state, transformers' FSDP files) and its DCP folders (from
+    their metadata)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    def numel(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel()
+        if isinstance(obj, dict):
+            return sum(numel(v) for v in obj.values())
+        return sum(numel(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+    total = 0
+    for path in checkpoint.rglob("*"):
+        if path.suffix == ".safetensors" and not path.name.startswith("rng_state_"):
+            total += numel(load_file(str(path)))
+        elif path.suffix in (".pt", ".bin"):  # DeepSpeed's engine state; transformers' FSDP model, optimizer
+            total += numel(torch.load(path, weights_only=False))
+        elif path.name == ".metadata":
+            found = dcp.FileSystemReader(str(path.parent)).read_metadata().state_dict_metadata.values()
+            total += sum(m.size.numel() for m in found if hasattr(m, "size"))
+    return total

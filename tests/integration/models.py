@@ -755,12 +755,12 @@ def save_tiny_llama(folder) -> str:
 
 
 class FromPretrained:
-    """model_init: ``AutoModelForCausalLM.from_pretrained(path)``, with PEFT's LoRA on the attention's q and v
-    projections when ``lora``. Records where the weights it returned live (``TESTS_BUILT_ON``: ``meta``,
-    ``cpu`` or ``partitioned`` by ZeRO-3) for ``ReportStartingWeights``."""
+    """model_init: ``AutoModelForCausalLM.from_pretrained(path)``, with PEFT's LoRA on ``targets`` (a Llama's
+    attention q and v projections by default) when ``lora``. Records where the weights it returned live
+    (``TESTS_BUILT_ON``: ``meta``, ``cpu`` or ``partitioned`` by ZeRO-3) for ``ReportStartingWeights``."""
 
-    def __init__(self, path: str, lora: bool = False):
-        self.path, self.lora = path, lora
+    def __init__(self, path: str, lora: bool = False, targets: tuple = ("q_proj", "v_proj")):
+        self.path, self.lora, self.targets = path, lora, list(targets)
 
     def __call__(self):
         return self.build(r=4, lora_alpha=8)
@@ -774,7 +774,7 @@ class FromPretrained:
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
-            config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=["q_proj", "v_proj"])
+            config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=self.targets)
             model = get_peft_model(model, config)
         return model
 

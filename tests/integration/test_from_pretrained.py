@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from hosted_fixtures import numbers_saved
 from models import FromPretrained, ReportStartingWeights, counting_data, pretrained_key, save_tiny_llama
 from test_deepspeed import _config
 
@@ -109,38 +110,13 @@ def test_lora_under_a_sharded_strategy_checkpoints_the_adapter_only_and_resumes_
     # nor in the strategy's own files (ZeRO's engine state, FSDP's optimizer shards): the adapter's numbers,
     # Adam's 2 moments of them, ZeRO's fp32 master copy, a step counter per tensor; the base has 21x more
     adapter_numel = sum(t.numel() for t in adapter.values())
-    assert _numbers_saved(checkpoint) <= 4 * adapter_numel + len(adapter), _numbers_saved(checkpoint)
+    assert numbers_saved(checkpoint) <= 4 * adapter_numel + len(adapter), numbers_saved(checkpoint)
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(checkpoint))
 
     resumed = run(tmp_path / "resumed", resume=str(checkpoint))
     assert resumed.keys() == full.keys()
     for name, tensor in full.items():
         assert torch.equal(resumed[name], tensor), name
-
-
-def _numbers_saved(checkpoint) -> int:
-    """How many numbers the tensors in a checkpoint's files hold in all, RNG states aside: its safetensors,
-    its torch.save'd files (DeepSpeed's engine state) and its DCP folders (from their metadata)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-
-    def numel(obj) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.numel()
-        if isinstance(obj, dict):
-            return sum(numel(v) for v in obj.values())
-        return sum(numel(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
-
-    total = 0
-    for path in checkpoint.rglob("*"):
-        if path.suffix == ".safetensors" and not path.name.startswith("rng_state_"):
-            total += numel(load_file(str(path)))
-        elif path.suffix == ".pt":
-            total += numel(torch.load(path, weights_only=False))
-        elif path.name == ".metadata":
-            found = dcp.FileSystemReader(str(path.parent)).read_metadata().state_dict_metadata.values()
-            total += sum(m.size.numel() for m in found if hasattr(m, "size"))
-    return total
 
 
 @pytest.mark.timeout(300)

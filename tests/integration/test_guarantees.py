@@ -15,7 +15,14 @@ import re
 import numpy as np
 import pytest
 import torch
-from hosted_fixtures import ZERO3, OneRankDecides, ShardReport, order_sensitive_metrics, write_tiny_lm
+from hosted_fixtures import (
+    ZERO3,
+    OneRankDecides,
+    ShardReport,
+    numbers_saved,
+    order_sensitive_metrics,
+    write_tiny_lm,
+)
 
 HOSTS = ["raytrainer", "transformers", "trl"]
 
@@ -41,11 +48,12 @@ def counting_rows(n: int, offset: int = 0) -> list[dict]:
 
 
 def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, compute_metrics=None,
-                 train_rows: int = 48, by_path: bool = False, **overrides):
+                 train_rows: int = 48, by_path: bool = False, lora: bool = False, **overrides):
     """A trainer of ``host`` on 2 workers: 6 steps of 2 x 2 rows, an evaluation every 2 steps, no saves
     unless a callback asks (``overrides`` replace any argument). The model is loaded on the driver and sent,
     or with ``by_path`` loaded on the workers: ``model_init`` calling ``from_pretrained`` (TRL's SFTTrainer
-    loads the path it is given on the workers either way)."""
+    loads the path it is given on the workers either way). With ``lora``, PEFT's LoRA (r=4) on the attention
+    projection of the model loaded on the workers (TRL: its ``peft_config``)."""
     import datasets
     import transformers
 
@@ -61,20 +69,25 @@ def make_trainer(host: str, output_dir: str, callbacks=(), eval_rows: int = 8, c
         import raytrainer.trl as trl
 
         text = [{"text": r["text"]} for r in train], [{"text": r["text"]} for r in evaluation]
+        peft = {}
+        if lora:
+            from peft import LoraConfig
+
+            peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])
         return trl.SFTTrainer(model="tiny-model", args=trl.SFTConfig(max_length=16, **args),
                               train_dataset=datasets.Dataset.from_list(text[0]),
                               eval_dataset=datasets.Dataset.from_list(text[1]), callbacks=list(callbacks),
-                              compute_metrics=compute_metrics)
+                              compute_metrics=compute_metrics, **peft)
     if host == "transformers":
         trainer_cls = raytrainer.on_ray(transformers.Trainer)
         args_cls = raytrainer.config_on_ray(transformers.TrainingArguments)
     else:
         trainer_cls, args_cls = raytrainer.Trainer, raytrainer.TrainingArguments
     tokens = [[{k: v for k, v in r.items() if k != "text"} for r in rows] for rows in (train, evaluation)]
-    if by_path:
+    if by_path or lora:
         from models import FromPretrained
 
-        given = {"model_init": FromPretrained("tiny-model")}
+        given = {"model_init": FromPretrained("tiny-model", lora=lora, targets=("c_attn",))}
     else:
         given = {"model": transformers.GPT2LMHeadModel.from_pretrained("tiny-model")}
     return trainer_cls(**given, args=args_cls(**args), train_dataset=tokens[0], eval_dataset=tokens[1],
@@ -572,3 +585,52 @@ def test_under_fsdp_each_rank_reads_only_its_shards_of_a_pretrained_model(workdi
     for diff, compared, held, full in starts.values():
         assert diff == 0.0 and compared > 0 and held < 0.6 * full, starts  # the files' weights, a half each
     assert sorted(trained) == [1, 2, 3, 4, 5, 6] and trained[6] < trained[1], trained
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(("host", "strategy"), [
+    (host, strategy) for strategy in ("fsdp", "zero3") for host in HOSTS])
+def test_lora_under_a_sharded_strategy_checkpoints_the_adapter_only_and_resumes_bitwise(workdir, host,
+                                                                                      strategy):
+    """PEFT's LoRA on the tiny GPT-2 loaded on the workers, the frozen base sharded by FSDP or partitioned by
+    ZeRO-3 on 2 workers: each checkpoint's model is the adapter alone (PEFT's files, loadable with
+    ``PeftModel.from_pretrained``; no file, the strategy's own included, holds the base weights), and a run
+    resumed from the step-4 checkpoint ends with the uninterrupted run's weights, bit for bit."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    common = dict(lora=True, save_steps=4, eval_strategy="no", bf16=False, learning_rate=5e-2,
+                  **SHARDED[strategy])
+
+    def run(name, resume=None):
+        trainer = make_trainer(host, str(workdir / name), **common)
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            return losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        finally:
+            end(trainer)
+
+    full_losses, full = run("full")
+    assert sorted(full_losses) == [1, 2, 3, 4, 5, 6]
+    checkpoint = workdir / "full" / "checkpoint-4"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "manifest.json"} <= files, files
+    assert not files & {"model.safetensors", "pytorch_model.bin"}, files  # (FSDP's resume file: the adapter)
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k for k in adapter), sorted(adapter)
+    # nor the strategy's own files (FSDP's optimizer shards, ZeRO's engine state): the adapter's numbers,
+    # Adam's 2 moments of them, ZeRO's fp32 master copy or transformers' FSDP resume file (the adapter
+    # again), a step counter per tensor; the base has 29x more, its tied embedding 2x (which torch's filter
+    # of frozen weights missed: worker/hosted_saves._no_frozen_aliases)
+    adapter_numel = sum(t.numel() for t in adapter.values())
+    assert numbers_saved(checkpoint) <= 5 * adapter_numel + len(adapter), numbers_saved(checkpoint)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("tiny-model"), str(checkpoint))
+    assert any(p.abs().max() > 0 for n, p in loaded.named_parameters() if "lora_B" in n)  # B starts at 0
+
+    resumed_losses, resumed = run("resumed", resume=str(checkpoint))
+    assert sorted(resumed_losses) == [1, 2, 3, 4, 5, 6]
+    assert [resumed_losses[s] for s in (5, 6)] == [full_losses[s] for s in (5, 6)]
+    assert resumed.keys() == full.keys() and any("lora_B" in k for k in full)
+    for name, tensor in full.items():
+        assert torch.equal(resumed[name], tensor), name
