@@ -5,9 +5,8 @@ this process (``num_workers=0``) with the same global batch, uninterrupted, to c
     python elastic_driver.py ADDRESS WORKDIR [STEP_S [STRATEGY [HOST]]]
 
 (``STEP_S``: how long each step sleeps, 0.3 s by default; ``STRATEGY``: ddp (the default), fsdp or zero3
-for the elastic run; ``HOST``: raytrainer (its own Trainer, the default), transformers
-(``on_ray(transformers.Trainer)``: transformers' loop on the workers) or trl (TRL's ``SFTTrainer`` on a tiny
-GPT-2, each example's id in its first two tokens).)
+for the elastic run; ``HOST``: raytrainer (its own Trainer, the default) or transformers
+(``on_ray(transformers.Trainer)``: transformers' loop on the workers).)
 
 Each rank appends, per optimizer step, the ids of the samples it trained to ``WORKDIR/samples-<pid>``
 (``<step> <id> <id> ...``), and rank 0 the step and its world size to ``WORKDIR/steps``
@@ -72,47 +71,9 @@ class Record(TrainerCallback):
                 f.write(f"{os.getpid()} {args.world_size} {state.global_step} {time.time():.2f}\n")
 
 
-def counting_lm(folder: str):
-    """A tiny GPT-2 (no dropout) that records, as the Regressor does, the ids of the examples it trains on:
-    example ``i`` starts with the words ``w{i // 60}`` and ``w{i % 60}``, then counts on."""
-    from hosted_fixtures import write_tiny_lm
-    from transformers import GPT2LMHeadModel
-
-    class CountingLM(GPT2LMHeadModel):
-        def __init__(self, config):
-            super().__init__(config)
-            self.seen: list[int] = []
-
-        def forward(self, input_ids=None, **kwargs):
-            if self.training:  # token 3 is the word w0
-                self.seen.extend(int(a - 3) * 60 + int(b - 3) for a, b in input_ids[:, :2].tolist())
-            return super().forward(input_ids=input_ids, **kwargs)
-
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        write_tiny_lm(folder, dropout=0.0)
-    return CountingLM.from_pretrained(folder)
-
-
-def counting_rows(n: int) -> list[dict]:
-    return [{"input_ids": [3 + i // 60, 3 + i % 60, *(3 + (i + k) % 60 for k in range(8))]} for i in range(n)]
-
-
 def train(work: str, sleep: float = 0.0, host: str = "raytrainer", **kw) -> dict:
-    """One run of ``host``'s trainer: raytrainer's own, ``on_ray(transformers.Trainer)`` or TRL's
-    ``SFTTrainer``."""
+    """One run of ``host``'s trainer: raytrainer's own, or ``on_ray(transformers.Trainer)``."""
     trainer_cls, args_cls = Trainer, TrainingArguments
-    model, data, given = Regressor(), make_data(SAMPLES), {}
-    if host == "trl":
-        import datasets
-        from transformers import AutoTokenizer
-
-        import raytrainer.trl as trl
-
-        trainer_cls, args_cls = trl.SFTTrainer, trl.SFTConfig
-        folder = os.path.join(work, "tiny-lm")
-        model, data = counting_lm(folder), datasets.Dataset.from_list(counting_rows(SAMPLES))
-        given = {"processing_class": AutoTokenizer.from_pretrained(folder)}
-        kw.update(use_cpu=True, bf16=False, max_length=16)
     if host == "transformers":
         import transformers
 
@@ -125,8 +86,8 @@ def train(work: str, sleep: float = 0.0, host: str = "raytrainer", **kw) -> dict
         output_dir=os.path.join(work, "out"), num_train_epochs=1, learning_rate=0.05,
         save_strategy="steps", save_steps=5, logging_steps=1, report_to="none", disable_tqdm=True, seed=3,
         **kw)
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[Record(work, sleep)],
-                          **given)
+    trainer = trainer_cls(model=Regressor(), args=args, train_dataset=make_data(SAMPLES),
+                          callbacks=[Record(work, sleep)])
     out = trainer.train()
     result = {"global_step": out.global_step,
               "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
