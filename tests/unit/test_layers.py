@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "raytrainer"
 LAYERS = (
     ("foundation", {"protocol", "deps", "failures", "rank_context", "saving", "logging_utils", "storage",
                     "dcp_storage", "storage_check", "trainer_utils", "callbacks", "callback_scan",
-                    "meta_model", "plot"}),
+                    "meta_model", "plot", "import_scratch"}),
     ("arguments", {"arg_types", "args", "accelerate_config", "hf_argparser", "hosted_recipe", "elastic",
                    "parallelism"}),
     ("engine", {"strategies", "checkpoint", "data", "optim", "final_weights", "consolidate",
