@@ -125,10 +125,11 @@ def _check_history(work, output: str, result: dict, before: int, after: int) -> 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("strategy", "host"), [
-    ("ddp", "raytrainer"), ("ddp", "transformers"), ("fsdp", "raytrainer"), ("zero3", "raytrainer")])
+    ("ddp", "raytrainer"), ("ddp", "transformers"), ("ddp", "trl"), ("fsdp", "raytrainer"),
+    ("zero3", "raytrainer")])
 def test_an_elastic_run_that_loses_a_node_finishes_on_the_rest_with_its_global_batch(tmp_path, strategy,
                                                                                       host):
-    """DDP on raytrainer's Trainer; DDP on ``on_ray(transformers.Trainer)``
+    """DDP on raytrainer's Trainer; DDP on ``on_ray(transformers.Trainer)`` and on TRL's ``SFTTrainer``
     (transformers' loop: its batch size and accumulation set for each world size, its step-count skipping
     landing on the same rows because the global batch is the same), FSDP (its DCP shards resharded from 3
     ranks onto 2) and ZeRO-3 (DeepSpeed's universal checkpoint, with raytrainer's repair of its optimizer

@@ -72,6 +72,19 @@ def test_a_report_to_package_that_is_missing_is_refused_before_anything_starts(t
         raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
 
 
+def test_parallelism_config_on_cpu_workers_is_refused_before_anything_starts(tmp_path):
+    """accelerate refuses a ParallelismConfig on a CPU (MULTI_CPU) group as each rank builds the trainer:
+    the driver says so first, with what runs instead."""
+    import ray
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True,
+                parallelism_config={"dp_shard_size": 2})
+    with pytest.raises(ValueError, match=r"parallelism_config=.*dp_shard_size.*CPU workers.*--fsdp"):
+        raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
+    assert not ray.is_initialized()
+
+
 def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_path, monkeypatch):
     from raytrainer.worker.place import as_on_the_driver, driver_place
 
