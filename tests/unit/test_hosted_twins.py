@@ -74,15 +74,12 @@ def test_a_report_to_package_that_is_missing_is_refused_before_anything_starts(t
 
 def test_parallelism_config_on_cpu_workers_is_refused_before_anything_starts(tmp_path):
     """accelerate refuses a ParallelismConfig on a CPU (MULTI_CPU) group as each rank builds the trainer:
-    the driver says so first, with what runs instead."""
-    import ray
-
+    the driver's constructor says so first, with what runs instead."""
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
     args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True,
                 parallelism_config={"dp_shard_size": 2})
     with pytest.raises(ValueError, match=r"parallelism_config=.*dp_shard_size.*CPU workers.*--fsdp"):
         raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
-    assert not ray.is_initialized()
 
 
 def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_path, monkeypatch):
