@@ -493,6 +493,7 @@ def main() -> None:
             when = next((line for line in old.splitlines() if line.startswith("Measured ")), "")
         if kept:  # the soak of an earlier run, said so with that run's date and commit
             text += f"\n## Soak{heading}\n\nKept from an earlier run of this script. {when}\n{kept}"
+    chaos_kept = _kept_section(opts.write, "## Chaos run")
     if opts.chaos:
         import json
 
@@ -500,9 +501,9 @@ def main() -> None:
         for path in opts.chaos:
             with open(path) as f:
                 results.append(json.load(f))
-        text += "\n" + "\n".join(chaos_section(results, _kept_section(opts.write, "## Chaos run"))) + "\n"
-    elif kept := _kept_section(opts.write, "## Chaos run"):
-        text += "\n" + kept
+        text += "\n" + "\n".join(chaos_section(results, chaos_kept)) + "\n"
+    elif chaos_kept:
+        text += "\n" + chaos_kept
     if opts.write:
         with open(opts.write, "w") as f:
             f.write(text)

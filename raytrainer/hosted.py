@@ -395,10 +395,9 @@ def check(trainer_cls: type, targs) -> None:
         raise ValueError(
             f"parallelism_config={shown} with {trainer_cls.__name__} on CPU workers: accelerate accepts a "
             "ParallelismConfig only for an FSDP2, multi-GPU or DeepSpeed state, and a CPU worker group is "
-            "MULTI_CPU, so every rank would fail "
-            "building the trainer. Shard on CPU workers with --fsdp 'full_shard auto_wrap' (or a ZeRO-3 "
-            "--deepspeed config), run raytrainer.Trainer (its parallelism_config runs on CPU workers), or "
-            "pass --use_gpu")
+            "MULTI_CPU, so every rank would fail building the trainer. Shard on CPU workers with --fsdp "
+            "'full_shard auto_wrap' (or a ZeRO-3 --deepspeed config), run raytrainer.Trainer (its "
+            "parallelism_config runs on CPU workers), or pass --use_gpu")
     if getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", None) == "server":
         raise ValueError(
             "use_vllm=True with vllm_mode='server': the vLLM server is a process of its own on GPUs outside "
