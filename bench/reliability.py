@@ -75,6 +75,17 @@ def _train(out, model=None, dataset=None, call="train", call_kwargs=None, traine
     return getattr(trainer, call)(**(call_kwargs or {}))
 
 
+def _hosted(out, **kw):
+    """transformers' own Trainer on 2 workers (``raytrainer.on_ray``), as a TRL script's trainer runs."""
+    import transformers
+
+    from raytrainer import config_on_ray, on_ray
+
+    kw = {"output_dir": out, "num_workers": 2, "report_to": "none", **kw}
+    args = config_on_ray(transformers.TrainingArguments)(**kw)
+    return on_ray(transformers.Trainer)(model_init=Net, args=args, train_dataset=data())
+
+
 def _foreign_folder(out):
     folder = os.path.join(out, "not-a-checkpoint")
     os.makedirs(folder, exist_ok=True)
@@ -155,6 +166,10 @@ CASES = [
     ("parallelism_config with deepspeed",
      lambda o: _args(o, num_workers=4, parallelism_config={"dp_shard_size": 2, "tp_size": 2},
                      deepspeed={"zero_optimization": {"stage": 3}})),
+    ("parallelism_config on CPU workers, transformers' own Trainer (on_ray)",
+     lambda o: _hosted(o, parallelism_config={"dp_shard_size": 2})),
+    ("report_to='tensorbord' (a typo), transformers' own Trainer (on_ray)",
+     lambda o: _hosted(o, report_to="tensorbord")),
     ("resume from a folder that does not exist",
      lambda o: _train(o, call_kwargs={"resume_from_checkpoint": os.path.join(o, "nope")})),
     ("resume from a folder that is not a checkpoint",

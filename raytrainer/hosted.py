@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -56,32 +57,70 @@ def config_on_ray(config_cls: type) -> type:
 
 
 def on_ray(trainer_cls: type) -> type:
-    """The twin of ``trainer_cls`` (a `transformers.Trainer` subclass): same constructor; with Ray fields
-    in its ``args`` and ``num_workers >= 1`` its calls run on Ray workers (see the module's docstring)."""
+    """The twin of ``trainer_cls`` (a `transformers.Trainer` subclass): a subclass of it, same name and
+    constructor; with Ray fields in its ``args`` and ``num_workers >= 1`` its calls run on Ray workers (see
+    the module's docstring). A subclass of the twin is built on the workers as it is (its overrides run
+    there, as under ``accelerate launch``)."""
     import transformers
 
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
         raise TypeError(f"on_ray({trainer_cls!r}): expected a subclass of transformers.Trainer")
+    if issubclass(trainer_cls, OnRay):
+        return trainer_cls
     namespace = {"__module__": trainer_cls.__module__, "__qualname__": trainer_cls.__qualname__,
-                 "__doc__": trainer_cls.__doc__, "hosted_class": trainer_cls}
-    return type(trainer_cls.__name__, (HostedTrainer,), namespace)
+                 "__doc__": trainer_cls.__doc__, "_twin_of": trainer_cls,
+                 "__init__": _in_this_process(trainer_cls.__init__)}
+    return type(trainer_cls.__name__, (OnRay, trainer_cls), namespace)
+
+
+class OnRay:
+    """What a twin adds to its trainer class: where an instance lives. With ``num_workers >= 1`` in its
+    arguments, the object built is the driver's side of the run (``HostedTrainer``, in front of the same
+    class); otherwise it is the trainer class's own object in this process (``_in_this_process``)."""
+
+    def __new__(cls, *args, **kwargs):
+        signature = inspect.signature(cls.__init__)
+        try:  # a call the constructor refuses is refused there, with its own message
+            targs = _find_args(signature, signature.bind_partial(None, *args, **kwargs))
+        except TypeError:
+            targs = None
+        if isinstance(targs, RayArgumentsMixin) and targs.num_workers != 0:
+            return object.__new__(_driver_class(cls))
+        return object.__new__(cls)
+
+
+def _in_this_process(init):
+    """The trainer class's ``__init__`` given the arguments' original class (no Ray fields: transformers'
+    own process view) for arguments with Ray fields: a twin with ``num_workers=0`` (or a rank building its
+    trainer) is the trainer class's own object, transformers' loop with nothing of raytrainer in the way."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        signature = inspect.signature(init)
+        targs = _find_args(signature, signature.bind(self, *args, **kwargs))
+        if isinstance(targs, RayArgumentsMixin):
+            args, kwargs = _replace_args(signature, args, kwargs, plain_config(targs))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+@functools.cache
+def _driver_class(cls: type) -> type:
+    """The driver's side of ``cls`` (a twin or a subclass of one): ``HostedTrainer`` in front of it. The
+    ranks build ``hosted_class``: ``cls`` itself, or for a twin as made, the class it is the twin of."""
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                 "hosted_class": cls.__dict__.get("_twin_of", cls), "user_class": cls}
+    return type(cls.__name__, (HostedTrainer, cls), namespace)
 
 
 class HostedTrainer:
-    """The driver's side of a ``transformers.Trainer`` subclass run on Ray workers (``on_ray``)."""
+    """The driver's side of a ``transformers.Trainer`` subclass run on Ray workers (``on_ray``): in front of
+    that class in its instances' MRO, so ``isinstance(trainer, transformers.Trainer)`` holds, but a method of
+    the trainer class runs on the ranks, not here (``__getattribute__``)."""
 
-    hosted_class: type  # set on each twin
-
-    def __new__(cls, *args, **kwargs):
-        base = cls.hosted_class
-        signature = inspect.signature(base.__init__)
-        bound = signature.bind(None, *args, **kwargs)
-        targs = _find_args(signature, bound)
-        if not isinstance(targs, RayArgumentsMixin) or targs.num_workers == 0:
-            if isinstance(targs, RayArgumentsMixin):  # the original class, built as it is, in this process
-                args, kwargs = _replace_args(signature, args, kwargs, plain_config(targs))
-            return base(*args, **kwargs)
-        return super().__new__(cls)
+    hosted_class: type  # what the ranks build
+    user_class: type  # the class the script instantiated
 
     def __init__(self, *args, **kwargs):
         from raytrainer.callbacks import (
@@ -246,14 +285,23 @@ class HostedTrainer:
         state["_hub"] = None
         if "_recipe" in state:
             state["_recipe"] = dataclasses.replace(state["_recipe"], ref=None)
-        return _rebuilt, (type(self), state)
+        return _rebuilt, (self.user_class, state)
+
+    def __getattribute__(self, name: str) -> Any:
+        """A method of the trainer class (its own or transformers') runs on every rank (``_RankMethod``);
+        this class's own attributes and what the driver holds are read here."""
+        if name.startswith("__") or name in _HERE or name in object.__getattribute__(self, "__dict__"):
+            return object.__getattribute__(self, name)
+        found = inspect.getattr_static(type(self), name, None)
+        method = isinstance(found, (staticmethod, classmethod)) or callable(found)
+        if method and not isinstance(found, type):
+            return _RankMethod(self, name)
+        return object.__getattribute__(self, name)
 
     def __getattr__(self, name: str) -> Any:
+        """What the trainer class sets on its objects (``hub_model_id``, ``is_fsdp_enabled``...): rank 0's."""
         if name.startswith("__") or name in _DRIVER_SIDE or "_recipe" not in vars(self):
             raise AttributeError(name)
-        found = inspect.getattr_static(self.hosted_class, name, None)
-        if callable(found) or isinstance(found, (staticmethod, classmethod)):
-            return _RankMethod(self, name)
         return self._run("call", {"name": name, "call": False}).output
 
     def __repr__(self) -> str:
@@ -337,8 +385,12 @@ def _is_peft(model_cls: type) -> bool:
     return peft is not None and issubclass(model_cls, peft.PeftModel)
 
 
+#: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
+_HERE = frozenset({*vars(HostedTrainer), *_DRIVER_SIDE, "hosted_class", "user_class"})
+
+
 def _rebuilt(cls: type, state: dict) -> HostedTrainer:
-    trainer = object.__new__(cls)
+    trainer = object.__new__(_driver_class(cls))
     vars(trainer).update(state)
     return trainer
 

@@ -273,6 +273,7 @@ def test_a_users_compute_loss_subclass_on_two_workers_matches_one_process(tmp_pa
     import transformers
 
     import raytrainer
+    from raytrainer.hosted import HostedTrainer
 
     caplog.set_level(logging.DEBUG, logger="raytrainer.driver.group")
     Trainer = raytrainer.on_ray(_weighted_loss_trainer())
@@ -283,7 +284,8 @@ def test_a_users_compute_loss_subclass_on_two_workers_matches_one_process(tmp_pa
                     max_steps=8, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
                     use_cpu=True, seed=seed, disable_tqdm=True)
         trainer = Trainer(model=_classifier(), args=args, train_dataset=_labelled(64))
-        assert isinstance(trainer, transformers.Trainer) == (workers == 0)  # 0: transformers' own, here
+        assert isinstance(trainer, Trainer) and isinstance(trainer, transformers.Trainer)
+        assert isinstance(trainer, HostedTrainer) == (workers > 0)  # 0: transformers' own object, here
         runs[name] = (trainer.train(), trainer)
     output, trainer = runs["two"]
     # The same global batch (4 x 1, 2 x 2), within the noise of two data orders in one process.
@@ -318,6 +320,41 @@ def test_a_users_compute_loss_subclass_on_two_workers_matches_one_process(tmp_pa
     assert len(sizes) >= 6 and max(sizes) < 4096 < payload, (sizes, payload)
     trainer.end()
     assert "_group" not in vars(trainer)
+
+
+@pytest.mark.timeout(300)
+def test_a_subclass_of_a_twin_runs_its_constructor_and_overrides_on_the_workers(tmp_path):
+    """``class Mine(raytrainer.on_ray(transformers.Trainer))`` (or of ``raytrainer.trl.SFTTrainer``): each
+    worker builds ``Mine``, so its constructor and ``compute_loss`` run there. A loss scaled by 0 trains
+    nothing: the weights come back exactly as given."""
+    import torch
+    import transformers
+
+    import raytrainer
+
+    class Scaled(raytrainer.on_ray(transformers.Trainer)):
+        def __init__(self, *args, loss_scale: float = 1.0, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_scale = loss_scale
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * self.loss_scale
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=2, max_steps=3,
+                learning_rate=0.1, optim="sgd", logging_steps=1, save_strategy="no", report_to="none",
+                use_cpu=True, disable_tqdm=True)
+    trainer = Scaled(model=_classifier(), args=args, train_dataset=_labelled(32), loss_scale=0.0)
+    assert isinstance(trainer, Scaled) and isinstance(trainer, transformers.Trainer)
+    output = trainer.train()
+    assert output.global_step == 3 and output.training_loss == 0.0
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0, 0.0]
+    assert trainer.loss_scale == 0.0  # set by the subclass's constructor on rank 0
+    initial = _classifier()
+    trained = trainer.model.state_dict()
+    assert all(torch.equal(trained[k], v) for k, v in initial.state_dict().items())
+    trainer.end()
 
 
 @pytest.mark.timeout(300)

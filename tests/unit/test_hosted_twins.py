@@ -11,22 +11,103 @@ import raytrainer
 from raytrainer.hosted_recipe import Recipe, plain_config
 
 
-def test_with_no_workers_the_twin_is_transformers_own_trainer(tmp_path):
+def _tiny_gpt2():
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class _Rows:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import torch
+
+        ids = torch.tensor([(i + j) % 16 for j in range(6)])
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_with_no_workers_the_twin_is_transformers_own_trainer_in_this_process(tmp_path):
+    """num_workers=0: transformers' loop in this process, with the original arguments class; the model given
+    is trained in place."""
+    import torch
+
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
-    args = Args(output_dir=str(tmp_path), num_workers=0, report_to="none", use_cpu=True)
-    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)
-    model = transformers.GPT2LMHeadModel(config)
-    trainer = raytrainer.on_ray(transformers.Trainer)(model=model, args=args)
-    assert type(trainer) is transformers.Trainer
+    args = Args(output_dir=str(tmp_path), num_workers=0, report_to="none", use_cpu=True, max_steps=2,
+                per_device_train_batch_size=4, save_strategy="no", learning_rate=0.1)
+    model = _tiny_gpt2()
+    before = model.transformer.wte.weight.detach().clone()
+    Twin = raytrainer.on_ray(transformers.Trainer)
+    trainer = Twin(model=model, args=args, train_dataset=_Rows())
+    assert isinstance(trainer, transformers.Trainer) and type(trainer) is Twin
     assert type(trainer.args) is transformers.TrainingArguments  # the original class, no Ray fields
     assert trainer.args.output_dir == str(tmp_path)
+    assert type(trainer).train is transformers.Trainer.train  # transformers' own loop, nothing in front
+    assert trainer.train().global_step == 2
+    assert trainer.model is model and not torch.equal(model.transformer.wte.weight, before)
+
+
+def test_with_workers_the_twin_is_a_transformers_trainer_whose_methods_run_on_the_ranks(tmp_path):
+    """num_workers>=1: the driver's object is an instance of the twin (and of transformers.Trainer), built
+    without running the trainer's constructor here; the trainer's methods are sent to the ranks."""
+    from raytrainer.hosted import HostedTrainer, _RankMethod
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
+    Twin = raytrainer.on_ray(transformers.Trainer)
+    trainer = Twin(model_init=_model, args=args)
+    assert isinstance(trainer, Twin) and isinstance(trainer, transformers.Trainer)
+    assert isinstance(trainer, HostedTrainer) and type(trainer).hosted_class is transformers.Trainer
+    assert type(trainer).__name__ == "Trainer" and trainer.args is args  # the Ray fields stay on the driver
+    for name in ("save_model", "compute_loss", "log", "get_train_dataloader"):
+        assert isinstance(getattr(trainer, name), _RankMethod), name
+    assert trainer.is_world_process_zero() is True and "model" not in vars(trainer)
+
+
+class _Mine(raytrainer.on_ray(transformers.Trainer)):
+    """A user's subclass of a twin, as a script would write it."""
+
+    def __init__(self, *args, scale: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.seen = getattr(self, "seen", 0) + 1
+        return loss * self.scale
+
+
+def test_a_subclass_of_a_twin_is_built_on_the_ranks_as_it_is(tmp_path):
+    """``class Mine(on_ray(transformers.Trainer))``: a rank builds ``Mine`` (its constructor, its overrides)
+    from the recipe; with num_workers=0 it is ``Mine`` in this process, overrides and all."""
+    from raytrainer.worker.hosted_sharding import build_trainer
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    values = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2,
+                  per_device_train_batch_size=4, save_strategy="no")
+    on_workers = _Mine(model_init=_tiny_gpt2, args=Args(num_workers=2, **values), train_dataset=_Rows(),
+                       scale=2.0)
+    assert type(on_workers).hosted_class is _Mine and isinstance(on_workers, _Mine)
+    built_cls, args, kwargs, plain, _ = on_workers._recipe.unpack()
+    assert built_cls is _Mine and kwargs["scale"] == 2.0 and type(plain) is transformers.TrainingArguments
+    on_a_rank = build_trainer(built_cls, args, kwargs, plain)  # as worker/hosted.py builds it
+    assert type(on_a_rank) is _Mine and on_a_rank.scale == 2.0
+    on_a_rank.train()
+    assert on_a_rank.seen == 2  # the subclass's compute_loss ran, once a step
+
+    here = _Mine(model=_tiny_gpt2(), args=Args(num_workers=0, **values), train_dataset=_Rows(), scale=3.0)
+    assert type(here) is _Mine and here.scale == 3.0 and type(here.args) is transformers.TrainingArguments
+    here.train()
+    assert here.seen == 2
 
 
 def test_twins_of_trl_keep_trls_names_and_other_names_are_trls_own():
     trl = pytest.importorskip("trl")
     from raytrainer import trl as rtrl
 
-    assert rtrl.SFTTrainer.__name__ == "SFTTrainer" and rtrl.SFTTrainer.hosted_class is trl.SFTTrainer
+    assert rtrl.SFTTrainer.__name__ == "SFTTrainer" and issubclass(rtrl.SFTTrainer, trl.SFTTrainer)
+    assert raytrainer.on_ray(rtrl.SFTTrainer) is rtrl.SFTTrainer
     assert issubclass(rtrl.DPOConfig, trl.DPOConfig)
     assert issubclass(rtrl.DPOConfig, raytrainer.RayArgumentsMixin)
     assert rtrl.TrlParser is trl.TrlParser and rtrl.get_peft_config is trl.get_peft_config
