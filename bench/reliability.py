@@ -75,7 +75,7 @@ def _train(out, model=None, dataset=None, call="train", call_kwargs=None, traine
     return getattr(trainer, call)(**(call_kwargs or {}))
 
 
-def _hosted(out, **kw):
+def _hosted(out, dataset=(), **kw):
     """transformers' own Trainer on 2 workers (``raytrainer.on_ray``), as a TRL script's trainer runs."""
     import transformers
 
@@ -83,7 +83,8 @@ def _hosted(out, **kw):
 
     kw = {"output_dir": out, "num_workers": 2, "report_to": "none", **kw}
     args = config_on_ray(transformers.TrainingArguments)(**kw)
-    return on_ray(transformers.Trainer)(model_init=Net, args=args, train_dataset=data())
+    return on_ray(transformers.Trainer)(model_init=Net, args=args,
+                                        train_dataset=data() if dataset == () else dataset)
 
 
 def _foreign_folder(out):
@@ -170,6 +171,9 @@ CASES = [
      lambda o: _hosted(o, parallelism_config={"dp_shard_size": 2})),
     ("report_to='tensorbord' (a typo), transformers' own Trainer (on_ray)",
      lambda o: _hosted(o, report_to="tensorbord")),
+    ("train() without train_dataset, transformers' own Trainer (on_ray)",
+     lambda o: _hosted(o, dataset=None).train()),
+    ("an empty train_dataset, transformers' own Trainer (on_ray)", lambda o: _hosted(o, dataset=[]).train()),
     ("resume from a folder that does not exist",
      lambda o: _train(o, call_kwargs={"resume_from_checkpoint": os.path.join(o, "nope")})),
     ("resume from a folder that is not a checkpoint",

@@ -163,6 +163,7 @@ class HostedTrainer:
         from raytrainer.driver.registry import CheckpointRegistry
         from raytrainer.driver.runner import keep_final_state, train_sequence
 
+        self._check_call("train", {})
         kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         vars(self).pop("_model", None)
@@ -216,12 +217,32 @@ class HostedTrainer:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
                       **kwargs)
+        self._check_call("evaluate", kwargs)
         return self._run("evaluate", kwargs).output
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
         kwargs = dict(test_dataset=test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
                       **kwargs)
+        self._check_call("predict", kwargs)
         return self._run("predict", kwargs).output
+
+    def _check_call(self, method: str, kwargs: dict) -> None:
+        """The call's data sets, refused here before any worker starts (``preflight.check_datasets``, what
+        raytrainer's Trainer is held to), where transformers' loop would refuse them on every rank once the
+        group is up; not for a loader the trainer class builds itself (GRPO's)."""
+        import transformers
+
+        from raytrainer.driver.preflight import check_datasets
+
+        signature = inspect.signature(self.hosted_class.__init__)
+        bound = signature.bind(None, *self._constructor[0], **self._constructor[1]).arguments
+        extra = next((bound.get(p.name) or {} for p in signature.parameters.values()
+                      if p.kind is inspect.Parameter.VAR_KEYWORD), {})
+        given = {**extra, **bound}
+        own = frozenset(method for method, loader in _LOADERS
+                        if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
+        check_datasets(method, kwargs, self.args, given.get("train_dataset"), given.get("eval_dataset"),
+                       owner=type(self).__name__, skip=own)
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction="minimize", backend=None, hp_name=None, **kwargs):
@@ -384,6 +405,10 @@ def _is_peft(model_cls: type) -> bool:
     peft = sys.modules.get("peft")  # a PEFT model came back: peft is imported
     return peft is not None and issubclass(model_cls, peft.PeftModel)
 
+
+#: Each call's data loader in transformers.Trainer.
+_LOADERS = (("train", "get_train_dataloader"), ("evaluate", "get_eval_dataloader"),
+            ("predict", "get_test_dataloader"))
 
 #: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
 _HERE = frozenset({*vars(HostedTrainer), *_DRIVER_SIDE, "hosted_class", "user_class"})

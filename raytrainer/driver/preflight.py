@@ -31,6 +31,7 @@ def check(trainer, method: str, kwargs: dict) -> None:
         require("deepspeed", "--deepspeed")
     if getattr(args, "parallelism_config", None) is not None:
         _check_parallelism(trainer)
+    check_datasets(method, kwargs, args, trainer.train_dataset, trainer.eval_dataset)
     if method == "train":
         _check_train(trainer)
         _check_neftune(trainer)
@@ -38,13 +39,8 @@ def check(trainer, method: str, kwargs: dict) -> None:
         _check_checkpointing(trainer, kwargs.get("resume_from_checkpoint"))
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
-        dataset = trainer.eval_dataset if dataset is None else dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset: pass it to Trainer or to evaluate().")
-        _check_examples(trainer, dataset, "eval_dataset")
+        _check_examples(trainer, trainer.eval_dataset if dataset is None else dataset, "eval_dataset")
     elif method == "predict":
-        if kwargs.get("test_dataset") is None:
-            raise ValueError("predict() needs a test_dataset.")
         _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
     if args.num_workers > 0 and method != "train" and _starts_a_group(trainer):
         from raytrainer.storage import Storage
@@ -71,17 +67,40 @@ def _check_parallelism(trainer) -> None:
 
 
 # -- training ----------------------------------------------------------------------------------------
+def check_datasets(method: str, kwargs: dict, args, train_dataset, eval_dataset, owner: str = "Trainer",
+                   skip: frozenset = frozenset()) -> None:
+    """What any trainer's loop needs of a call's data sets, whoever's loop it is: ``train()`` a
+    ``train_dataset`` with a length or ``max_steps``, ``evaluate()`` an eval data set, ``predict()`` a test
+    data set, none of them empty. ``skip``: the methods whose loader the trainer builds itself."""
+    if method == "train" and "train" not in skip:
+        if train_dataset is None:
+            raise ValueError(f"train() needs a train_dataset: pass `train_dataset=` to {owner}.")
+        sized = has_length(train_dataset) and not isinstance(train_dataset, IterableDataset)
+        if not (sized or rdata.is_ray_dataset(train_dataset)) and args.max_steps <= 0:
+            raise ValueError(
+                f"train_dataset ({type(train_dataset).__name__}) has no length, so the number of steps is "
+                "unknown: set max_steps to a positive value.")
+        _check_not_empty(train_dataset, "train_dataset")
+    elif method == "evaluate" and "evaluate" not in skip:
+        dataset = kwargs.get("eval_dataset")
+        dataset = eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ValueError(f"evaluate() needs an eval_dataset: pass it to {owner} or to evaluate().")
+        for name, one in (dataset.items() if isinstance(dataset, Mapping) else [(None, dataset)]):
+            _check_not_empty(one, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+    elif method == "predict" and "predict" not in skip:
+        if kwargs.get("test_dataset") is None:
+            raise ValueError("predict() needs a test_dataset.")
+        _check_not_empty(kwargs["test_dataset"], "test_dataset")
+
+
+def _check_not_empty(dataset, name: str) -> None:
+    if has_length(dataset) and not isinstance(dataset, IterableDataset) and len(dataset) == 0:
+        raise ValueError(f"{name} is empty.")
+
+
 def _check_train(trainer) -> None:
-    args, dataset = trainer.args, trainer.train_dataset
-    if dataset is None:
-        raise ValueError("train() needs a train_dataset: pass `train_dataset=` to Trainer.")
-    sized = has_length(dataset) and not isinstance(dataset, IterableDataset)
-    sized = sized or rdata.is_ray_dataset(dataset)
-    if not sized and args.max_steps <= 0:
-        raise ValueError(
-            f"train_dataset ({type(dataset).__name__}) has no length, so the number of steps is unknown: "
-            "set max_steps to a positive value."
-        )
+    dataset = trainer.train_dataset
     example = _check_examples(trainer, dataset, "train_dataset")
     if example is None:
         return
@@ -187,8 +206,7 @@ def _check_examples(trainer, dataset, name: str):
         for key, ds in dataset.items():
             _check_examples(trainer, ds, f"{name}[{key!r}]")
         return None
-    if has_length(dataset) and not isinstance(dataset, IterableDataset) and len(dataset) == 0:
-        raise ValueError(f"{name} is empty.")
+    _check_not_empty(dataset, name)
     examples = _first_examples(dataset, 1)
     if not examples:
         raise ValueError(f"{name} yielded no example.")

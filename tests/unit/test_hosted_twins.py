@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import transformers
 
 import raytrainer
@@ -235,3 +236,41 @@ def test_an_elastic_hosted_trainer_s_ranks_build_transformers_arguments_for_thei
         _, _, _, plain, given = recipe.unpack(world)
         assert (plain.per_device_train_batch_size, plain.gradient_accumulation_steps) == expected
         assert type(plain) is transformers.TrainingArguments and given.max_workers == 3
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": [1, 2], "labels": [1, 2]}
+
+
+class _OwnLoader(transformers.Trainer):
+    def get_train_dataloader(self):  # builds its own data, as GRPO's trainer does
+        return [{"input_ids": [1, 2]}]
+
+
+@pytest.mark.parametrize("call, given, message", [
+    ("train", {}, r"train\(\) needs a train_dataset: pass `train_dataset=` to Trainer\."),
+    ("train", {"train_dataset": []}, r"train_dataset is empty\."),
+    ("train", {"train_dataset": _Stream()}, r"train_dataset \(_Stream\) has no length.*set max_steps"),
+    ("evaluate", {"train_dataset": [1]}, r"evaluate\(\) needs an eval_dataset: pass it to Trainer or to"),
+    ("evaluate", {"eval_dataset": {"a": [1], "b": []}}, r"eval_dataset\['b'\] is empty\."),
+    ("predict", {}, r"predict\(\) needs a test_dataset\."),
+])
+def test_a_hosted_call_without_its_data_is_refused_before_anything_starts(tmp_path, call, given, message):
+    """What raytrainer's Trainer refuses on the driver, a hosted trainer refuses there too: transformers'
+    loop would refuse it on every rank, once the worker group had started."""
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
+    trainer = raytrainer.on_ray(transformers.Trainer)(model_init=_model, args=args, **given)
+    with pytest.raises(ValueError, match=message):
+        trainer.predict(None) if call == "predict" else getattr(trainer, call)()
+    assert "_group" not in vars(trainer) and trainer._recipe.ref is None  # nothing sent, nothing started
+
+
+def test_a_trainer_that_builds_its_own_train_loader_is_not_asked_for_a_train_dataset(tmp_path):
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
+    trainer = raytrainer.on_ray(_OwnLoader)(model_init=_model, args=args)
+    trainer._check_call("train", {})  # its get_train_dataloader needs none
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset: pass it to _OwnLoader"):
+        trainer._check_call("evaluate", {"eval_dataset": None})
