@@ -91,6 +91,7 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     from raytrainer.worker.agreement import agree_on_flags
     from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.hosted_saves import write_in_background
+    from raytrainer.worker.nonfinite import NonFiniteCallback
     from raytrainer.worker.relay import RelayCallback
 
     agree_on_flags(trainer, session.ctx)
@@ -98,6 +99,8 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
         trainer.remove_callback(cls)
     trainer.add_callback(CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
     trainer.add_callback(MeanLossCallback(trainer))
+    if given.nonfinite_loss != "ignore":
+        trainer.add_callback(NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
     trainer.add_callback(WorldSizeRecord(trainer))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))

@@ -19,6 +19,7 @@ import logging
 import math
 
 import torch
+from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +65,44 @@ class NonFiniteGuard:
         logger.warning("nonfinite_loss='skip_step': a training loss was not finite in the update to step %d; "
                        "that update is skipped (%d so far)", step, self.skipped)
         return True
+
+
+class NonFiniteCallback(TrainerCallback):
+    """``nonfinite_loss`` for transformers' loop (a hosted trainer: raytrainer.hosted): the same guard,
+    fed by the trainer's ``training_step`` and read at ``on_pre_optimizer_step``, after the update's
+    micro-batches and their clipping, before ``optimizer.step()``. ``error`` raises there (the weights are
+    those before the bad update); ``skip_step`` makes that one ``optimizer.step()`` a skipped one, as
+    accelerate's fp16 overflow is (``optimizer_step_was_skipped``: transformers then leaves the scheduler
+    alone too, and drops the gradients)."""
+
+    same_on_every_rank = True
+
+    def __init__(self, trainer, mode: str, ctx):
+        self.trainer, self.guard, self.skipping = trainer, NonFiniteGuard(mode, ctx), False
+        inner = trainer.training_step  # the class's own (TRL's, a user's), bound
+
+        def training_step(*args, **kwargs):
+            loss = inner(*args, **kwargs)
+            self.guard.add(loss)
+            return loss
+
+        trainer.training_step = training_step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.guard.total = None  # a step interrupted by a resume or an earlier failure counts nothing here
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.guard.skip_update(state):  # raises under "error"
+            optimizer = self.trainer.optimizer
+            self.skipping = True
+
+            def skipped(closure=None):
+                del optimizer.step  # the class's step again from the next update
+                optimizer._is_overflow = True  # accelerate's record of a skipped step
+
+            optimizer.step = skipped
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.skipping and getattr(self.trainer.optimizer, "scaler", None) is None:
+            self.trainer.optimizer._is_overflow = False  # without a scaler nothing else resets it
+        self.skipping = False

@@ -8,7 +8,9 @@ import os
 import time
 
 import torch
+import transformers
 
+import raytrainer
 from raytrainer import Trainer, TrainerCallback
 
 log = logging.getLogger("tests.integration")
@@ -452,8 +454,8 @@ class ReportSeenRows(TrainerCallback):
         model.seen.clear()
 
 
-class InfLossOnRank(Trainer):
-    """A training loss of inf on one rank, in the update to ``at_step`` (a deterministic failure)."""
+class _InfLossOnRank:
+    """A training loss of inf on one rank, in the update to ``inf_step`` (a deterministic failure)."""
 
     inf_rank, inf_step = 1, 2
 
@@ -462,6 +464,14 @@ class InfLossOnRank(Trainer):
         if self.args.process_index == self.inf_rank and self.state.global_step + 1 == self.inf_step:
             return (out[0] * float("inf"), *out[1:]) if return_outputs else out * float("inf")
         return out
+
+
+class InfLossOnRank(_InfLossOnRank, Trainer):
+    """raytrainer's Trainer, with an inf loss on rank 1 in the update to step 2."""
+
+
+class HostedInfLossOnRank(_InfLossOnRank, raytrainer.on_ray(transformers.Trainer)):
+    """transformers' own Trainer on Ray workers, with an inf loss on rank 1 in the update to step 2."""
 
 
 class CountTrainingStarts(TrainerCallback):

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import pytest
 from console_lines import RAY_LINE, not_ours
-from models import CountTrainingStarts, InfLossOnRank, Regressor, make_data
+from models import CountTrainingStarts, HostedInfLossOnRank, InfLossOnRank, Regressor, make_data
 
 from raytrainer import TrainingArguments
 from raytrainer.worker.nonfinite import NonFiniteLossError
 
 
-def test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), num_workers=2, max_failures=1, max_steps=4,
-                             per_device_train_batch_size=4, save_strategy="steps", save_steps=1,
-                             report_to="none", disable_tqdm=True)
-    trainer = InfLossOnRank(model=Regressor(), args=args, train_dataset=make_data(32),
-                            callbacks=[CountTrainingStarts()])
+@pytest.mark.parametrize("host", ["raytrainer", "transformers"])
+def test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried(tmp_path, host):
+    """nonfinite_loss='error' (the default) in raytrainer's loop and in transformers' own on the workers."""
+    import transformers
+
+    import raytrainer
+
+    Args, trainer_cls = TrainingArguments, InfLossOnRank
+    if host == "transformers":
+        Args, trainer_cls = raytrainer.config_on_ray(transformers.TrainingArguments), HostedInfLossOnRank
+    args = Args(output_dir=str(tmp_path), num_workers=2, max_failures=1, max_steps=4,
+                per_device_train_batch_size=4, save_strategy="steps", save_steps=1, report_to="none",
+                disable_tqdm=True)
+    trainer = trainer_cls(model=Regressor(), args=args, train_dataset=make_data(32),
+                          callbacks=[CountTrainingStarts()])
     with pytest.raises(NonFiniteLossError, match=r"rank 1 computed a training loss of inf in the update to "
                                                  r"step 2") as info:
         trainer.train()
