@@ -102,6 +102,12 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     if given.nonfinite_loss != "ignore":
         trainer.add_callback(NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
     trainer.add_callback(WorldSizeRecord(trainer))
+    if session.ctx.distributed:  # each rank's pace, for the driver's straggler warning
+        from raytrainer.protocol import Kind
+        from raytrainer.worker.pace import PaceCallback
+
+        report = functools.partial(session.channel.send, Kind.PACE)
+        trainer.add_callback(PaceCallback(trainer, session.ctx, report))
     if session.ctx.is_world_zero:
         trainer.add_callback(RelayCallback(session.channel))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import TrainerCallback
 
 from raytrainer.protocol import Pace
 
@@ -58,6 +59,48 @@ class PaceMeter:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class PaceCallback(TrainerCallback):
+    """The straggler warning for transformers' loop (each rank of a hosted trainer, worker/hosted.py): the
+    same meter, its batch reading timed around the trainer's ``get_batch_samples`` (which reads an update's
+    batches, the collator included), its forward by the meter's hooks. transformers' loop sums its loss for
+    a log in a gather of its own, so the ranks' seconds take one small all-reduce of their own (a float per
+    rank), at steps every rank knows without agreeing: every ``logging_steps`` steps (or 50, when logs are
+    not by steps), never on a flag one rank's callback could set alone."""
+
+    same_on_every_rank = True
+
+    def __init__(self, trainer, ctx, sink):
+        self.trainer, self.ctx, self.sink, self.meter = trainer, ctx, sink, None
+        inner = trainer.get_batch_samples  # the class's own, bound
+
+        def get_batch_samples(*args, **kwargs):
+            started = time.perf_counter()
+            batches = inner(*args, **kwargs)
+            if self.meter is not None:
+                self.meter.fetching(started)
+            return batches
+
+        trainer.get_batch_samples = get_batch_samples
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.on_train_end(args, state, control)
+        self.meter = PaceMeter(self.trainer.model, self.ctx, time_forward=not args.torch_compile)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        by_steps = getattr(args.logging_strategy, "value", args.logging_strategy) == "steps"
+        every = max(1, int(state.logging_steps)) if by_steps and state.logging_steps else 50
+        if self.meter is None or state.global_step % every:
+            return
+        per_rank = self.ctx.sum(self.meter.slots())
+        if self.ctx.is_world_zero:
+            self.sink(self.meter.report(per_rank))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.meter is not None:
+            self.meter.close()
+        self.meter = None
 
 
 def _node() -> str:

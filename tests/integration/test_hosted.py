@@ -358,6 +358,32 @@ def test_a_subclass_of_a_twin_runs_its_constructor_and_overrides_on_the_workers(
 
 
 @pytest.mark.timeout(300)
+def test_a_slow_worker_of_a_hosted_trainer_is_named_by_the_straggler_warning(tmp_path, capfd):
+    """transformers' loop on the workers: rank 1 reads each batch 0.15 s slower; the driver names rank 1 and
+    its node once, as for raytrainer's own loop (test_ddp.py)."""
+    import ray
+    import transformers
+    from models import Regressor, SlowOnRank, make_data
+
+    import raytrainer
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    args = Args(output_dir=str(tmp_path), num_workers=2, max_steps=8, logging_steps=2,
+                per_device_train_batch_size=4, save_strategy="no", report_to="none", disable_tqdm=True)
+    Trainer = raytrainer.on_ray(transformers.Trainer)
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=make_data(64),
+                      data_collator=SlowOnRank(rank=1, seconds=0.15))
+    assert trainer.train().global_step == 8
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "is a straggler" in line]
+    assert len(warnings) == 1, err
+    assert f"rank 1 on node {ray.util.get_node_ip_address()} is a straggler: its own work" in warnings[0]
+    seconds = float(warnings[0].split(" takes ")[1].split(" s per step")[0])
+    assert 0.15 <= seconds < 1.0
+    trainer.end()
+
+
+@pytest.mark.timeout(300)
 def test_sentence_transformers_trainer_on_two_workers_matches_one_process(tmp_path):
     datasets = pytest.importorskip("datasets")
     st = pytest.importorskip("sentence_transformers")

@@ -76,3 +76,43 @@ def test_the_pace_meter_counts_batch_reading_and_training_forwards_only():
     quiet = PaceMeter(model, RankContext(), time_forward=False)  # under torch.compile
     assert not model._forward_hooks
     quiet.close()
+
+
+def test_transformers_loop_reports_each_ranks_pace_every_logging_steps(tmp_path):
+    """A hosted rank's meter (worker/pace.PaceCallback) in transformers' own loop: the batch reading is timed
+    around ``get_batch_samples`` (a collator sleeping 0.03 s), the training forwards by the meter's hooks,
+    and a report goes out every ``logging_steps`` steps."""
+    import time
+
+    import torch
+    import transformers
+
+    from raytrainer.data import default_data_collator
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker.pace import PaceCallback
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x, labels=None):
+            return {"loss": torch.nn.functional.cross_entropy(self.linear(x), labels)}
+
+    def slow_collator(examples):
+        time.sleep(0.03)
+        return default_data_collator(examples)
+
+    rows = [{"x": torch.randn(4), "labels": i % 2} for i in range(32)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, logging_steps=2,
+                                          per_device_train_batch_size=4, report_to="none", use_cpu=True,
+                                          save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=Net(), args=args, train_dataset=rows, data_collator=slow_collator)
+    reports = []
+    trainer.add_callback(PaceCallback(trainer, RankContext(), reports.append))
+    trainer.train()
+    assert len(reports) == 3  # steps 2, 4 and 6
+    for report in reports:
+        (seconds,) = report.seconds_per_step
+        assert 0.03 <= seconds < 0.5, report
+    assert not trainer.model._forward_hooks  # the meter's hooks are gone after train()
