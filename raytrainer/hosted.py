@@ -9,11 +9,12 @@ the environment ``torchrun`` gives (Ray Train sets ``RANK``, ``LOCAL_RANK``, ``W
 around the loop: the worker group (started once, kept warm across calls), one progress bar and the routed
 logs of every rank, the final ``TrainerState``, the errors.
 
-``on_ray(cls)`` makes the twin of a trainer class and ``config_on_ray(cls)`` the twin of its arguments class
-(``RayArgumentsMixin`` added: ``num_workers``, ``use_gpu``, ``resources_per_worker``, ...).
-``raytrainer.trl`` holds the twins of every trainer and config TRL exports under TRL's names. With
-``num_workers=0`` (or arguments without the Ray fields) the twin *is* the original trainer, built in this
-process from the original arguments class: nothing of raytrainer is in the way.
+``on_ray(cls)`` makes the twin of a trainer class (a subclass of it, same name and constructor) and
+``config_on_ray(cls)`` the twin of its arguments class (``RayArgumentsMixin`` added: ``num_workers``,
+``use_gpu``, ``resources_per_worker``, ...). ``raytrainer.trl`` holds the twins of every trainer and config
+TRL exports under TRL's names. With ``num_workers=0`` (or arguments without the Ray fields) the object is
+the original trainer class's own, built in this process from the original arguments class: nothing of
+raytrainer is in the way. A subclass of a twin is built on the workers as it is.
 
 With ``num_workers >= 1`` the twin built on the driver holds only what the constructor was given: a model
 named by a path or hub id, or made by ``model_init``, is loaded on the workers only. A method the driver
