@@ -6,12 +6,12 @@ worker count or node count) or a path CI reaches another way, and runs in the fu
 tests/unit/test_ci_tier.py fails when a listed id no longer collects, so the list cannot go stale silently.
 
 Why a list and not a mark per test: it is the one place that says what CI proves, and what it costs. These 24
-tests took about 18 minutes on this 2-core machine (22 of them 17 minutes, 2026-12-02, quiet; each starts a
-cold group of 2 workers, ~25 s, at least once); the CI tier as a whole about 35. Left to the full tier for
-time, with what CI runs in their place: ZeRO-3 sharding under TRL (185 s; FSDP sharding: test_fsdp.py, LoRA
-under FSDP), two nodes (145 s; the elastic, preemption and submit tests start clusters too, all full tier),
-the preemption notice and the lost worker (89 s, 98 s; the SIGTERM test saves, commits, restarts and ends
-bitwise), TRL's dpo.py (77 s; sft.py).
+tests took about 17 minutes in the CI check of 2026-12-02, beside a CPU-bound process on this 2-core machine
+(each starts a cold group of 2 workers, ~25 s, at least once); the CI tier as a whole 29 minutes there. Left
+to the full tier for time, with what CI runs in their place: ZeRO-3 sharding under TRL (185 s; FSDP sharding:
+test_fsdp.py, LoRA under FSDP), two nodes (145 s; the elastic, preemption and submit tests start clusters too,
+all full tier), the preemption notice and the lost worker (89 s, 98 s; the SIGTERM test saves, commits,
+restarts and ends bitwise), TRL's dpo.py (77 s; sft.py).
 """
 
 from __future__ import annotations
