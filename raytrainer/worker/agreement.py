@@ -62,9 +62,15 @@ class AgreeingHandler:
 
 def agree_on_flags(trainer, ctx) -> None:
     """``trainer.callback_handler`` agrees its flags across the ranks of ``ctx`` from now on (its class
-    becomes a subclass with ``AgreeingHandler`` mixed in, once)."""
+    becomes a subclass with ``AgreeingHandler`` mixed in, once), and takes what raytrainer's handler takes
+    from a callback (``callbacks.CallbackHandler``: a mapping of flags returned; any other value than a
+    ``TrainerControl`` or None is refused, naming the callback), as raytrainer's own Trainer does."""
+    from raytrainer.callbacks import CallbackHandler
+
     handler = trainer.callback_handler
     if not isinstance(handler, AgreeingHandler):
         cls = type(handler)
-        handler.__class__ = type(f"Agreeing{cls.__name__}", (AgreeingHandler, cls), {})
+        bases = (AgreeingHandler, cls) if issubclass(cls, CallbackHandler) else (
+            AgreeingHandler, CallbackHandler, cls)
+        handler.__class__ = type(f"Agreeing{cls.__name__}", bases, {})
     handler._agreement_ctx = ctx

@@ -101,3 +101,41 @@ def test_flags_one_rank_sets_are_every_ranks_during_training_only(tmp_path):
     expected = {"quiet all-reduces": 0, "before training": 0, "stop after a micro-batch": True,
                 "evaluate after on_log": True, "training all-reduces": 2}
     assert got == {0: expected, 1: expected}, got
+
+
+def test_a_hosted_handler_takes_what_raytrainers_handler_takes_from_a_callback(tmp_path):
+    """transformers' loop in one process, its handler made agreeing as on a hosted rank: a callback may
+    return a mapping of flags (it stops the run at step 3), and a return value of another type is refused,
+    naming the callback, where transformers' handler would put it in place of the control."""
+    import pytest
+    import transformers
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x, labels=None):
+            return {"loss": torch.nn.functional.cross_entropy(self.linear(x), labels)}
+
+    class StopAtThree(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            return {"should_training_stop": True} if state.global_step == 3 else None
+
+    class Returns42(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            return 42
+
+    rows = [{"x": torch.randn(4), "labels": i % 2} for i in range(64)]
+
+    def trainer(callback):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=8, report_to="none",
+                                              per_device_train_batch_size=4, use_cpu=True,
+                                              save_strategy="no", disable_tqdm=True)
+        built = transformers.Trainer(model=Net(), args=args, train_dataset=rows, callbacks=[callback])
+        agree_on_flags(built, RankContext())
+        return built
+
+    assert trainer(StopAtThree()).train().global_step == 3
+    with pytest.raises(TypeError, match=r"callback Returns42\.on_step_end returned int 42"):
+        trainer(Returns42()).train()
