@@ -236,14 +236,11 @@ class HostedTrainer:
         from raytrainer.driver.preflight import check_datasets
 
         signature = inspect.signature(self.hosted_class.__init__)
-        bound = signature.bind(None, *self._constructor[0], **self._constructor[1]).arguments
-        extra = next((bound.get(p.name) or {} for p in signature.parameters.values()
-                      if p.kind is inspect.Parameter.VAR_KEYWORD), {})
-        given = {**extra, **bound}
+        bound = signature.bind(None, *self._constructor[0], **self._constructor[1])
         own = frozenset(method for method, loader in _LOADERS
                         if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
-        check_datasets(method, kwargs, self.args, given.get("train_dataset"), given.get("eval_dataset"),
-                       owner=type(self).__name__, skip=own)
+        check_datasets(method, kwargs, self.args, _find_args(signature, bound, "train_dataset"),
+                       _find_args(signature, bound, "eval_dataset"), owner=type(self).__name__, skip=own)
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction="minimize", backend=None, hp_name=None, **kwargs):

@@ -40,12 +40,13 @@ def plain_config(args, **overrides):
         return cls(**values)
 
 
-def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments):
-    if "args" in bound.arguments and "args" in signature.parameters:
-        return bound.arguments["args"]
-    for name, param in signature.parameters.items():
+def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments, name: str = "args"):
+    """The constructor's argument ``name`` as given, by name or inside its ``**kwargs``; None if absent."""
+    if name in bound.arguments and name in signature.parameters:
+        return bound.arguments[name]
+    for var, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
-            return bound.arguments.get(name, {}).get("args")
+            return bound.arguments.get(var, {}).get(name)
     return None
 
 

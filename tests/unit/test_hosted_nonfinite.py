@@ -9,27 +9,10 @@ import logging
 import pytest
 import torch
 import transformers
-from torch import nn
+from test_precision import Net, Weights, data  # the model, rows and recording raytrainer's loop is tested on
 
 from raytrainer.rank_context import RankContext
 from raytrainer.worker.nonfinite import NonFiniteCallback, NonFiniteLossError
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-    def forward(self, x, labels=None):
-        logits = self.net(x)
-        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
-
-
-def data(n=64):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 6, generator=g)
-    return [{"x": x[i], "labels": int(x[i, 0] > 0) + int(x[i, 1] > 0)} for i in range(n)]
 
 
 class Planted(transformers.Trainer):
@@ -42,14 +25,6 @@ class Planted(transformers.Trainer):
         if model.training and self.state.global_step == self.plant_at:
             loss = loss * float("inf")
         return loss
-
-
-class Weights(transformers.TrainerCallback):
-    def __init__(self):
-        self.by_step = {}
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.by_step[state.global_step] = {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _trainer(tmp_path, mode: str, **kw):
