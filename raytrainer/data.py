@@ -12,6 +12,7 @@ counted exactly once and in order.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -59,6 +60,18 @@ def signature_columns(model: torch.nn.Module, label_names: list[str]) -> set[str
     if not named:
         return None
     return named | set(label_names) | set(LABEL_KEYS)
+
+
+def collator_for(trainer, dataset):
+    """``trainer``'s data collator, wrapped to drop the columns its model's forward does not take
+    (``remove_unused_columns``) where ``dataset``'s first example has any."""
+    if not trainer.args.remove_unused_columns:
+        return trainer.data_collator
+    keep = signature_columns(trainer.model, trainer.label_names)
+    if keep is None or first_keys_within(dataset, keep):
+        return trainer.data_collator  # nothing to remove: no per-batch filtering
+    return RemoveColumnsCollator(trainer.data_collator, keep, logger=logging.getLogger("raytrainer.trainer"),
+                                 model_name=type(trainer.model).__name__)
 
 
 def first_keys_within(dataset, keep: set[str]) -> bool:

@@ -22,13 +22,7 @@ logger = logging.getLogger("raytrainer.trainer")
 class DataLoadersMixin:
     def _collator_for(self, dataset):
         """The data collator, wrapped to drop columns forward() does not take (remove_unused_columns)."""
-        if not self.args.remove_unused_columns:
-            return self.data_collator
-        keep = rdata.signature_columns(self.model, self.label_names)
-        if keep is None or rdata.first_keys_within(dataset, keep):
-            return self.data_collator  # nothing to remove: no per-batch filtering
-        return rdata.RemoveColumnsCollator(self.data_collator, keep, logger=logger,
-                                           model_name=type(self.model).__name__)
+        return rdata.collator_for(self, dataset)
 
     def _loader_kwargs(self) -> dict[str, Any]:
         a = self.args

@@ -48,6 +48,23 @@ def check(trainer, method: str, kwargs: dict) -> None:
         Storage.for_run(args).check_writable()  # the new group's Ray Train run folder lives there
 
 
+def check_in_process(trainer, method: str, kwargs: dict) -> None:
+    """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py):
+    what transformers' loop would refuse late or not at all, refused before it starts -- a call's data
+    sets, and for ``train()`` the examples' label column and a model that returns no loss."""
+    check_datasets(method, kwargs, trainer.args, trainer.train_dataset, trainer.eval_dataset,
+                   owner=type(trainer).__name__)
+    if method == "train":
+        _check_train(trainer)
+    elif method == "evaluate":
+        dataset = kwargs.get("eval_dataset")
+        if isinstance(dataset, str):  # transformers' evaluate(eval_dataset="name") of a dict of data sets
+            dataset = trainer.eval_dataset[dataset]
+        _check_examples(trainer, trainer.eval_dataset if dataset is None else dataset, "eval_dataset")
+    elif method == "predict":
+        _check_examples(trainer, kwargs["test_dataset"], "test_dataset")
+
+
 def _check_parallelism(trainer) -> None:
     """A tensor-parallel mesh needs the model's plan -- checked on the driver's model (model_init's too: the
     Trainer built it at construction, a skeleton when big) -- and reads a data set each tensor-parallel
@@ -228,7 +245,7 @@ def _check_labels(trainer, example, name: str, dataset=None) -> None:
     if dataset is not None and _missing_labels(wanted, keys):
         # the data collator may make them: DataCollatorForLanguageModeling's masked-token labels
         with torch.random.fork_rng(devices=[]):  # its masking draws leave the run's random stream as it was
-            keys |= set(trainer._collator_for(dataset)([example]))
+            keys |= set(rdata.collator_for(trainer, dataset)([example]))
     missing = _missing_labels(wanted, keys)
     if missing:
         raise ValueError(
@@ -264,7 +281,7 @@ def _check_returns_loss(trainer, dataset) -> None:
     if not skeleton and sum(p.numel() for p in params) > FORWARD_CHECK_MAX_PARAMS:
         return
     examples = _first_examples(dataset, max(1, min(2, trainer.args.per_device_train_batch_size)))
-    batch = trainer._collator_for(dataset)(examples)
+    batch = rdata.collator_for(trainer, dataset)(examples)
     device = next(model.parameters(), torch.empty(0)).device
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     was_training = model.training

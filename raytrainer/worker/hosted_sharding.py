@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from raytrainer.hosted import building_on_a_rank
 from raytrainer.strategies.malloc import return_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,11 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
             create()  # once more, on the FSDP state: transformers' FSDP flags and checks for this run
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
-    trainer.__init__(*args, **kwargs)
+    building = building_on_a_rank.set(True)
+    try:
+        trainer.__init__(*args, **kwargs)
+    finally:
+        building_on_a_rank.reset(building)
     if by_shard:  # after __init__: its own model_init call is the constructor's load, sharded by the caller
         hosted_loading.load_sharded_model_init(trainer)
     trainer._raytrainer_save_whole = functools.partial(save_whole, trainer)  # the driver's trainer.model

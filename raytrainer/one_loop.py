@@ -1,0 +1,180 @@
+"""raytrainer's Trainer as a ``transformers.Trainer``, running transformers' own loop (issue 56, under way).
+
+``one_loop.Trainer`` is what ``raytrainer.Trainer`` becomes: a subclass of ``transformers.Trainer``, through
+its twin (raytrainer/hosted.py), whose training, evaluation and prediction loops are transformers' own -- on
+every rank of a Ray worker group with ``num_workers >= 1``, in this process with ``num_workers=0`` (where
+``pdb`` works and the model given is trained in place). What raytrainer adds on top is attached around that
+loop, never written into it:
+
+- on the workers, by each rank's layer (worker/hosted.py), as for any hosted trainer: agreed flags, rank-0
+  evaluation, committed background saves, verified and world-size resume, ``nonfinite_loss``, the
+  straggler warning, per-shard construction, sharding on CPU;
+- in this process, by the constructor (``_attach_in_process``): raytrainer's arguments (``args=None`` or
+  transformers' own become ``raytrainer.TrainingArguments``), callbacks that return a mapping of control
+  flags, ``nonfinite_loss``, and the driver's checks of each call before the loop starts
+  (driver/preflight.py);
+- everywhere the class is built (here and on each rank), by the constructor: a plain ``torch.nn.Module``
+  without a ``config`` trains with ``label_smoothing_factor`` (transformers reads ``model.config`` there).
+
+``raytrainer.Trainer`` still names the native loop's class (raytrainer/trainer.py) until every test of it
+passes on this one; ``pytest --one-loop`` runs the test suite with this class in its place
+(tests/conftest.py), which is how the switch is measured (docs/architecture.md, "One loop").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from raytrainer.args import RayArgumentsMixin, TrainingArguments, token_withheld
+from raytrainer.seq2seq import Seq2SeqTrainingArguments
+from raytrainer.hosted import building_on_a_rank, on_ray
+from raytrainer.hosted_recipe import plain_config
+
+logger = logging.getLogger(__name__)
+
+
+class _Additions:
+    """What raytrainer's trainers add to the twin of a transformers trainer class (see the module's
+    docstring); first in their bases, before the twin."""
+
+    _args_class = TrainingArguments  # what args=None and a transformers arguments object become
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        args: transformers.TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init: Callable | None = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        optimizer_cls_and_kwargs: tuple | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+    ):
+        given = None
+        if not building_on_a_rank.get():  # the driver's process: raytrainer's arguments, its process view
+            given = self._ray_arguments(args)
+            args = plain_config(given, **_this_process(given))
+        smoothing = args.label_smoothing_factor
+        without_config = smoothing and getattr(model, "config", None) is None and model_init is None
+        if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
+            args.label_smoothing_factor = 0.0
+        # transformers sets its verbosity to the run's log level here; in the driver's process raytrainer
+        # applies it during each call only (worker/logs.py), so the script's own level stands in between
+        with _transformers_level_kept() if given is not None else contextlib.nullcontext():
+            super().__init__(
+                model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+                compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+                optimizers=optimizers, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                # not a parameter of transformers.Seq2SeqTrainer's constructor
+                **({} if optimizer_cls_and_kwargs is None else
+                   {"optimizer_cls_and_kwargs": optimizer_cls_and_kwargs}))
+        if without_config:
+            args.label_smoothing_factor = smoothing
+            self.label_smoother = transformers.trainer_pt_utils.LabelSmoother(epsilon=smoothing)
+        self._ray_args = given  # None on a rank: the rank's layer holds them (worker/hosted.py)
+        if given is not None:
+            self._attach_in_process(given)
+
+    @classmethod
+    def _ray_arguments(cls, args) -> RayArgumentsMixin:
+        """``args`` with raytrainer's Ray fields: as given, or ``raytrainer.TrainingArguments`` made from
+        transformers' (every value given carried over), or for ``None`` transformers' default."""
+        if args is None:
+            logger.info("No `TrainingArguments` passed, using `output_dir=trainer_output`.")
+            return cls._args_class(output_dir="trainer_output")
+        if isinstance(args, RayArgumentsMixin):
+            return args
+        return cls._args_class.from_transformers(args)
+
+    def _attach_in_process(self, given) -> None:
+        """raytrainer's additions for a run in this process: callbacks may return a mapping of flags
+        (raytrainer's ``CallbackHandler``, through the agreement, a no-op with one process), and
+        ``nonfinite_loss``."""
+        from raytrainer.rank_context import local_context
+        from raytrainer.worker.agreement import agree_on_flags
+        from raytrainer.worker.nonfinite import NonFiniteCallback
+
+        ctx = local_context(given)
+        agree_on_flags(self, ctx)
+        if given.nonfinite_loss != "ignore":
+            self.add_callback(NonFiniteCallback(self, given.nonfinite_loss, ctx))
+
+    # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        with self._in_this_process("train", {"resume_from_checkpoint": resume_from_checkpoint}):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
+        with self._in_this_process("evaluate", {"eval_dataset": eval_dataset}):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
+        with self._in_this_process("predict", {"test_dataset": test_dataset}):
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix, **kwargs)
+
+    @contextlib.contextmanager
+    def _in_this_process(self, method: str, kwargs: dict):
+        """A call in the driver's process: refused before the loop starts where the driver would refuse it
+        (driver/preflight.py), and run under the run's log level, as a rank's call is (worker/logs.py), the
+        levels and handlers restored after. On a rank: nothing (the rank's layer does both)."""
+        if self.__dict__.get("_ray_args") is None:
+            yield
+            return
+        from raytrainer.driver.preflight import check_in_process
+        from raytrainer.worker.logs import driver_transformers_level, rank_logging
+
+        check_in_process(self, method, kwargs)
+        with rank_logging(self.args, 0, None, driver_transformers_level()):
+            yield
+
+    def _overrides(self, name: str) -> bool:
+        """Whether a subclass replaced the method ``name`` (the driver's checks ask about ``compute_loss``)."""
+        return getattr(type(self), name) is not getattr(transformers.Trainer, name)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """transformers' ``_save``; its ``training_args.bin`` holds no hub token (it is a secret)."""
+        with token_withheld(self.args) if self.args.hub_token else contextlib.nullcontext():
+            return super()._save(output_dir, state_dict)
+
+
+@contextlib.contextmanager
+def _transformers_level_kept():
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    try:
+        yield
+    finally:
+        hf_logger.setLevel(level)
+
+
+def _this_process(given) -> dict:
+    """Overrides of the arguments for a run in the driver's process: a machine without an accelerator
+    trains on its CPU (as transformers would) and ``bf16`` runs there too, as on a CPU worker."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    if given.use_cpu or torch.cuda.is_available() or not given.bf16 or is_torch_bf16_gpu_available():
+        return {}
+    return {"use_cpu": True}
+
+
+class Trainer(_Additions, on_ray(transformers.Trainer)):
+    """`transformers.Trainer` with raytrainer's Ray fields in its arguments: ``num_workers >= 1`` runs
+    transformers' loop on that many Ray Train workers, ``num_workers=0`` in this process."""
+
+
+class Seq2SeqTrainer(_Additions, on_ray(transformers.Seq2SeqTrainer)):
+    """`transformers.Seq2SeqTrainer`, as ``Trainer`` is `transformers.Trainer`: its generating
+    ``evaluate`` / ``predict`` run on every rank, the generated ids gathered by transformers' loop."""
+
+    _args_class = Seq2SeqTrainingArguments

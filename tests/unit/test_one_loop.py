@@ -1,0 +1,205 @@
+"""raytrainer.one_loop: raytrainer's Trainer as a transformers.Trainer running transformers' own loop (issue 56).
+
+In one process (``num_workers=0``) the object is transformers' trainer with raytrainer's additions around the
+loop: it trains bitwise as transformers.Trainer does, and adds the driver's checks, callbacks' flag mappings,
+``nonfinite_loss``, the run's log level during calls, ``training_args.bin`` without the hub token, and label
+smoothing for a module without a ``config``. (On Ray workers the rank's layer adds the same as for any hosted
+trainer: tests/integration/test_hosted.py.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from raytrainer import TrainingArguments
+from raytrainer.one_loop import Seq2SeqTrainer, Trainer
+from raytrainer.worker.nonfinite import NonFiniteLossError
+
+
+def _args(tmp_path, cls=TrainingArguments, **overrides):
+    values = dict(output_dir=str(tmp_path), save_strategy="no", report_to="none", disable_tqdm=True,
+                  per_device_train_batch_size=4, num_train_epochs=2, learning_rate=0.1, logging_steps=1,
+                  seed=0)
+    values.update(overrides)
+    return cls(**values)
+
+
+def test_it_is_transformers_trainer_and_trains_bitwise_as_transformers_does(tmp_path, make_classifier,
+                                                                           make_examples):
+    """Same model, data and arguments: the same weights, bit for bit, and the same logged losses as
+    transformers.Trainer's in this process; the model given is the one trained."""
+    data, _, _ = make_examples(20)
+    ours_model, theirs_model = make_classifier(), make_classifier()
+    ours = Trainer(model=ours_model, args=_args(tmp_path / "a"), train_dataset=data)
+    theirs = transformers.Trainer(model=theirs_model, train_dataset=data,
+                                  args=_args(tmp_path / "b", cls=transformers.TrainingArguments))
+    assert isinstance(ours, transformers.Trainer)
+    assert type(ours).train.__qualname__ == "_Additions.train"  # the checks, then transformers' train()
+    out_ours, out_theirs = ours.train(), theirs.train()
+    assert out_ours.global_step == out_theirs.global_step == 10
+    for (name, a), (_, b) in zip(ours_model.state_dict().items(), theirs_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (ours, theirs)]
+    assert len(losses[0]) == 10 and losses[0] == losses[1]
+    assert ours.model is ours_model
+
+
+def test_arguments_become_raytrainers_and_the_loop_gets_transformers_own(tmp_path, make_classifier):
+    """``args=None`` and transformers' arguments become raytrainer's (the Ray fields, the process view
+    kept); the loop runs on transformers' own arguments class, which is what ``training_args.bin`` holds."""
+    ours = Trainer(model=make_classifier(), args=_args(tmp_path, cls=transformers.TrainingArguments,
+                                                       learning_rate=0.25))
+    assert type(ours._ray_args) is TrainingArguments and ours._ray_args.learning_rate == 0.25
+    assert type(ours.args) is transformers.TrainingArguments and ours.args.learning_rate == 0.25
+    default = Trainer(model=make_classifier())
+    assert default._ray_args.output_dir == "trainer_output" and default._ray_args.num_workers == 0
+
+
+def test_with_workers_the_object_is_the_drivers_side_and_starts_nothing(tmp_path, make_classifier):
+    trainer = Trainer(model=make_classifier(), args=_args(tmp_path, num_workers=2))
+    assert isinstance(trainer, transformers.Trainer) and isinstance(trainer, Trainer)
+    assert type(trainer).hosted_class is Trainer  # each rank builds this class, its additions included
+    assert "_group" not in vars(trainer)
+
+
+class _StopAtTwo(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        return {"should_training_stop": True} if state.global_step == 2 else None
+
+
+class _ReturnsAString(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        return "stop"
+
+
+def test_a_callback_returning_a_mapping_of_flags_stops_and_other_returns_are_refused(
+        tmp_path, make_classifier, make_examples):
+    data, _, _ = make_examples(20)
+    trainer = Trainer(model=make_classifier(), args=_args(tmp_path), train_dataset=data,
+                      callbacks=[_StopAtTwo()])
+    assert trainer.train().global_step == 2
+    trainer = Trainer(model=make_classifier(), args=_args(tmp_path), train_dataset=data,
+                      callbacks=[_ReturnsAString()])
+    with pytest.raises(TypeError, match="_ReturnsAString"):
+        trainer.train()
+
+
+class _InfLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels) * float("inf"), "logits": logits}
+
+
+def test_a_nonfinite_loss_stops_before_the_update_by_default(tmp_path, make_examples):
+    data, _, _ = make_examples(8)
+    model = _InfLoss()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteLossError, match="rank 0 computed a training loss of inf in the update to step 1"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=data).train()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    ignored = Trainer(model=_InfLoss(), args=_args(tmp_path, nonfinite_loss="ignore", max_steps=2),
+                      train_dataset=data)
+    assert ignored.train().global_step == 2  # transformers' behaviour: trains on
+
+
+class _NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        return {"logits": self.linear(x)}
+
+
+def test_the_drivers_checks_refuse_a_call_before_the_loop_starts(tmp_path, make_classifier, make_examples):
+    data, x, _ = make_examples(8)
+    began = []
+
+    class Began(transformers.TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            began.append(1)
+
+    unlabelled = [{"x": row} for row in x]
+    with pytest.raises(ValueError, match="has no 'labels' column"):
+        Trainer(model=make_classifier(), args=_args(tmp_path), train_dataset=unlabelled,
+                callbacks=[Began()]).train()
+    with pytest.raises(ValueError, match="_NoLoss returned no loss"):
+        Trainer(model=_NoLoss(), args=_args(tmp_path), train_dataset=data, callbacks=[Began()]).train()
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset"):
+        Trainer(model=make_classifier(), args=_args(tmp_path)).evaluate()
+    assert began == []
+
+
+def test_the_runs_log_level_holds_during_calls_only(tmp_path, make_classifier, make_examples):
+    data, _, _ = make_examples(8)
+    hf_logger = logging.getLogger("transformers")
+    before = hf_logger.level
+    seen = []
+
+    class Level(transformers.TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            seen.append(hf_logger.level)
+
+    trainer = Trainer(model=make_classifier(), args=_args(tmp_path, log_level="error", max_steps=1),
+                      train_dataset=data, callbacks=[Level()])
+    assert hf_logger.level == before
+    trainer.train()
+    assert seen == [logging.ERROR] and hf_logger.level == before
+
+
+def test_label_smoothing_on_a_module_without_a_config(tmp_path, make_classifier, make_examples):
+    """transformers reads ``model.config`` to decide on label smoothing; a plain module trains with it, its
+    loss the smoothed cross entropy."""
+    data, x, y = make_examples(8)
+    model = make_classifier()
+    trainer = Trainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.2), train_dataset=data)
+    assert trainer.args.label_smoothing_factor == 0.2
+    loss = trainer.compute_loss(model, {"x": x, "labels": y})
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model.linear(x), y, label_smoothing=0.2)
+    assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_training_args_bin_holds_no_hub_token(tmp_path, make_classifier, make_examples):
+    data, _, _ = make_examples(8)
+    trainer = Trainer(model=make_classifier(), train_dataset=data,
+                      args=_args(tmp_path, hub_token="hf_secret_token_123", save_strategy="steps",
+                                 save_steps=1, max_steps=1))
+    trainer.train()
+    saved = torch.load(tmp_path / "checkpoint-1" / "training_args.bin", weights_only=False)
+    assert saved.hub_token is None and saved.max_steps == 1
+    assert trainer.args.hub_token == "hf_secret_token_123"
+
+
+def test_seq2seq_trainer_generates_as_transformers_seq2seq_trainer(tmp_path):
+    import numpy as np
+
+    from raytrainer import Seq2SeqTrainingArguments
+
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2,
+                                   d_kv=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    rows = [{"input_ids": torch.tensor([3, 4, 5, 1]), "labels": torch.tensor([6, 7, 1])}] * 4
+    outputs = []
+    for cls, args_cls in ((Seq2SeqTrainer, Seq2SeqTrainingArguments),
+                          (transformers.Seq2SeqTrainer, transformers.Seq2SeqTrainingArguments)):
+        torch.manual_seed(0)
+        trainer = cls(model=transformers.T5ForConditionalGeneration(config),
+                      args=_args(tmp_path, cls=args_cls, predict_with_generate=True, generation_max_length=5,
+                                 per_device_eval_batch_size=2))
+        assert isinstance(trainer, transformers.Seq2SeqTrainer)
+        outputs.append(trainer.predict(rows))
+    ours, theirs = outputs
+    generated = (ours.predictions != 0).sum(axis=1)
+    assert generated.max() == 4  # generation_max_length=5: the start token and 4 generated ones
+    assert np.array_equal(ours.predictions, theirs.predictions)
+    assert ours.metrics["test_loss"] == theirs.metrics["test_loss"]
