@@ -31,9 +31,9 @@ import torch
 import transformers
 
 from raytrainer.args import RayArgumentsMixin, TrainingArguments, token_withheld
-from raytrainer.seq2seq import Seq2SeqTrainingArguments
 from raytrainer.hosted import building_on_a_rank, on_ray
 from raytrainer.hosted_recipe import plain_config
+from raytrainer.seq2seq import Seq2SeqTrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class _Additions:
             yield
 
     def _overrides(self, name: str) -> bool:
-        """Whether a subclass replaced the method ``name`` (the driver's checks ask about ``compute_loss``)."""
+        """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""
         return getattr(type(self), name) is not getattr(transformers.Trainer, name)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
