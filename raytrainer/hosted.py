@@ -207,19 +207,7 @@ class HostedTrainer:
         return getattr(target, "repo_id", None) or self.args.hub_model_id
 
     def _resume_target(self, resume_from_checkpoint):
-        """The checkpoint to resume from, checked here before any worker trains: for True the latest one
-        committed to the run's storage (else, as transformers would, the latest in a local ``output_dir``);
-        a given folder or URI must be a whole checkpoint. The ranks read it in place or copy it first."""
-        from raytrainer.checkpoint import committed_checkpoints, resolve_resume
-        from raytrainer.storage import Storage
-
-        storage = Storage.for_run(self.args)
-        if resume_from_checkpoint is True and not committed_checkpoints(storage, warn=False):
-            from transformers.trainer_utils import get_last_checkpoint
-
-            if os.path.isdir(self.args.output_dir) and (last := get_last_checkpoint(self.args.output_dir)):
-                return last
-        return resolve_resume(storage, resume_from_checkpoint)
+        return resume_target(self.args, resume_from_checkpoint)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
@@ -239,7 +227,7 @@ class HostedTrainer:
         group is up; not for a loader the trainer class builds itself (GRPO's)."""
         import transformers
 
-        from raytrainer.driver.preflight import check_datasets
+        from raytrainer.driver.preflight import _starts_a_group, check_datasets
 
         signature = inspect.signature(self.hosted_class.__init__)
         bound = signature.bind(None, *self._constructor[0], **self._constructor[1])
@@ -247,6 +235,10 @@ class HostedTrainer:
                         if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
         check_datasets(method, kwargs, self.args, _find_args(signature, bound, "train_dataset"),
                        _find_args(signature, bound, "eval_dataset"), owner=type(self).__name__, skip=own)
+        if method == "train" or _starts_a_group(self):  # Ray Train's run folder, and the checkpoints
+            from raytrainer.storage import Storage
+
+            Storage.for_run(self.args).check_writable()
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction="minimize", backend=None, hp_name=None, **kwargs):
@@ -401,6 +393,23 @@ class HostedTrainer:
     _display_model = None  # the display's callbacks get no model: it stays on the workers
     processing_class = None
     train_dataset = None
+
+
+def resume_target(args, resume_from_checkpoint):
+    """The checkpoint a hosted ``train()`` resumes, checked on the driver before the loop starts: for True the
+    latest one committed to the run's storage (else, as transformers would, the latest in a local
+    ``output_dir``); a given folder or URI must be a whole checkpoint. The ranks read it in place or copy
+    it first."""
+    from raytrainer.checkpoint import committed_checkpoints, resolve_resume
+    from raytrainer.storage import Storage
+
+    storage = Storage.for_run(args)
+    if resume_from_checkpoint is True and not committed_checkpoints(storage, warn=False):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if os.path.isdir(args.output_dir) and (last := get_last_checkpoint(args.output_dir)):
+            return last
+    return resolve_resume(storage, resume_from_checkpoint)
 
 
 def _is_peft(model_cls: type) -> bool:

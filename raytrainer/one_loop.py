@@ -63,7 +63,7 @@ class _Additions:
         given = None
         if not building_on_a_rank.get():  # the driver's process: raytrainer's arguments, its process view
             given = self._ray_arguments(args)
-            args = plain_config(given, **_this_process(given))
+            args = plain_config(given, push_to_hub=False, **_this_process(given))  # the driver pushes
         smoothing = args.label_smoothing_factor
         without_config = smoothing and getattr(model, "config", None) is None and model_init is None
         if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
@@ -112,8 +112,14 @@ class _Additions:
 
     # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        with self._in_this_process("train", {"resume_from_checkpoint": resume_from_checkpoint}):
+        given = self.__dict__.get("_ray_args")
+        if given is None:  # a rank's: its layer commits, resumes and agrees (worker/hosted.py)
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        from raytrainer import in_process
+
+        with self._in_this_process("train", {}, check=False):  # in_process.train checks, once it has resolved
+            return in_process.train(self, given, super().train, resume_from_checkpoint,
+                                    dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         with self._in_this_process("evaluate", {"eval_dataset": eval_dataset}):
@@ -124,7 +130,7 @@ class _Additions:
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, **kwargs)
 
     @contextlib.contextmanager
-    def _in_this_process(self, method: str, kwargs: dict):
+    def _in_this_process(self, method: str, kwargs: dict, check: bool = True):
         """A call in the driver's process: refused before the loop starts where the driver would refuse it
         (driver/preflight.py), and run under the run's log level, as a rank's call is (worker/logs.py), the
         levels and handlers restored after. On a rank: nothing (the rank's layer does both)."""
@@ -134,7 +140,8 @@ class _Additions:
         from raytrainer.driver.preflight import check_in_process
         from raytrainer.worker.logs import driver_transformers_level, rank_logging
 
-        check_in_process(self, method, kwargs)
+        if check:
+            check_in_process(self, method, kwargs)
         with rank_logging(self.args, 0, None, driver_transformers_level()):
             yield
 

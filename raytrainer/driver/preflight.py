@@ -49,13 +49,15 @@ def check(trainer, method: str, kwargs: dict) -> None:
 
 
 def check_in_process(trainer, method: str, kwargs: dict) -> None:
-    """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py):
-    what transformers' loop would refuse late or not at all, refused before it starts -- a call's data
-    sets, and for ``train()`` the examples' label column and a model that returns no loss."""
+    """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py;
+    ``trainer.args`` with the Ray fields): what transformers' loop would refuse late or not at all, refused
+    before it starts -- a call's data sets, and for ``train()`` the examples' label column, a model that
+    returns no loss, the checkpoint to resume (resolved: it fits this model) and the storage (writable)."""
     check_datasets(method, kwargs, trainer.args, trainer.train_dataset, trainer.eval_dataset,
                    owner=type(trainer).__name__)
     if method == "train":
         _check_train(trainer)
+        _check_checkpointing(trainer, kwargs.get("resume_from_checkpoint"))
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
         if isinstance(dataset, str):  # transformers' evaluate(eval_dataset="name") of a dict of data sets

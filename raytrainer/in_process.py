@@ -1,0 +1,85 @@
+"""``train()`` of a raytrainer trainer in the driver's own process (``num_workers=0``, raytrainer/one_loop):
+transformers' loop with the driver's and one rank's services around it, as on Ray workers.
+
+The driver's side is the hosted trainer's (raytrainer/hosted.py, driver/runner.py): the checkpoint to resume
+chosen and checked (``True``: the latest one committed to the run's storage), a damaged one the run chose
+replaced by the committed one before it, the committed checkpoints pushed to the hub and rotated. The rank's
+side is a hosted rank's (worker/hosted.py): each checkpoint transformers saves is written in the background
+and committed to the storage with a manifest (worker/hosted_commit.py); a resume reads a committed
+checkpoint verified against that manifest, or copies it from remote storage first
+(worker/hosted_resume.py), and a resume on another world size is recorded. Only the transport differs: the
+rank's checkpoint parts go to the driver's registry by a call, not over Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from raytrainer.protocol import Kind
+
+
+class _ToTheRegistry:
+    """A rank's channel in the driver's own process: its checkpoint parts go straight to the registry."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def send(self, kind: Kind, payload=None, urgent: bool = False) -> None:
+        if kind is Kind.CHECKPOINT_PART:
+            self.registry.add_part(payload)
+
+
+class DriverView:
+    """The trainer as the driver's services read it: its arguments with the Ray fields (``storage_path``,
+    the hub's settings), every other attribute the trainer's own."""
+
+    def __init__(self, trainer, given):
+        vars(self).update(trainer=trainer, args=given)
+
+    def __getattr__(self, name: str):
+        return getattr(self.trainer, name)
+
+
+def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
+    """``run(resume_from_checkpoint=folder, **kwargs)`` (transformers' ``train``) for ``trainer`` with its
+    arguments ``given`` (the Ray fields), resuming ``resume_from_checkpoint`` as raytrainer resolves it."""
+    from raytrainer.driver import preflight
+    from raytrainer.driver.registry import CheckpointRegistry
+    from raytrainer.driver.runner import train_sequence
+    from raytrainer.hosted import resume_target
+    from raytrainer.rank_context import local_context
+    from raytrainer.worker.hosted_resume import localize
+
+    registry = CheckpointRegistry(given)
+    ctx = local_context(given)
+    _commit_to(trainer, ctx, _ToTheRegistry(registry), given)
+
+    def once(kw: dict):
+        target = kw["resume_from_checkpoint"]
+        resume = localize(target, given, ctx) if isinstance(target, str) else None
+        if resume is None:
+            return run(resume_from_checkpoint=target, **kwargs)
+        trainer._raytrainer_saved_on = resume.saved_on  # worker/hosted.WorldSizeRecord's
+        with resume.reading(trainer):
+            return run(resume_from_checkpoint=resume.folder, **kwargs)
+
+    view = DriverView(trainer, given)
+    target = resume_target(given, resume_from_checkpoint)
+    preflight.check_in_process(view, "train", {"resume_from_checkpoint": target})
+    return train_sequence(view, {"resume_from_checkpoint": target}, resume_from_checkpoint, registry, once,
+                          preflight.check_resume_target)
+
+
+def _commit_to(trainer, ctx, channel, given) -> None:
+    """``trainer``'s checkpoints committed through ``channel`` from now on (the callbacks added once, the
+    channel replaced at each call: each ``train()`` has a registry of its own)."""
+    from raytrainer.worker.hosted import WorldSizeRecord
+    from raytrainer.worker.hosted_commit import CommitCallback
+    from raytrainer.worker.hosted_saves import write_in_background
+
+    commit = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CommitCallback)), None)
+    if commit is None:
+        trainer.add_callback(CommitCallback(ctx, channel, given, write_in_background(trainer)))
+        trainer.add_callback(WorldSizeRecord(trainer))
+    else:
+        commit.channel = channel
