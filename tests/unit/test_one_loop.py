@@ -203,3 +203,46 @@ def test_seq2seq_trainer_generates_as_transformers_seq2seq_trainer(tmp_path):
     assert generated.max() == 4  # generation_max_length=5: the start token and 4 generated ones
     assert np.array_equal(ours.predictions, theirs.predictions)
     assert ours.metrics["test_loss"] == theirs.metrics["test_loss"]
+
+
+class _DropoutNet(nn.Module):
+    """Dropout: a resume that restored no random state would train differently."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_checkpoints_are_committed_and_a_resume_is_verified_and_bitwise(tmp_path, make_examples):
+    import json
+
+    from raytrainer.checkpoint import CheckpointError
+
+    data, _, _ = make_examples(24)
+
+    def run(out, **extra):
+        trainer = Trainer(model=_DropoutNet(), train_dataset=data,
+                          args=_args(out, save_strategy="steps", save_steps=4, max_steps=12, **extra))
+        return trainer
+
+    full = run(tmp_path / "full")
+    full.train()
+    folder = tmp_path / "full" / "checkpoint-4"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["global_step"] == 4
+    assert set(manifest["files"]) == {p.name for p in folder.iterdir()} - {"manifest.json"}
+    resumed = run(tmp_path / "resumed")
+    assert resumed.train(resume_from_checkpoint=str(folder)).global_step == 12
+    for (name, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    weights = folder / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        run(tmp_path / "again").train(resume_from_checkpoint=str(folder))
