@@ -39,6 +39,9 @@ class DriverView:
     def __getattr__(self, name: str):
         return getattr(self.trainer, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.trainer, name, value)
+
 
 def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
     """``run(resume_from_checkpoint=folder, **kwargs)`` (transformers' ``train``) for ``trainer`` with its

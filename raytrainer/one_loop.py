@@ -83,6 +83,7 @@ class _Additions:
             args.label_smoothing_factor = smoothing
             self.label_smoother = transformers.trainer_pt_utils.LabelSmoother(epsilon=smoothing)
         self._ray_args = given  # None on a rank: the rank's layer holds them (worker/hosted.py)
+        self._hub = None  # the driver's hub pusher (raytrainer/hub), made on the first push
         if given is not None:
             self._attach_in_process(given)
 
@@ -144,6 +145,20 @@ class _Additions:
             check_in_process(self, method, kwargs)
         with rank_logging(self.args, 0, None, driver_transformers_level()):
             yield
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **kwargs):
+        """transformers' ``push_to_hub``, pushed by the driver's pusher (raytrainer/hub), which also pushes
+        the committed checkpoints during ``train()``: the model and its card saved to ``output_dir``, then
+        that folder uploaded (waiting for the checkpoint pushes under way first)."""
+        given = self.__dict__.get("_ray_args")
+        if given is None:
+            return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
+        from raytrainer import hub, in_process
+
+        return hub.push_to_hub(in_process.DriverView(self, given), commit_message, blocking, token, revision,
+                               private, **kwargs)
 
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""

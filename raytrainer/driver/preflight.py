@@ -121,7 +121,7 @@ def _check_not_empty(dataset, name: str) -> None:
 def _check_train(trainer) -> None:
     dataset = trainer.train_dataset
     example = _check_examples(trainer, dataset, "train_dataset")
-    if example is None:
+    if example is None or trainer.model is None:  # no model yet: a search's trial builds it in train()
         return
     if not trainer._overrides("compute_loss") and trainer.compute_loss_func is None:
         _check_labels(trainer, example, "train_dataset", dataset)

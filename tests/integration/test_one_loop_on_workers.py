@@ -1,0 +1,56 @@
+"""raytrainer.one_loop's Trainer on 2 Ray workers (issue 56): each rank builds the class itself, its own
+additions included (label smoothing on a module without a ``config``), and the rank's layer adds the
+guarantees (a callback's stop on one rank agreed by all, checkpoints committed with a manifest)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_one_loop_trainer_on_two_workers_agrees_a_stop_of_one_rank_and_commits(tmp_path, ray_session):
+    import torch
+    import transformers
+    from torch import nn
+
+    import raytrainer
+    from raytrainer import one_loop
+
+    class Plain(nn.Module):  # no config: transformers reads model.config to decide on label smoothing
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x, labels=None):  # with label smoothing transformers takes the labels away
+            logits = self.linear(x)
+            if labels is None:
+                return {"logits": logits}
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    class StopOnRankOne(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3 and os.environ.get("RANK") == "1":
+                return {"should_training_stop": True}  # a mapping of flags: raytrainer's handler takes it
+            return None
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(4, generator=g), "labels": i % 3} for i in range(64)]
+    args = raytrainer.TrainingArguments(
+        output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=2, max_steps=8,
+        save_strategy="steps", save_steps=2, label_smoothing_factor=0.1, logging_steps=1, report_to="none",
+        disable_tqdm=True, learning_rate=0.1)
+    trainer = one_loop.Trainer(model=Plain(), args=args, train_dataset=rows, callbacks=[StopOnRankOne()])
+    assert isinstance(trainer, transformers.Trainer) and type(trainer).hosted_class is one_loop.Trainer
+    output = trainer.train()
+    assert output.global_step == 3  # rank 1 stopped; rank 0 stopped with it (the flags agreed)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(0 < loss < 5 for loss in losses)
+    manifest = json.loads((tmp_path / "checkpoint-2" / "manifest.json").read_text())
+    assert manifest["global_step"] == 2 and "model.safetensors" in manifest["files"]
+    trained = trainer.model.state_dict()["linear.weight"]
+    assert not torch.equal(trained, Plain().linear.weight.detach())
+    trainer.end()
