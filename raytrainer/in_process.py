@@ -76,13 +76,14 @@ def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
 def _commit_to(trainer, ctx, channel, given) -> None:
     """``trainer``'s checkpoints committed through ``channel`` from now on (the callbacks added once, the
     channel replaced at each call: each ``train()`` has a registry of its own)."""
+    from raytrainer.worker.agreement import add_to_layer, layer_callback
     from raytrainer.worker.hosted import WorldSizeRecord
     from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.hosted_saves import write_in_background
 
-    commit = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CommitCallback)), None)
+    commit = layer_callback(trainer, CommitCallback)
     if commit is None:
-        trainer.add_callback(CommitCallback(ctx, channel, given, write_in_background(trainer)))
-        trainer.add_callback(WorldSizeRecord(trainer))
+        add_to_layer(trainer, CommitCallback(ctx, channel, given, write_in_background(trainer)))
+        add_to_layer(trainer, WorldSizeRecord(trainer))
     else:
         commit.channel = channel

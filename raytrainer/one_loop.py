@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 import transformers
 
-from raytrainer.args import RayArgumentsMixin, TrainingArguments, token_withheld
+from raytrainer.args import RayArgumentsMixin, TrainingArguments
 from raytrainer.hosted import building_on_a_rank, on_ray
 from raytrainer.hosted_recipe import plain_config
 from raytrainer.seq2seq import Seq2SeqTrainingArguments
@@ -103,13 +104,13 @@ class _Additions:
         (raytrainer's ``CallbackHandler``, through the agreement, a no-op with one process), and
         ``nonfinite_loss``."""
         from raytrainer.rank_context import local_context
-        from raytrainer.worker.agreement import agree_on_flags
+        from raytrainer.worker.agreement import add_to_layer, agree_on_flags
         from raytrainer.worker.nonfinite import NonFiniteCallback
 
         ctx = local_context(given)
         agree_on_flags(self, ctx)
-        if given.nonfinite_loss != "ignore":
-            self.add_callback(NonFiniteCallback(self, given.nonfinite_loss, ctx))
+        if given.nonfinite_loss != "ignore":  # outside the trainer's list of callbacks (worker/agreement.py)
+            add_to_layer(self, NonFiniteCallback(self, given.nonfinite_loss, ctx))
 
     # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -165,9 +166,36 @@ class _Additions:
         return getattr(type(self), name) is not getattr(transformers.Trainer, name)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        """transformers' ``_save``; its ``training_args.bin`` holds no hub token (it is a secret)."""
-        with token_withheld(self.args) if self.args.hub_token else contextlib.nullcontext():
-            return super()._save(output_dir, state_dict)
+        """transformers' ``_save``; its ``training_args.bin`` holds no secret (the tokens, the storage's
+        filesystem object) and is of a class ``pickle`` can name (``saving.without_secrets``): the
+        arguments' own, else a base class, else raytrainer's arguments as given."""
+        from raytrainer.saving import _importable, without_secrets
+
+        plain, given = self.args, self.__dict__.get("_ray_args")
+        saved = without_secrets(plain)
+        if not _importable(type(saved)) and given is not None:
+            saved = without_secrets(given)
+        self.args = saved
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.args = plain
+        if self.args.should_save:  # and readable, as raytrainer's checkpoints hold them (saving.py)
+            from raytrainer.saving import TRAINING_ARGS_NAME
+
+            with open(os.path.join(output_dir or self.args.output_dir, TRAINING_ARGS_NAME), "w") as f:
+                f.write((given or plain).to_json_string())
+
+    def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
+                          model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
+                          dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        """transformers' model card (README.md in ``output_dir``); a model without a ``config`` (a plain
+        ``nn.Module``, which transformers reads unguarded here) is seen as one whose config is None."""
+        from raytrainer.hub.model_card import create_model_card
+
+        create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                          finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                          dataset=dataset, dataset_args=dataset_args)
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ def without_secrets(args):
     for f in fields(args):
         if f.name == "storage_filesystem" or f.name.endswith("_token"):
             object.__setattr__(clone, f.name, None)
-    for cls in type(args).__mro__:
+    for cls in type(args).__mro__[:-1]:  # not object: an instance of it holds no field
         if _importable(cls):
             clone.__class__ = cls
             return clone

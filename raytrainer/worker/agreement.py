@@ -48,11 +48,21 @@ class AgreeingHandler:
 
     _agreement_ctx = None
     _agreeing = False
+    #: raytrainer's own callbacks (``add_to_layer``): called after the listed ones at each event, and not
+    #: listed in ``callbacks``, which stays what transformers and the user put there
+    layer: tuple = ()
 
     def call_event(self, event, args, state, control, **kwargs):
         control = super().call_event(event, args, state, control, **kwargs)
+        for callback in self.layer:  # as transformers' handler calls each of its callbacks
+            result = getattr(callback, event)(
+                args, state, control, model=self.model, processing_class=self.processing_class,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader, **kwargs)
+            if result is not None:
+                control = result
         if event == "on_train_begin":  # the callbacks of this run (model_init or add_callback may differ)
-            self._agreeing = must_agree(self.callbacks, self._agreement_ctx)
+            self._agreeing = must_agree([*self.callbacks, *self.layer], self._agreement_ctx)
         elif event == "on_train_end":
             self._agreeing = False
         elif self._agreeing and event in AGREED_EVENTS:
@@ -74,3 +84,20 @@ def agree_on_flags(trainer, ctx) -> None:
             AgreeingHandler, CallbackHandler, cls)
         handler.__class__ = type(f"Agreeing{cls.__name__}", bases, {})
     handler._agreement_ctx = ctx
+
+
+def add_to_layer(trainer, callback) -> None:
+    """``callback`` among raytrainer's own callbacks of ``trainer`` (after ``agree_on_flags``), in place of
+    one of its class there."""
+    handler = trainer.callback_handler
+    handler.layer = (*[cb for cb in handler.layer if type(cb) is not type(callback)], callback)
+
+
+def remove_from_layer(trainer, cls: type) -> None:
+    handler = trainer.callback_handler
+    handler.layer = tuple(cb for cb in handler.layer if not isinstance(cb, cls))
+
+
+def layer_callback(trainer, cls: type):
+    """raytrainer's own callback of class ``cls`` of ``trainer``, or None."""
+    return next((cb for cb in getattr(trainer.callback_handler, "layer", ()) if isinstance(cb, cls)), None)

@@ -88,7 +88,7 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     (worker/hosted_saves.py)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from raytrainer.worker.agreement import agree_on_flags
+    from raytrainer.worker.agreement import add_to_layer, agree_on_flags
     from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.hosted_saves import write_in_background
     from raytrainer.worker.nonfinite import NonFiniteCallback
@@ -97,42 +97,43 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     agree_on_flags(trainer, session.ctx)
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
-    trainer.add_callback(CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
-    trainer.add_callback(MeanLossCallback(trainer))
+    # raytrainer's callbacks run after the trainer's own, outside its list (worker/agreement.py)
+    add_to_layer(trainer, CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
+    add_to_layer(trainer, MeanLossCallback(trainer))
     if given.nonfinite_loss != "ignore":
-        trainer.add_callback(NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
-    trainer.add_callback(WorldSizeRecord(trainer))
+        add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
+    add_to_layer(trainer, WorldSizeRecord(trainer))
     if session.ctx.distributed:  # each rank's pace, for the driver's straggler warning
         from raytrainer.protocol import Kind
         from raytrainer.worker.pace import PaceCallback
 
         report = functools.partial(session.channel.send, Kind.PACE)
-        trainer.add_callback(PaceCallback(trainer, session.ctx, report))
+        add_to_layer(trainer, PaceCallback(trainer, session.ctx, report))
     if session.ctx.is_world_zero:
-        trainer.add_callback(RelayCallback(session.channel))
+        add_to_layer(trainer, RelayCallback(session.channel))
 
 
 def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
     """While a driver-side callback may stop the run (a search trial's pruner), every rank follows its
     decisions (worker/stop.py); one stop callback per call, for this attempt."""
+    from raytrainer.worker.agreement import add_to_layer, remove_from_layer
     from raytrainer.worker.stop import DriverStopCallback
 
-    trainer.remove_callback(DriverStopCallback)
+    remove_from_layer(trainer, DriverStopCallback)
     if stops:
-        trainer.add_callback(DriverStopCallback(session.channel, session.ctx, session.attempt))
+        add_to_layer(trainer, DriverStopCallback(session.channel, session.ctx, session.attempt))
 
 
 def _save_on_preemption(trainer, session: RankSession) -> None:
     """A checkpoint at the step the ranks agree on after Ray's preemption notice (worker/preemption.py),
     committed (``CommitCallback.commit``: the driver's manifest written) before the hold says so."""
+    from raytrainer.worker.agreement import add_to_layer, layer_callback
     from raytrainer.worker.hosted_commit import CommitCallback
     from raytrainer.worker.preemption import PreemptionCallback
 
-    session.writer = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CommitCallback))
-
-    trainer.remove_callback(PreemptionCallback)
+    session.writer = layer_callback(trainer, CommitCallback)
     elastic = getattr(trainer, "_raytrainer_elastic", False)  # an elastic run grows at such a checkpoint too
-    trainer.add_callback(PreemptionCallback(session, growth=session.channel if elastic else None))
+    add_to_layer(trainer, PreemptionCallback(session, growth=session.channel if elastic else None))
 
 
 class MeanLossCallback(TrainerCallback):

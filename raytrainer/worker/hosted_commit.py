@@ -28,6 +28,7 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from raytrainer.checkpoint import (
+    MANIFEST,
     digest_files,
     read_manifest,
 )
@@ -101,7 +102,8 @@ class CommitCallback(TrainerCallback):
             except BaseException as exc:
                 failed = f"{type(exc).__name__}: {exc}"
             self.ctx.barrier(group)  # every rank's files of this save are written
-            listing = sorted(_walk(folder)) if self.ctx.is_local_zero else None  # [] where the node has none
+            # [] where the node has none; never an earlier commit's manifest (a save into the same folder)
+            listing = sorted(n for n in _walk(folder) if n != MANIFEST) if self.ctx.is_local_zero else None
             reports = self.ctx.all_gather_object((listing, failed), group)
             errors = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(reports) if error]
             if errors:

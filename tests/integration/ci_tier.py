@@ -5,13 +5,13 @@ worker count or node count) or a path CI reaches another way, and runs in the fu
 (``scripts/test.sh --full``, every test). conftest.py marks the tests not listed here ``full``;
 tests/unit/test_ci_tier.py fails when a listed id no longer collects, so the list cannot go stale silently.
 
-Why a list and not a mark per test: it is the one place that says what CI proves, and what it costs. These 24
-tests took about 17 minutes in the CI check of 2026-12-02, beside a CPU-bound process on this 2-core machine
-(each starts a cold group of 2 workers, ~25 s, at least once); the CI tier as a whole 29 minutes there. Left
-to the full tier for time, with what CI runs in their place: ZeRO-3 sharding under TRL (185 s; FSDP sharding:
-test_fsdp.py, LoRA under FSDP), two nodes (145 s; the elastic, preemption and submit tests start clusters too,
-all full tier), the preemption notice and the lost worker (89 s, 98 s; the SIGTERM test saves, commits,
-restarts and ends bitwise), TRL's dpo.py (77 s; sft.py).
+Why a list and not a mark per test: it is the one place that says what CI proves, and what it costs. The 24
+tests of the CI check of 2026-12-02 (the one-loop test came after) took about 17 minutes, beside a CPU-bound
+process on this 2-core machine (each starts a cold group of 2 workers, ~25 s, at least once); the CI tier as a
+whole 29 minutes there. Left to the full tier for time, with what CI runs in their place: ZeRO-3 sharding
+under TRL (185 s; FSDP sharding: test_fsdp.py, LoRA under FSDP), two nodes (145 s; the elastic, preemption and
+submit tests start clusters too, all full tier), the preemption notice and the lost worker (89 s, 98 s; the
+SIGTERM test saves, commits, restarts and ends bitwise), TRL's dpo.py (77 s; sft.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ CI_TESTS = {
     "test_hosted.py::test_a_users_compute_loss_subclass_on_two_workers_matches_one_process",
     # a subclass of a twin (class Mine(raytrainer.on_ray(...))): its constructor and overrides on the ranks
     "test_hosted.py::test_a_subclass_of_a_twin_runs_its_constructor_and_overrides_on_the_workers",
+    # raytrainer's Trainer on transformers' loop (raytrainer.one_loop): built by each rank, flags agreed
+    "test_one_loop_on_workers.py::test_one_loop_trainer_on_two_workers_agrees_a_stop_of_one_rank_and_commits",
     # nonfinite_loss="error" in transformers' loop on the workers: stops before the update, not retried
     "test_failures.py::test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried[transformers]",
     # the loss on 2 workers is one process's, for a model whose loss is a mean

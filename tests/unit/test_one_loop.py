@@ -246,3 +246,17 @@ def test_checkpoints_are_committed_and_a_resume_is_verified_and_bitwise(tmp_path
     weights.write_bytes(bytes(damaged))
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         run(tmp_path / "again").train(resume_from_checkpoint=str(folder))
+
+
+def test_a_second_run_saving_into_the_same_checkpoint_folder_commits_it_again(tmp_path, make_examples):
+    """transformers saves into an existing ``checkpoint-N`` (a second run into the same ``output_dir``): the
+    commit lists the new files, never the earlier commit's manifest, and the checkpoint resumes."""
+    data, _, _ = make_examples(24)
+
+    def run(max_steps=4):
+        return Trainer(model=_DropoutNet(), train_dataset=data,
+                       args=_args(tmp_path, save_strategy="steps", save_steps=4, max_steps=max_steps))
+
+    run().train()
+    run().train()
+    assert run(8).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4")).global_step == 8
