@@ -583,15 +583,20 @@ def weight_shapes(reader: CheckpointReader) -> dict[str, tuple]:
     return shapes
 
 
-def check_fits(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: str) -> None:
-    """Refuse weights (name -> shape) that do not fit the model's state dict ``own``, naming the first
-    tensor whose shape or name does not fit; a tied weight stored once is fine."""
+def check_shapes(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: str) -> None:
+    """Refuse weights (name -> shape) of which a tensor the model also names has another shape there."""
     for name, mine in own.items():  # in the model's order: the first mismatch is the earliest layer
         if name in shapes and tuple(shapes[name]) != tuple(mine.shape):
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(shapes[name])} in the checkpoint but "
                 f"{tuple(mine.shape)} in the model: the checkpoint is from another model shape."
             )
+
+
+def check_fits(own: dict[str, torch.Tensor], shapes: dict[str, tuple], source: str) -> None:
+    """Refuse weights (name -> shape) that do not fit the model's state dict ``own``, naming the first
+    tensor whose shape or name does not fit; a tied weight stored once is fine."""
+    check_shapes(own, shapes, source)
     missing = [k for k in own if k not in shapes]
     shared = {id(v.untyped_storage()) for k, v in own.items() if k in shapes}
     missing = [k for k in missing if id(own[k].untyped_storage()) not in shared]  # tied weights

@@ -171,8 +171,10 @@ class HostedTrainer:
         from raytrainer.driver.runner import keep_final_state, train_sequence
 
         self._check_call("train", {})
-        kwargs = dict(resume_from_checkpoint=self._resume_target(resume_from_checkpoint), trial=trial,
-                      ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        target = self._resume_target(resume_from_checkpoint)
+        self._check_fits(target)
+        kwargs = dict(resume_from_checkpoint=target, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                      **kwargs)
         vars(self).pop("_model", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
@@ -208,6 +210,34 @@ class HostedTrainer:
 
     def _resume_target(self, resume_from_checkpoint):
         return resume_target(self.args, resume_from_checkpoint)
+
+    def _check_fits(self, target) -> None:
+        """A checkpoint to resume whose weights have other shapes than the model the constructor was given
+        is refused here, from its weight files' headers, before any worker starts. Only shapes: the ranks
+        may train the model under other names (a PEFT adapter, a sharded layout); a model named by a path
+        or made by ``model_init`` is the ranks' alone."""
+        import torch
+
+        from raytrainer.checkpoint import (
+            CheckpointError,
+            CheckpointReader,
+            check_shapes,
+            loads_its_own_way,
+            weight_shapes,
+        )
+
+        if not isinstance(target, str):
+            return
+        signature = inspect.signature(self.hosted_class.__init__)
+        model = _find_args(signature, signature.bind(None, *self._constructor[0], **self._constructor[1]),
+                           "model")
+        if not isinstance(model, torch.nn.Module) or loads_its_own_way(model):
+            return
+        try:
+            reader = CheckpointReader(target, getattr(self.args, "storage_filesystem", None))
+        except CheckpointError:  # not a checkpoint raytrainer reads: transformers says what is wrong with it
+            return
+        check_shapes(model.state_dict(), weight_shapes(reader), reader.uri)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,

@@ -260,3 +260,23 @@ def test_a_second_run_saving_into_the_same_checkpoint_folder_commits_it_again(tm
     run().train()
     run().train()
     assert run(8).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4")).global_step == 8
+
+
+def test_with_workers_a_checkpoint_of_another_shape_is_refused_before_any_worker(tmp_path, make_examples,
+                                                                                  monkeypatch):
+    from raytrainer.checkpoint import CheckpointError
+    from raytrainer.driver import launch
+
+    launched = []  # a spy: the launch on Ray workers must never be reached
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: launched.append(a))
+    data, _, _ = make_examples(24)
+    Trainer(model=_DropoutNet(), train_dataset=data,
+            args=_args(tmp_path / "a", save_strategy="steps", save_steps=4, max_steps=4)).train()
+    wider = _DropoutNet()
+    wider.net[0] = nn.Linear(4, 24)
+    wider.net[2] = nn.Linear(24, 3)
+    trainer = Trainer(model=wider, train_dataset=data, args=_args(tmp_path / "b", num_workers=2, max_steps=8))
+    with pytest.raises(CheckpointError, match=r"tensor 'net.0.weight' has shape \(16, 4\) in the checkpoint "
+                                              r"but \(24, 4\) in the model"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    assert launched == []
