@@ -26,7 +26,6 @@ does not hold (``hub_model_id``, ``model``...) is rank 0's value, pickled.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import inspect
@@ -45,11 +44,6 @@ _DRIVER_SIDE = frozenset({"args", "model", "_model", "state", "callback_handler"
                           "is_local_process_zero", "model_init", "optimizer", "lr_scheduler",
                           "hyperparameter_search", "call_model_init", "push_to_hub", "hub_model_id",
                           "control", "processing_class", "_hub"})
-
-
-#: True while a rank of a worker group builds its trainer (worker/hosted_sharding.py): the trainer is one rank
-#: of a run, and the rank's layer (worker/hosted.py) attaches raytrainer's additions, not the constructor.
-building_on_a_rank = contextvars.ContextVar("building_on_a_rank", default=False)
 
 
 def config_on_ray(config_cls: type) -> type:

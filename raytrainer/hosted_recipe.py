@@ -5,6 +5,7 @@ from the rank's torchrun-like environment)."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 import itertools
@@ -14,6 +15,10 @@ from typing import Any
 import cloudpickle
 
 from raytrainer.args import RayArgumentsMixin, token_withheld
+
+#: True while a rank of a worker group builds its trainer (worker/hosted_sharding.py): the trainer is one rank
+#: of a run, and the rank's layer (worker/hosted.py) attaches raytrainer's additions, not the constructor.
+building_on_a_rank = contextvars.ContextVar("building_on_a_rank", default=False)
 
 
 def base_config_class(args) -> type:

@@ -32,8 +32,8 @@ import torch
 import transformers
 
 from raytrainer.args import RayArgumentsMixin, TrainingArguments
-from raytrainer.hosted import building_on_a_rank, on_ray
-from raytrainer.hosted_recipe import plain_config
+from raytrainer.hosted import on_ray
+from raytrainer.hosted_recipe import building_on_a_rank, plain_config
 from raytrainer.seq2seq import Seq2SeqTrainingArguments
 
 logger = logging.getLogger(__name__)

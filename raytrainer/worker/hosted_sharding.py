@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from raytrainer.hosted import building_on_a_rank
+from raytrainer.hosted_recipe import building_on_a_rank
 from raytrainer.strategies.malloc import return_freed_memory
 
 logger = logging.getLogger(__name__)
