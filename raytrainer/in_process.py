@@ -79,11 +79,13 @@ def _commit_to(trainer, ctx, channel, given) -> None:
     from raytrainer.worker.agreement import add_to_layer, layer_callback
     from raytrainer.worker.hosted import WorldSizeRecord
     from raytrainer.worker.hosted_commit import CommitCallback
+    from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream
     from raytrainer.worker.hosted_saves import write_in_background
 
     commit = layer_callback(trainer, CommitCallback)
     if commit is None:
         add_to_layer(trainer, CommitCallback(ctx, channel, given, write_in_background(trainer)))
         add_to_layer(trainer, WorldSizeRecord(trainer))
+        add_to_layer(trainer, LoaderSeedOffTheStream())
     else:
         commit.channel = channel

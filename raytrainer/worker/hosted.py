@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
-from raytrainer.worker.hosted_resume import Resume, localize
+from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream, Resume, localize
 from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
@@ -103,6 +103,7 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     if given.nonfinite_loss != "ignore":
         add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
     add_to_layer(trainer, WorldSizeRecord(trainer))
+    add_to_layer(trainer, LoaderSeedOffTheStream())
     if session.ctx.distributed:  # each rank's pace, for the driver's straggler warning
         from raytrainer.protocol import Kind
         from raytrainer.worker.pace import PaceCallback

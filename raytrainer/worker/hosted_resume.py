@@ -30,6 +30,8 @@ import posixpath
 import re
 import shutil
 
+from transformers import TrainerCallback
+
 from raytrainer.checkpoint import CheckpointError, CheckpointReader, damage_named
 from raytrainer.dcp_storage import owned_files
 from raytrainer.storage import uri_basename
@@ -150,3 +152,46 @@ def _through_storage(load, ranged: dict, *args, **kwargs):
             return load(*args, **kwargs)
     finally:
         dcp.FileSystemReader = local
+
+
+class LoaderSeedOffTheStream(TrainerCallback):
+    """A resumed run's first iterator of a training loader
+    with persistent workers draws those workers' base seed from the global random stream, as torch's
+    ``DataLoader`` does for each new iterator. The uninterrupted run drew it in its first epoch, before the
+    checkpoint saved that stream, and never again; so a resume makes that one draw on a fork of the stream,
+    and dropout (every later draw) goes on as in the uninterrupted run. raytrainer's own loop does the same
+    (worker/loop.py)."""
+
+    same_on_every_rank = True
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        persistent = getattr(train_dataloader, "persistent_workers", False)
+        if state.global_step > 0 and persistent and getattr(train_dataloader, "num_workers", 0) > 0:
+            _fork_first_iterator(train_dataloader)
+
+
+def _fork_first_iterator(loader) -> None:
+    """``loader``'s next iterator is made on a fork of the CPU random stream; later ones as before.
+    accelerate's ``DataLoaderShard`` makes its iterators by calling ``base_dataloader.__iter__()`` (and
+    answers ``__class__`` itself); a plain ``DataLoader`` through its class."""
+    import torch
+
+    target = getattr(loader, "base_dataloader", None)
+    if target is not None:
+        inner = target.__iter__
+
+        def once():
+            del target.__iter__
+            with torch.random.fork_rng(devices=[]):
+                return inner()
+
+        target.__iter__ = once
+        return
+    cls = type(loader)
+
+    def __iter__(self):
+        self.__class__ = cls
+        with torch.random.fork_rng(devices=[]):
+            return cls.__iter__(self)
+
+    loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__})

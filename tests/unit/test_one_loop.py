@@ -280,3 +280,23 @@ def test_with_workers_a_checkpoint_of_another_shape_is_refused_before_any_worker
                                               r"but \(24, 4\) in the model"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
     assert launched == []
+
+
+@pytest.mark.parametrize("stop_at", [3, 6])  # mid-epoch, and the end of the first epoch (6 steps each)
+def test_a_resume_with_persistent_loader_workers_is_bitwise(tmp_path, make_examples, stop_at):
+    """torch's loader draws its workers' seed from the global stream at each new iterator: once in the
+    uninterrupted run, again in the resumed one (worker/hosted_resume.LoaderSeedOffTheStream forks it)."""
+    data, _, _ = make_examples(24)
+    workers = dict(dataloader_num_workers=1, dataloader_persistent_workers=True, num_train_epochs=2,
+                   max_steps=-1)
+
+    def run(out, **extra):
+        return Trainer(model=_DropoutNet(), train_dataset=data, args=_args(out, **workers, **extra))
+
+    full = run(tmp_path / "full", save_strategy="steps", save_steps=stop_at)
+    full.train()
+    resumed = run(tmp_path / "resumed")
+    checkpoint = str(tmp_path / "full" / f"checkpoint-{stop_at}")
+    assert resumed.train(resume_from_checkpoint=checkpoint).global_step == 12
+    for (name, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
