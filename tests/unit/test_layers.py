@@ -20,7 +20,8 @@ LAYERS = (
     ("worker", {"worker"}),
     ("driver", {"driver", "hub"}),
     ("search", {"search"}),
-    ("api", {"trainer", "trainer_data", "seq2seq", "cli", "__main__", "__init__", "hosted", "trl"}),
+    ("api", {"trainer", "trainer_data", "seq2seq", "cli", "__main__", "__init__", "hosted", "trl", "one_loop",
+             "in_process"}),
 )
 
 #: the imports that run back up the layers, each with its reason (docs/architecture.md repeats them)
