@@ -222,9 +222,7 @@ class HostedTrainer:
 
         if not isinstance(target, str):
             return
-        signature = inspect.signature(self.hosted_class.__init__)
-        model = _find_args(signature, signature.bind(None, *self._constructor[0], **self._constructor[1]),
-                           "model")
+        model = self._given("model")
         if not isinstance(model, torch.nn.Module) or loads_its_own_way(model):
             return
         try:
@@ -253,16 +251,20 @@ class HostedTrainer:
 
         from raytrainer.driver.preflight import _starts_a_group, check_datasets
 
-        signature = inspect.signature(self.hosted_class.__init__)
-        bound = signature.bind(None, *self._constructor[0], **self._constructor[1])
         own = frozenset(method for method, loader in _LOADERS
                         if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
-        check_datasets(method, kwargs, self.args, _find_args(signature, bound, "train_dataset"),
-                       _find_args(signature, bound, "eval_dataset"), owner=type(self).__name__, skip=own)
+        check_datasets(method, kwargs, self.args, self._given("train_dataset"), self._given("eval_dataset"),
+                       owner=type(self).__name__, skip=own)
         if method == "train" or _starts_a_group(self):  # Ray Train's run folder, and the checkpoints
             from raytrainer.storage import Storage
 
             Storage.for_run(self.args).check_writable()
+
+    def _given(self, name: str):
+        """The constructor's argument ``name`` as the script gave it (None if absent)."""
+        signature = inspect.signature(self.hosted_class.__init__)
+        args, kwargs = self._constructor
+        return _find_args(signature, signature.bind(None, *args, **kwargs), name)
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction="minimize", backend=None, hp_name=None, **kwargs):

@@ -55,7 +55,7 @@ def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
 
     registry = CheckpointRegistry(given)
     ctx = local_context(given)
-    _commit_to(trainer, ctx, _ToTheRegistry(registry), given)
+    _act_as_a_rank(trainer, ctx, _ToTheRegistry(registry), given)
 
     def once(kw: dict):
         target = kw["resume_from_checkpoint"]
@@ -73,9 +73,10 @@ def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
                           preflight.check_resume_target)
 
 
-def _commit_to(trainer, ctx, channel, given) -> None:
-    """``trainer``'s checkpoints committed through ``channel`` from now on (the callbacks added once, the
-    channel replaced at each call: each ``train()`` has a registry of its own)."""
+def _act_as_a_rank(trainer, ctx, channel, given) -> None:
+    """A hosted rank's callbacks for ``trainer`` (worker/hosted.py): its checkpoints committed through
+    ``channel``, a resume on another world size recorded, a resumed loader's seed drawn off the random
+    stream. Added once; the channel is replaced at each call (each ``train()`` has a registry of its own)."""
     from raytrainer.worker.agreement import add_to_layer, layer_callback
     from raytrainer.worker.hosted import WorldSizeRecord
     from raytrainer.worker.hosted_commit import CommitCallback

@@ -169,13 +169,10 @@ class _Additions:
         """transformers' ``_save``; its ``training_args.bin`` holds no secret (the tokens, the storage's
         filesystem object) and is of a class ``pickle`` can name (``saving.without_secrets``): the
         arguments' own, else a base class, else raytrainer's arguments as given."""
-        from raytrainer.saving import _importable, without_secrets
+        from raytrainer.saving import without_secrets
 
         plain, given = self.args, self.__dict__.get("_ray_args")
-        saved = without_secrets(plain)
-        if not _importable(type(saved)) and given is not None:
-            saved = without_secrets(given)
-        self.args = saved
+        self.args = without_secrets(plain, fallback=given)
         try:
             super()._save(output_dir, state_dict)
         finally:

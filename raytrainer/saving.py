@@ -103,7 +103,7 @@ def _save_arguments(args, output_dir: str) -> None:
     torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
 
 
-def without_secrets(args):
+def without_secrets(args, fallback=None):
     """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None), of
     a class ``pickle`` can name: the arguments' own, else the nearest base class that is (an arguments
     class made inside a function, or one whose name is not where it was defined, would otherwise fail
@@ -116,7 +116,7 @@ def without_secrets(args):
         if _importable(cls):
             clone.__class__ = cls
             return clone
-    return clone
+    return clone if fallback is None else without_secrets(fallback)
 
 
 def _importable(cls) -> bool:
