@@ -169,6 +169,8 @@ class RayArgumentsMixin:
         finally:
             for name, value in shown.items():
                 setattr(self, name, value)
+        if self.bf16 and not self.fp16:  # transformers' derivation, which ran with bf16 hidden
+            self.mixed_precision = "bf16"
         if self.lr_scheduler_kwargs is None:
             self.lr_scheduler_kwargs = {}
         self._check_combinations()

@@ -29,23 +29,9 @@ class _ToTheRegistry:
             self.registry.add_part(payload)
 
 
-class DriverView:
-    """The trainer as the driver's services read it: its arguments with the Ray fields (``storage_path``,
-    the hub's settings), every other attribute the trainer's own."""
-
-    def __init__(self, trainer, given):
-        vars(self).update(trainer=trainer, args=given)
-
-    def __getattr__(self, name: str):
-        return getattr(self.trainer, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self.trainer, name, value)
-
-
-def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
-    """``run(resume_from_checkpoint=folder, **kwargs)`` (transformers' ``train``) for ``trainer`` with its
-    arguments ``given`` (the Ray fields), resuming ``resume_from_checkpoint`` as raytrainer resolves it."""
+def train(trainer, run: Callable, resume_from_checkpoint, kwargs: dict):
+    """``run(resume_from_checkpoint=folder, **kwargs)`` (transformers' ``train``) for ``trainer``, whose
+    arguments have the Ray fields, resuming ``resume_from_checkpoint`` as raytrainer resolves it."""
     from raytrainer.driver import preflight
     from raytrainer.driver.registry import CheckpointRegistry
     from raytrainer.driver.runner import train_sequence
@@ -53,6 +39,7 @@ def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
     from raytrainer.rank_context import local_context
     from raytrainer.worker.hosted_resume import localize
 
+    given = trainer.args
     registry = CheckpointRegistry(given)
     ctx = local_context(given)
     _act_as_a_rank(trainer, ctx, _ToTheRegistry(registry), given)
@@ -66,10 +53,9 @@ def train(trainer, given, run: Callable, resume_from_checkpoint, kwargs: dict):
         with resume.reading(trainer):
             return run(resume_from_checkpoint=resume.folder, **kwargs)
 
-    view = DriverView(trainer, given)
     target = resume_target(given, resume_from_checkpoint)
-    preflight.check_in_process(view, "train", {"resume_from_checkpoint": target})
-    return train_sequence(view, {"resume_from_checkpoint": target}, resume_from_checkpoint, registry, once,
+    preflight.check_in_process(trainer, "train", {"resume_from_checkpoint": target})
+    return train_sequence(trainer, {"resume_from_checkpoint": target}, resume_from_checkpoint, registry, once,
                           preflight.check_resume_target)
 
 

@@ -24,6 +24,7 @@ passes on this one; ``pytest --one-loop`` runs the test suite with this class in
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import transformers
 
 from raytrainer.args import RayArgumentsMixin, TrainingArguments
 from raytrainer.hosted import on_ray
-from raytrainer.hosted_recipe import building_on_a_rank, plain_config
+from raytrainer.hosted_recipe import building_on_a_rank
 from raytrainer.seq2seq import Seq2SeqTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -61,18 +62,24 @@ class _Additions:
         optimizer_cls_and_kwargs: tuple | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
     ):
-        given = None
-        if not building_on_a_rank.get():  # the driver's process: raytrainer's arguments, its process view
-            given = self._ray_arguments(args)
-            args = plain_config(given, push_to_hub=False, **_this_process(given))  # the driver pushes
+        here = not building_on_a_rank.get()
+        vars(self).update(_runs_here=here, _hub=None)  # _hub: the driver's pusher (raytrainer/hub)
+        init = super().__init__  # on a rank: the twin's, which gives transformers' loop the plain arguments
+        if here:  # the driver's process: the trainer's arguments are raytrainer's, the object given
+            args = self._ray_arguments(args)
+            init = functools.partial(self._twin_of.__init__, self)
+            # transformers' arguments set up the process's accelerator state when they are made (raytrainer's
+            # process view does not touch it); the constructor's own first reading would reset it after it
+            # has built its Accelerator
+            _ = args._setup_devices
         smoothing = args.label_smoothing_factor
         without_config = smoothing and getattr(model, "config", None) is None and model_init is None
         if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
             args.label_smoothing_factor = 0.0
         # transformers sets its verbosity to the run's log level here; in the driver's process raytrainer
         # applies it during each call only (worker/logs.py), so the script's own level stands in between
-        with _transformers_level_kept() if given is not None else contextlib.nullcontext():
-            super().__init__(
+        with _transformers_level_kept() if here else contextlib.nullcontext():
+            init(
                 model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
                 compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
@@ -83,10 +90,8 @@ class _Additions:
         if without_config:
             args.label_smoothing_factor = smoothing
             self.label_smoother = transformers.trainer_pt_utils.LabelSmoother(epsilon=smoothing)
-        self._ray_args = given  # None on a rank: the rank's layer holds them (worker/hosted.py)
-        self._hub = None  # the driver's hub pusher (raytrainer/hub), made on the first push
-        if given is not None:
-            self._attach_in_process(given)
+        if here:
+            self._attach_in_process(args)
 
     @classmethod
     def _ray_arguments(cls, args) -> RayArgumentsMixin:
@@ -114,13 +119,12 @@ class _Additions:
 
     # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        given = self.__dict__.get("_ray_args")
-        if given is None:  # a rank's: its layer commits, resumes and agrees (worker/hosted.py)
+        if not self.__dict__.get("_runs_here"):  # on a rank, its layer commits and resumes (worker/hosted.py)
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         from raytrainer import in_process
 
         with self._in_this_process("train", {}, check=False):  # in_process.train checks, once it has resolved
-            return in_process.train(self, given, super().train, resume_from_checkpoint,
+            return in_process.train(self, super().train, resume_from_checkpoint,
                                     dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
@@ -136,7 +140,7 @@ class _Additions:
         """A call in the driver's process: refused before the loop starts where the driver would refuse it
         (driver/preflight.py), and run under the run's log level, as a rank's call is (worker/logs.py), the
         levels and handlers restored after. On a rank: nothing (the rank's layer does both)."""
-        if self.__dict__.get("_ray_args") is None:
+        if not self.__dict__.get("_runs_here"):
             yield
             return
         from raytrainer.driver.preflight import check_in_process
@@ -153,13 +157,26 @@ class _Additions:
         """transformers' ``push_to_hub``, pushed by the driver's pusher (raytrainer/hub), which also pushes
         the committed checkpoints during ``train()``: the model and its card saved to ``output_dir``, then
         that folder uploaded (waiting for the checkpoint pushes under way first)."""
-        given = self.__dict__.get("_ray_args")
-        if given is None:
+        if not self.__dict__.get("_runs_here"):
             return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
-        from raytrainer import hub, in_process
+        from raytrainer import hub
 
-        return hub.push_to_hub(in_process.DriverView(self, given), commit_message, blocking, token, revision,
-                               private, **kwargs)
+        return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """transformers' ``init_hf_repo``: the repository made (and checked) by the driver's pusher, which
+        pushes the committed checkpoints (``_push_from_checkpoint`` leaves them to it)."""
+        if not self.__dict__.get("_runs_here"):
+            return super().init_hf_repo(token, private)
+        from raytrainer import hub
+
+        target = hub.pusher_for_call(self, token, private, None).target
+        self.hub_model_id = getattr(target, "repo_id", None) or self.args.hub_model_id
+        self.push_in_progress = None
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if not self.__dict__.get("_runs_here"):
+            super()._push_from_checkpoint(checkpoint_folder)
 
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""
@@ -171,17 +188,17 @@ class _Additions:
         arguments' own, else a base class, else raytrainer's arguments as given."""
         from raytrainer.saving import without_secrets
 
-        plain, given = self.args, self.__dict__.get("_ray_args")
-        self.args = without_secrets(plain, fallback=given)
+        args = self.args
+        self.args = without_secrets(args)
         try:
             super()._save(output_dir, state_dict)
         finally:
-            self.args = plain
+            self.args = args
         if self.args.should_save:  # and readable, as raytrainer's checkpoints hold them (saving.py)
             from raytrainer.saving import TRAINING_ARGS_NAME
 
             with open(os.path.join(output_dir or self.args.output_dir, TRAINING_ARGS_NAME), "w") as f:
-                f.write((given or plain).to_json_string())
+                f.write(args.to_json_string())
 
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
@@ -203,16 +220,6 @@ def _transformers_level_kept():
         yield
     finally:
         hf_logger.setLevel(level)
-
-
-def _this_process(given) -> dict:
-    """Overrides of the arguments for a run in the driver's process: a machine without an accelerator
-    trains on its CPU (as transformers would) and ``bf16`` runs there too, as on a CPU worker."""
-    from transformers.utils import is_torch_bf16_gpu_available
-
-    if given.use_cpu or torch.cuda.is_available() or not given.bf16 or is_torch_bf16_gpu_available():
-        return {}
-    return {"use_cpu": True}
 
 
 class Trainer(_Additions, on_ray(transformers.Trainer)):

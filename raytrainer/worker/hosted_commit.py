@@ -116,8 +116,15 @@ class CommitCallback(TrainerCallback):
                 return
             files = digest_files(folder, mine)
             if not self.in_place:
-                for rel in mine:
-                    self.storage.upload_file(os.path.join(folder, rel), self.storage.path(info["name"], rel))
+                try:
+                    for rel in mine:
+                        self.storage.upload_file(os.path.join(folder, rel),
+                                                 self.storage.path(info["name"], rel))
+                except Exception as exc:
+                    raise CheckpointWriteError(
+                        f"uploading checkpoint {info['uri']} (its files: {', '.join(mine)}) failed, so it is "
+                        f"not committed (the checkpoints committed before it are intact): "
+                        f"{type(exc).__name__}: {exc}") from exc
             part = CheckpointPart(files=files, parts=sum(1 for share in shares if share), **info)
             self.channel.send(Kind.CHECKPOINT_PART, part, urgent=True)
         except BaseException as exc:  # raised on the training thread at the next wait()

@@ -8,11 +8,16 @@ import pickle
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 from raytrainer.checkpoint import CheckpointError, committed_checkpoints
 from raytrainer.storage import Storage
+
+# raytrainer.Trainer runs transformers' own loop (issue 56; ``pytest --one-loop`` until it is the default):
+# where the two loops differ, the tests expect transformers' behaviour then, raytrainer's own loop's before
+ONE_LOOP = issubclass(Trainer, transformers.Trainer)
 
 
 class DropoutNet(nn.Module):
@@ -51,8 +56,9 @@ def test_layout_and_manifest(tmp_path):
     trainer.train()
     folder = tmp_path / "checkpoint-4"
     names = sorted(os.listdir(folder))
-    assert names == ["manifest.json", "model.safetensors", "optimizer.pt", "rng_state_0.safetensors",
-                     "scheduler.pt", "trainer_state.json", "training_args.bin", "training_args.json"]
+    rng = "rng_state.pth" if ONE_LOOP else "rng_state_0.safetensors"  # transformers' name in its loop
+    assert names == sorted(["manifest.json", "model.safetensors", "optimizer.pt", rng, "scheduler.pt",
+                            "trainer_state.json", "training_args.bin", "training_args.json"])
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["global_step"] == 4
     assert set(manifest["files"]) == set(names) - {"manifest.json"}
@@ -229,8 +235,21 @@ class FullDiskNet(DropoutNet):
         save_file(state_dict, os.path.join(folder, "model.safetensors"))
 
 
+class FullDiskTrainer(Trainer):
+    """transformers' loop saves a module that is not a PreTrainedModel itself (``_save``), not through its
+    ``save_pretrained``: the same failure, one call up."""
+
+    def _save(self, output_dir=None, state_dict=None):
+        if os.path.basename(output_dir) != f"checkpoint-{FullDiskNet.full_at}":
+            return super()._save(output_dir, state_dict)
+        with open(os.path.join(output_dir, "model.safetensors"), "wb") as f:
+            f.write(b"\0" * 64)
+        raise OSError(28, "No space left on device", os.path.join(output_dir, "model.safetensors"))
+
+
 def test_a_save_into_full_storage_names_the_path_and_leaves_older_checkpoints_intact(tmp_path):
-    trainer = Trainer(model=FullDiskNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
+    trainer_class = FullDiskTrainer if ONE_LOOP else Trainer
+    trainer = trainer_class(model=FullDiskNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
     with pytest.raises(RuntimeError, match=rf"writing checkpoint {tmp_path}/checkpoint-8 failed, so it is "
                                            r"not committed .*No space left on device") as info:
         trainer.train()
@@ -296,7 +315,10 @@ def test_a_pickle_payload_is_refused_and_never_runs(tmp_path):
 
     manifest["files"].update(digest_files(str(folder), ["optimizer.pt"]))
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="refuses to unpickle"):
+    # raytrainer's own loop refuses it by name; transformers' loads it with torch's weights_only unpickler
+    refusal = (pickle.UnpicklingError, "Weights only load failed") if ONE_LOOP else (
+        CheckpointError, "refuses to unpickle")
+    with pytest.raises(refusal[0], match=refusal[1]):
         Trainer(model=DropoutNet(), args=args(tmp_path / "b", max_steps=8), train_dataset=data()).train(
             resume_from_checkpoint=str(folder))
     assert not os.path.exists(marker)
@@ -318,7 +340,9 @@ def test_rotation_keeps_the_limit_plus_the_protected_best(tmp_path):
                   metric_for_best_model="loss", load_best_model_at_end=True))
     trainer.train()
     kept = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
-    assert kept == [4, 16, 20]  # the 2 newest + the best (step 4)
+    # transformers keeps save_total_limit checkpoints, the best among them (raytrainer's own loop kept the
+    # best besides the 2 newest)
+    assert kept == ([4, 20] if ONE_LOOP else [4, 16, 20])
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
     # load_best_model_at_end: trainer.model holds checkpoint-4's weights
     from safetensors.torch import load_file

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from transformers.modelcard import TrainingSummary
 
 from raytrainer import Trainer
+from raytrainer.hosted_recipe import Recipe
 from raytrainer.hub import FilesystemTarget, HubPusher
 from raytrainer.hub.model_card import _as_transformers_sees_it
 from raytrainer.protocol import CheckpointCommitted
@@ -273,10 +275,10 @@ def test_no_token_is_an_error_before_training(tmp_path, monkeypatch, make_args, 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored login either
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id="someone/tiny")
+    # at construction, where transformers' Trainer makes the repository, or at train() before any step
     with pytest.raises(ValueError, match="needs a token: set HF_TOKEN, pass hub_token"):
-        trainer.train()
-    assert trainer.state.global_step == 0 and not list(tmp_path.glob("checkpoint-*"))
+        _trainer(make_args, make_classifier, make_examples, hub_model_id="someone/tiny").train()
+    assert not list(tmp_path.glob("checkpoint-*"))
 
 
 class _HubRecorder:
@@ -384,7 +386,11 @@ def test_the_workers_trainer_never_holds_the_hub_token(tmp_path, monkeypatch, ma
         trainer.train()
     spec = caught.value.args[0]
     assert TOKEN.encode() not in spec
-    assert cloudpickle.loads(spec).args.hub_token is None
+    shipped = cloudpickle.loads(spec)  # the trainer itself, or the recipe each rank builds it from
+    if isinstance(shipped, Recipe):  # whose payload goes to the ranks through Ray's object store
+        assert TOKEN.encode() not in trainer._recipe.payload
+        shipped = types.SimpleNamespace(args=trainer._recipe.unpack()[4])
+    assert shipped.args.hub_token is None
     assert trainer.args.hub_token == TOKEN  # the driver keeps it
 
 

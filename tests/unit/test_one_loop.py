@@ -49,15 +49,18 @@ def test_it_is_transformers_trainer_and_trains_bitwise_as_transformers_does(tmp_
     assert ours.model is ours_model
 
 
-def test_arguments_become_raytrainers_and_the_loop_gets_transformers_own(tmp_path, make_classifier):
-    """``args=None`` and transformers' arguments become raytrainer's (the Ray fields, the process view
-    kept); the loop runs on transformers' own arguments class, which is what ``training_args.bin`` holds."""
+def test_the_trainers_arguments_are_the_ones_given_and_transformers_own_become_raytrainers(
+        tmp_path, make_classifier):
+    """``trainer.args`` is the arguments object given (transformers' loop reads raytrainer's process view
+    from it, as ``TrainingArguments`` made in a script expect); ``args=None`` and transformers' own
+    arguments become raytrainer's, every value given carried over."""
+    given = _args(tmp_path, learning_rate=0.25)
+    assert Trainer(model=make_classifier(), args=given).args is given
     ours = Trainer(model=make_classifier(), args=_args(tmp_path, cls=transformers.TrainingArguments,
                                                        learning_rate=0.25))
-    assert type(ours._ray_args) is TrainingArguments and ours._ray_args.learning_rate == 0.25
-    assert type(ours.args) is transformers.TrainingArguments and ours.args.learning_rate == 0.25
+    assert type(ours.args) is TrainingArguments and ours.args.learning_rate == 0.25
     default = Trainer(model=make_classifier())
-    assert default._ray_args.output_dir == "trainer_output" and default._ray_args.num_workers == 0
+    assert default.args.output_dir == "trainer_output" and default.args.num_workers == 0
 
 
 def test_with_workers_the_object_is_the_drivers_side_and_starts_nothing(tmp_path, make_classifier):

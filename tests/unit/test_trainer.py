@@ -12,10 +12,15 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from raytrainer import Trainer, TrainerCallback, TrainerControl, TrainingArguments
+
+# raytrainer.Trainer runs transformers' own loop (issue 56; ``pytest --one-loop`` until it is the default):
+# where the two loops differ, the tests expect transformers' behaviour then, raytrainer's own loop's before
+ONE_LOOP = issubclass(Trainer, transformers.Trainer)
 
 ALL_EVENTS = (
     "on_init_end",
@@ -68,9 +73,11 @@ class RecordingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.seen: list[list[int]] = []
         self.step_losses: list[float] = []
+        self.columns: set[str] = set()  # the batches' keys
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.seen.append([int(v) for v in inputs["x"][:, 0].tolist()])
+        self.columns.update(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_losses.append(float(loss))
         return loss
@@ -186,7 +193,8 @@ def test_compute_loss_func_is_used_for_the_loss(make_args, make_classifier, make
     calls = []
 
     def zero_weight_loss(outputs, labels, num_items_in_batch=None):
-        calls.append(labels.shape[0])
+        if torch.is_grad_enabled():  # without: raytrainer asking whether the loss is a mean (worker/loss.py)
+            calls.append(labels.shape[0])
         return 0.0 * outputs["logits"].sum()  # no gradient signal at all: the weights must not move
 
     model = make_classifier()
@@ -194,9 +202,7 @@ def test_compute_loss_func_is_used_for_the_loss(make_args, make_classifier, make
     dataset, _, _ = make_examples(12)
     args = make_args(per_device_train_batch_size=4, num_train_epochs=1, optim="sgd", learning_rate=1.0)
     Trainer(model=model, args=args, train_dataset=dataset, compute_loss_func=zero_weight_loss).train()
-    # once per batch, and twice more on the first, without gradient: raytrainer asks whether the function's
-    # loss is a mean (it takes num_items_in_batch; worker/loss.py)
-    assert calls == [4, 4, 4, 4, 4]
+    assert calls == [4, 4, 4]  # once per batch
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
 
@@ -257,7 +263,8 @@ def test_compute_loss_func_receives_num_items_in_batch(make_args, make_classifie
     received = []
 
     def loss_func(outputs, labels, num_items_in_batch=None):
-        received.append(None if num_items_in_batch is None else int(num_items_in_batch))
+        if torch.is_grad_enabled():  # without: raytrainer asking whether the loss is a mean (worker/loss.py)
+            received.append(None if num_items_in_batch is None else int(num_items_in_batch))
         count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum().clamp(min=1)
         return nn.functional.cross_entropy(outputs["logits"], labels, reduction="sum") / count
 
@@ -265,10 +272,6 @@ def test_compute_loss_func_receives_num_items_in_batch(make_args, make_classifie
         per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1, data_seed=0
     )
     Trainer(model=make_classifier(), args=args, train_dataset=dataset, compute_loss_func=loss_func).train()
-    # raytrainer first asks the function whether its loss is a mean: the first batch with the count and twice
-    # it, without gradient (worker/loss.py)
-    asked, received = received[:2], received[2:]
-    assert asked == [received[0], 2 * received[0]]
     # two windows of 2 x 2 examples; 6 of the 8 labels count, so the windows hold 6 between them
     assert len(received) == 4
     assert received[0] == received[1] and received[2] == received[3]
@@ -590,7 +593,8 @@ def test_evaluate_prefix_predictions_and_labels(make_args, make_classifier, make
         compute_metrics=compute_metrics,
     )
     metrics = trainer.evaluate(metric_key_prefix="dev")
-    prefixed = {k for k in metrics if k != "epoch"}
+    # transformers adds model_preparation_time where the evaluation is the first to prepare the model
+    prefixed = {k for k in metrics if k not in ("epoch", "dev_model_preparation_time")}
     assert prefixed == {
         "dev_accuracy",
         "dev_loss",
@@ -795,30 +799,6 @@ class MapDataset(Dataset):
         return self.examples[i]
 
 
-class HFLikeDataset:
-    """The part of ``datasets.Dataset`` the Trainer uses: columns, remove_columns, indexing, length."""
-
-    def __init__(self, columns: dict[str, list], log: list | None = None):
-        self.columns = columns
-        self.log = log if log is not None else []
-
-    @property
-    def column_names(self) -> list[str]:
-        return list(self.columns)
-
-    def remove_columns(self, names):
-        self.log.append(list(names))
-        return HFLikeDataset({k: v for k, v in self.columns.items() if k not in names}, self.log)
-
-    def __len__(self):
-        return len(next(iter(self.columns.values())))
-
-    def __getitem__(self, i):
-        if isinstance(i, str):
-            return self.columns[i]
-        return {k: v[i] for k, v in self.columns.items()}
-
-
 class Stream(IterableDataset):
     def __init__(self, examples):
         self.examples = examples
@@ -836,7 +816,7 @@ def _train_on(make_args, make_classifier, dataset, **overrides):
     return model.state_dict(), trainer
 
 
-def test_list_map_style_and_hf_like_datasets_train_identically(
+def test_list_map_style_and_hugging_face_datasets_train_identically(
     make_args, make_classifier, make_examples, weights
 ):
     examples, x, y = make_examples(12)
@@ -847,18 +827,12 @@ def test_list_map_style_and_hf_like_datasets_train_identically(
     from_map, _ = _train_on(make_args, make_classifier, MapDataset(examples))
     weights.assert_same(reference, from_map)
 
-    removed = []
-    hf_like = HFLikeDataset(
-        {
-            "x": list(x),
-            "text": [f"example {i}" for i in range(12)],
-            "labels": [int(v) for v in y],
-            "idx": list(range(12)),
-        },
-        removed,
-    )
-    from_hf, _ = _train_on(make_args, make_classifier, hf_like)
-    assert removed == [["text", "idx"]]
+    import datasets
+
+    columns = {"x": x.tolist(), "text": [f"example {i}" for i in range(12)], "labels": [int(v) for v in y],
+               "idx": list(range(12))}
+    from_hf, trainer = _train_on(make_args, make_classifier, datasets.Dataset.from_dict(columns))
+    assert trainer.columns == {"x", "labels"}  # the columns the model's forward() does not take are removed
     weights.assert_same(reference, from_hf)
 
 
@@ -866,8 +840,10 @@ def test_iterable_dataset_trains_for_max_steps_cycling_the_stream(make_args, mak
     examples, _, _ = make_examples(10)
     _, trainer = _train_on(make_args, make_classifier, Stream(examples), max_steps=5)
     assert trainer.state.global_step == 5
-    # one pass is 3 batches (the last completed with the first examples), then the stream starts again
-    assert trainer.seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1], [0, 1, 2, 3], [4, 5, 6, 7]]
+    # one pass is 3 batches, the last one short in transformers' loop (raytrainer's own completed it with
+    # the first examples), then the stream starts again
+    last = [8, 9] if ONE_LOOP else [8, 9, 0, 1]
+    assert trainer.seen == [[0, 1, 2, 3], [4, 5, 6, 7], last, [0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_iterable_dataset_without_max_steps_fails_before_training(
@@ -877,15 +853,10 @@ def test_iterable_dataset_without_max_steps_fails_before_training(
     model = make_classifier()
     before = weights.copy(model)
     recorder = EventRecorder()
-    trainer = Trainer(
-        model=model,
-        args=make_args(per_device_train_batch_size=4),
-        train_dataset=Stream(examples),
-        callbacks=[recorder],
-    )
-    with pytest.raises(ValueError, match=r"max_steps") as info:
-        trainer.train()
-    assert "Stream" in str(info.value) and "no length" in str(info.value)
+    # at construction, as transformers' Trainer refuses it, or at train() before the loop starts
+    with pytest.raises(ValueError, match=r"(no length|does not implement __len__).*max_steps"):
+        Trainer(model=model, args=make_args(per_device_train_batch_size=4), train_dataset=Stream(examples),
+                callbacks=[recorder]).train()
     assert recorder.names("on_train_begin") == []
     weights.assert_same(before, weights.copy(model))
 
@@ -957,7 +928,7 @@ def test_dataset_without_the_label_column_fails_before_training(
 def test_eval_strategy_without_eval_dataset_fails_at_construction(make_args, make_classifier, make_examples):
     examples, _, _ = make_examples(8)
     args = make_args(eval_strategy="epoch")
-    with pytest.raises(ValueError, match=r"eval_strategy='epoch' needs an eval_dataset"):
+    with pytest.raises(ValueError, match=r"eval_strategy.* (needs|didn't pass) an `?eval_dataset"):
         Trainer(model=make_classifier(), args=args, train_dataset=examples)
 
 
@@ -1042,22 +1013,19 @@ def test_log_level_info_lets_info_through_with_transformers_lines(make_args, mak
 def test_train_metrics_speed_flos_and_loss(make_args, make_classifier, make_examples):
     examples, _, _ = make_examples(20)
     model = make_classifier()
+    # transformers counts 6 x the main input's elements x the parameters a model says it has (4*3 + 3 = 15);
+    # a module without num_parameters counts 0. (raytrainer's own loop asks floating_point_ops.)
+    model.main_input_name, model.num_parameters = "x", lambda exclude_embeddings=True: 15
+    model.floating_point_ops = lambda inputs: 6 * inputs["x"].numel() * 15
     args = make_args(per_device_train_batch_size=8, num_train_epochs=2)  # batches 8, 8, 4 per epoch
     trainer = RecordingTrainer(model=model, args=args, train_dataset=examples)
     out = trainer.train()
     m = out.metrics
-    assert {
-        "train_runtime",
-        "train_samples_per_second",
-        "train_steps_per_second",
-        "total_flos",
-        "train_loss",
-    } <= set(m)
+    # and total_flos, which transformers' PrinterCallback (disable_tqdm=True) pops from the same dict
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"} <= set(m)
     assert not any("_mem_" in k for k in m)  # skip_memory_metrics defaults to True
     assert out.global_step == 6
-    # no input_ids: one "token" per example, 6 x tokens x parameters (4*3 + 3 = 15)
-    assert m["total_flos"] == 6 * 40 * 15
-    assert trainer.state.total_flos == m["total_flos"] and isinstance(m["total_flos"], float)
+    assert trainer.state.total_flos == 6 * 40 * 4 * 15 and isinstance(trainer.state.total_flos, float)
     assert m["train_loss"] == pytest.approx(np.mean(trainer.step_losses), abs=1e-6)
     assert out.training_loss == m["train_loss"]
     runtime = m["train_runtime"]
@@ -1128,6 +1096,9 @@ def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_exam
 
     data, _, _ = make_examples(16)
     trainer = Trainer(model_init=big, args=make_args(num_workers=2), train_dataset=data)
+    if ONE_LOOP:  # what the ranks build the trainer from (hosted_recipe.py): model_init, no weights
+        assert len(trainer._recipe.payload) < 200_000
+        return
     kwargs = {"resume_from_checkpoint": None, "trial": None, "ignore_keys_for_eval": None}
     assert len(pickled_trainer(trainer, kwargs, "train")) < 200_000
     assert len(pickled_trainer(trainer, {}, "evaluate")) > 4_000_000
@@ -1151,8 +1122,10 @@ def test_dataloaders_outside_a_run_see_the_whole_dataset(make_args, make_classif
     """A user's own get_train_dataloader() / get_eval_dataloader() before train(): the view of a one-process
     run (every example once per epoch), as transformers.Trainer gives in a single process."""
     dataset, _, _ = make_examples(10)
-    trainer = Trainer(model=make_classifier(), args=make_args(per_device_train_batch_size=4, num_workers=2,
-                                                              per_device_eval_batch_size=3),
+    # with workers, transformers' loop's trainer is rank 0's (raytrainer/hosted.py): here, num_workers=0
+    args = make_args(per_device_train_batch_size=4, num_workers=0 if ONE_LOOP else 2,
+                     per_device_eval_batch_size=3)
+    trainer = Trainer(model=make_classifier(), args=args,
                       train_dataset=dataset, eval_dataset=dataset)
     train = list(trainer.get_train_dataloader())
     assert [len(b["labels"]) for b in train] == [4, 4, 2]
@@ -1299,10 +1272,16 @@ class OwnLoaderTrainer(Trainer):
         return type("Batches", (), {"__iter__": lambda s: iter(batches), "__len__": lambda s: len(batches)})()
 
 
-def test_evaluate_over_a_user_loader_without_sampler(make_args, make_classifier, make_examples):
+def test_evaluate_over_a_user_loader_without_sampler(tmp_path, make_args, make_classifier, make_examples):
     dataset, _, _ = make_examples(10)
     metrics = OwnLoaderTrainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
-    reference = Trainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
+    if ONE_LOOP:  # as transformers' Trainer does (each batch's loss counted eval_batch_size times)
+        theirs = type("Theirs", (transformers.Trainer,),
+                      {"get_eval_dataloader": OwnLoaderTrainer.get_eval_dataloader})
+        hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+        reference = theirs(model=make_classifier(), args=hf_args, eval_dataset=dataset).evaluate()
+    else:  # the mean over the examples
+        reference = Trainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
     assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"])
 
 
