@@ -171,6 +171,10 @@ class RayArgumentsMixin:
                 setattr(self, name, value)
         if self.bf16 and not self.fp16:  # transformers' derivation, which ran with bf16 hidden
             self.mixed_precision = "bf16"
+        if self.num_workers == 0:
+            # a run in this process: its accelerator state is set up now, as transformers' arguments do when
+            # made (they read self.device); transformers' Trainer builds its Accelerator on that state
+            _ = self._setup_devices
         if self.lr_scheduler_kwargs is None:
             self.lr_scheduler_kwargs = {}
         self._check_combinations()

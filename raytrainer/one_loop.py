@@ -68,10 +68,6 @@ class _Additions:
         if here:  # the driver's process: the trainer's arguments are raytrainer's, the object given
             args = self._ray_arguments(args)
             init = functools.partial(self._twin_of.__init__, self)
-            # transformers' arguments set up the process's accelerator state when they are made (raytrainer's
-            # process view does not touch it); the constructor's own first reading would reset it after it
-            # has built its Accelerator
-            _ = args._setup_devices
         smoothing = args.label_smoothing_factor
         without_config = smoothing and getattr(model, "config", None) is None and model_init is None
         if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
