@@ -139,7 +139,7 @@ def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
     except Exception as exc:
         named = [*((f"argument {i}", v) for i, v in enumerate(args)),
                  *((f"{k}=", v) for k, v in kwargs.items())]
-        culprit = next((label for label, value in named if not _picklable(value)),
+        culprit = next((_culprit(label, value) for label, value in named if not _picklable(value)),
                        "the constructor's arguments")
         raise ValueError(
             f"{trainer_cls.__name__}(...): {culprit} cannot be pickled to send it to the Ray workers "
@@ -147,6 +147,15 @@ def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
             "open files and generators out of models, datasets and callbacks (or give the model as a path "
             "or model_init, which the workers call)."
         ) from exc
+
+
+def _culprit(label: str, value) -> str:
+    """``label``, or for a list (the callbacks) the first element that does not pickle, with its type."""
+    if isinstance(value, (list, tuple)):
+        for i, element in enumerate(value):
+            if not _picklable(element):
+                return f"{label.rstrip('=')}[{i}] ({type(element).__name__})"
+    return label
 
 
 def _picklable(value) -> bool:

@@ -68,6 +68,12 @@ class _Additions:
         if here:  # the driver's process: the trainer's arguments are raytrainer's, the object given
             args = self._ray_arguments(args)
             init = functools.partial(self._twin_of.__init__, self)
+            self._constructor = dict(  # what each trial of a search builds its trainer from (for_trial)
+                model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+                compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+                optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         smoothing = args.label_smoothing_factor
         without_config = smoothing and getattr(model, "config", None) is None and model_init is None
         if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
@@ -146,6 +152,30 @@ class _Additions:
             check_in_process(self, method, kwargs)
         with rank_logging(self.args, 0, None, driver_transformers_level()):
             yield
+
+    def hyperparameter_search(self, hp_space: Callable | None = None,
+                              compute_objective: Callable | None = None, n_trials: int = 20,
+                              direction: str | list[str] = "minimize", backend=None,
+                              hp_name: Callable | None = None, **kwargs):
+        """transformers' hyperparameter search, by raytrainer's (raytrainer/search): Optuna or Ray Tune, each
+        trial a trainer of its own (``for_trial``) whose model ``model_init(trial)`` builds."""
+        if not self.__dict__.get("_runs_here"):
+            return super().hyperparameter_search(hp_space, compute_objective, n_trials, direction, backend,
+                                                 hp_name, **kwargs)
+        from raytrainer.search import hyperparameter_search
+
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name,
+                                     **kwargs)
+
+    def for_trial(self, args, callbacks: list):
+        """A new trainer for one search trial: this one's constructor arguments with the trial's ``args`` (its
+        own ``output_dir``) and ``callbacks`` added. It holds this trainer's model until
+        ``train(trial=...)`` builds the trial's with ``model_init(trial)``, as transformers' search does."""
+        given = self._constructor
+        trainer = type(self)(**{**given, "args": args, "model": self.model, "model_init": None,
+                                "callbacks": [*(given["callbacks"] or []), *callbacks]})
+        trainer.model_init = self.model_init
+        return trainer
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,

@@ -333,7 +333,7 @@ def run_trial(trainer, trial, trial_id: str, params: dict[str, Any], compute_obj
     arg_values, _ = split_hyperparameters(trainer, params, warn=False)
     args = trial_args(trainer.args, arg_values, trial_id)
     reporter = reporter or TrialReporter(compute_objective, report)
-    if is_hosted(trainer):
+    if hasattr(trainer, "for_trial"):  # a hosted trainer, or raytrainer's Trainer on transformers' loop
         return run_hosted_trial(trainer, trial, trial_id, params, args, reporter, resume_from_checkpoint,
                                 pool)
     on_workers = bool(args.num_workers)  # the workers build the model (model_init with worker_trial)
@@ -367,19 +367,22 @@ def run_hosted_trial(trainer, trial, trial_id: str, params: dict[str, Any], args
                      resume_from_checkpoint: str | None, pool) -> TrialSummary:
     """One trial of a hosted trainer (raytrainer/hosted.py): its copy with the trial's arguments trains on a
     pooled group, transformers' loop on each rank building the model with ``model_init(trial)``; the
-    driver's ``reporter`` prunes it. A trial that never evaluated evaluates its trained model where it is."""
+    driver's ``reporter`` prunes it. A trial that never evaluated evaluates its trained model where it is.
+    raytrainer's Trainer in this process (raytrainer/one_loop.py) runs its trials here the same way."""
     t = trainer.for_trial(args, [reporter])
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     if pool is not None:
         pool.lend(t)
     try:
-        t.train(resume_from_checkpoint=resume_from_checkpoint, trial=worker_trial(trial, trainer))
+        # on Ray workers, model_init gets the trial's values (worker_trial); in this process, the live trial
+        t.train(resume_from_checkpoint=resume_from_checkpoint,
+                trial=worker_trial(trial, trainer) if is_hosted(t) else trial)
         if not reporter.evaluations and not reporter.pruned:
             t.evaluate()
     finally:
         if pool is not None:
             pool.take_back(t)
-        else:
+        elif is_hosted(t):
             t.close()
     return summarize(trial_id, params, args, reporter, t.state)
 

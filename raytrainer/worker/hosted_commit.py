@@ -71,6 +71,7 @@ class CommitCallback(TrainerCallback):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._saved: str | None = None  # the last checkpoint's name, until commit()
+        self._kept: str | None = None  # the local copy kept for load_best_model_at_end (another storage)
         if saves is not None:  # transformers' next save may rotate the folder this thread reads: it waits
             saves.before_each.append(self.wait)  # whatever asked for it (a step, an epoch, a new best metric)
 
@@ -84,16 +85,20 @@ class CommitCallback(TrainerCallback):
         writes = self.saves.take() if self.saves is not None else []
         group = side_group("hosted-commit") if self.ctx.distributed else None  # made here: a collective
         self._saved = name
+        # transformers loads the best checkpoint from its local folder at the end
+        keep = bool(args.load_best_model_at_end and state.best_model_checkpoint
+                    and os.path.basename(state.best_model_checkpoint) == name)
         self._thread = threading.Thread(target=self._commit,
-                                        args=(os.path.join(args.output_dir, name), writes, group, info),
+                                        args=(os.path.join(args.output_dir, name), writes, group, info, keep),
                                         daemon=True, name=f"raytrainer-commit-{name}")
         self._thread.start()
 
-    def _commit(self, folder: str, writes: list, group, info: dict) -> None:
+    def _commit(self, folder: str, writes: list, group, info: dict, keep: bool) -> None:
         """On a thread of this rank: its writes end; every rank's (a barrier on ``group``, beside the
         step's); each file goes to the first rank whose node lists it; this rank hashes (and uploads) its
         share and sends the driver its part. A rank whose write failed tells the others, so every rank
-        fails the run at its next wait, naming it, rather than wait for it."""
+        fails the run at its next wait, naming it, rather than wait for it. In another storage than
+        ``output_dir``, the node's local copy is then removed (``_drop_local``)."""
         try:
             failed = None
             try:
@@ -111,24 +116,51 @@ class CommitCallback(TrainerCallback):
                     f"writing checkpoint {info['uri']} failed, so it is not committed (the checkpoints "
                     f"committed before it are intact): {'; '.join(errors)}")
             shares = assign([listing for listing, _ in reports])
-            mine = shares[self.ctx.rank]
-            if not mine:
-                return
-            files = digest_files(folder, mine)
+            mine, sent = shares[self.ctx.rank], None
+            try:
+                if mine:
+                    self._send_share(folder, mine, info, sum(1 for share in shares if share))
+            except Exception as exc:
+                sent = exc
             if not self.in_place:
-                try:
-                    for rel in mine:
-                        self.storage.upload_file(os.path.join(folder, rel),
-                                                 self.storage.path(info["name"], rel))
-                except Exception as exc:
-                    raise CheckpointWriteError(
-                        f"uploading checkpoint {info['uri']} (its files: {', '.join(mine)}) failed, so it is "
-                        f"not committed (the checkpoints committed before it are intact): "
-                        f"{type(exc).__name__}: {exc}") from exc
-            part = CheckpointPart(files=files, parts=sum(1 for share in shares if share), **info)
-            self.channel.send(Kind.CHECKPOINT_PART, part, urgent=True)
+                self._drop_local(folder, keep, all_sent=self.ctx.all_gather_object(sent is None, group))
+            if sent is not None:
+                raise sent
         except BaseException as exc:  # raised on the training thread at the next wait()
             self._error = exc
+
+    def _send_share(self, folder: str, mine: list[str], info: dict, parts: int) -> None:
+        """This rank's files of the checkpoint: hashed, copied to the storage unless it is ``output_dir``,
+        and its part sent to the driver."""
+        files = digest_files(folder, mine)
+        if not self.in_place:
+            try:
+                for rel in mine:
+                    self.storage.upload_file(os.path.join(folder, rel), self.storage.path(info["name"], rel))
+            except Exception as exc:
+                raise CheckpointWriteError(
+                    f"uploading checkpoint {info['uri']} (its files: {', '.join(mine)}) failed, so it is not "
+                    f"committed (the checkpoints committed before it are intact): {type(exc).__name__}: "
+                    f"{exc}") from exc
+        self.channel.send(Kind.CHECKPOINT_PART, CheckpointPart(files=files, parts=parts, **info), urgent=True)
+
+    def _drop_local(self, folder: str, keep: bool, all_sent: list[bool]) -> None:
+        """Once every rank has read its share (``all_sent``: a collective, so no rank is still hashing or
+        uploading), the node's local copy of a checkpoint committed to another storage is removed, as
+        raytrainer's own loop never writes one: a run's checkpoints would otherwise fill each node's disk
+        beside the storage meant for them. The copy of the best checkpoint stays while it is the best
+        (transformers reads it for ``load_best_model_at_end``); a resume reads the storage's."""
+        import shutil
+
+        if not (all(all_sent) and self.ctx.is_local_zero):
+            return
+        drop = [self._kept] if keep and self._kept not in (None, folder) else []
+        if keep:
+            self._kept = folder
+        else:
+            drop.append(folder)
+        for path in drop:
+            shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
         """The last checkpoint's files are written, hashed and in storage (its part sent to the driver)."""

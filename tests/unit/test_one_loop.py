@@ -251,6 +251,38 @@ def test_checkpoints_are_committed_and_a_resume_is_verified_and_bitwise(tmp_path
         run(tmp_path / "again").train(resume_from_checkpoint=str(folder))
 
 
+class _WorsensAfterFirstEval(Trainer):
+    """The first evaluation's loss is the best."""
+
+    def evaluate(self, *args, **kwargs):
+        metrics = super().evaluate(*args, **kwargs)
+        self.evaluations = getattr(self, "evaluations", 0) + 1
+        return {**metrics, "eval_loss": float(self.evaluations)}
+
+
+def test_checkpoints_committed_to_other_storage_leave_only_the_best_on_local_disk(tmp_path, make_examples):
+    """With ``storage_path`` elsewhere, each node's local copy of a committed checkpoint is removed (a run's
+    checkpoints would otherwise fill the disk beside the storage meant for them); the best stays while it
+    is the best, for ``load_best_model_at_end``, which loads its weights."""
+    from safetensors.torch import load_file
+
+    data, _, _ = make_examples(24)
+    remote = tmp_path / "remote"
+    trainer = _WorsensAfterFirstEval(
+        model=_DropoutNet(), train_dataset=data, eval_dataset=data,
+        args=_args(tmp_path / "out", save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4,
+                   max_steps=12, storage_path=f"file://{remote}", load_best_model_at_end=True,
+                   metric_for_best_model="loss"))
+    trainer.train()
+    assert sorted(p.name for p in remote.iterdir()) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert all((remote / name / "manifest.json").exists() for name in ("checkpoint-4", "checkpoint-12"))
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-4"]
+    best = load_file(str(remote / "checkpoint-4" / "model.safetensors"))
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in best.items())
+    final = load_file(str(remote / "checkpoint-12" / "model.safetensors"))
+    assert not all(torch.equal(final[k], v) for k, v in best.items())
+
+
 def test_a_second_run_saving_into_the_same_checkpoint_folder_commits_it_again(tmp_path, make_examples):
     """transformers saves into an existing ``checkpoint-N`` (a second run into the same ``output_dir``): the
     commit lists the new files, never the earlier commit's manifest, and the checkpoint resumes."""
