@@ -172,11 +172,15 @@ class HostedTrainer:
         vars(self).pop("_model", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
-        result = train_sequence(self, kwargs, resume_from_checkpoint, registry,
-                                lambda kw: self._run("train", {**kw, "stop_from_driver": stops}, registry))
-        self.state = state_from_dict(result.state)
+
+        def once(kw: dict):
+            result = self._run("train", {**kw, "stop_from_driver": stops}, registry)
+            self.state = state_from_dict(result.state)
+            return result.output
+
+        output = train_sequence(self, kwargs, resume_from_checkpoint, registry, once)
         keep_final_state(self)
-        return result.output
+        return output
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,

@@ -204,6 +204,15 @@ class _Additions:
         if not self.__dict__.get("_runs_here"):
             super()._push_from_checkpoint(checkpoint_folder)
 
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        """transformers' own; a PBT exploit (another trial's checkpoint, raytrainer/search) then takes this
+        run's ``learning_rate`` and ``weight_decay``, the schedule keeping its position."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.__dict__.get("_resume_with_new_hyperparameters"):
+            from raytrainer.optim import reapply_hyperparameters
+
+            reapply_hyperparameters(self.optimizer, self.lr_scheduler, self.args)
+
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""
         return getattr(type(self), name) is not getattr(transformers.Trainer, name)

@@ -30,7 +30,7 @@ from raytrainer.driver.spec import build as build_spec
 from raytrainer.logging_utils import say
 from raytrainer.protocol import RankResult, Spec
 from raytrainer.rank_context import local_context
-from raytrainer.storage import Storage
+from raytrainer.storage import Storage, uri_basename
 from raytrainer.worker.rank import run_rank
 from raytrainer.worker.session import RankSession
 
@@ -95,7 +95,9 @@ def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, o
                 after = "" if step is None else f": training continues after step {step}"
                 say(f"resuming from {target}{after}")
             try:
-                return once(kwargs)
+                output = once(kwargs)
+                _best_as_committed(trainer.state, registry)
+                return output
             except DamagedCheckpointError as exc:
                 instead = _earlier_checkpoint(trainer, exc, asked)
                 if check_target is not None:
@@ -103,6 +105,16 @@ def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, o
                 kwargs = {**kwargs, "resume_from_checkpoint": instead}
     finally:
         hub.finish_training(pusher, registry)
+
+
+def _best_as_committed(state, registry: CheckpointRegistry) -> None:
+    """transformers' loop names the best checkpoint by its folder in ``output_dir``; where the run's
+    storage is elsewhere (``storage_path``), the state names it where it is committed, as every other
+    checkpoint of the run is named (the local copy is gone: worker/hosted_commit.py)."""
+    best, committed = state.best_model_checkpoint, registry.best
+    if (best and committed and os.path.basename(best) == uri_basename(committed)
+            and os.path.abspath(best) != os.path.abspath(committed)):
+        state.best_model_checkpoint = committed
 
 
 def _run_once(trainer, spec: Spec | None, method: str, kwargs: dict, registry: CheckpointRegistry):

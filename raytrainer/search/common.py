@@ -370,6 +370,9 @@ def run_hosted_trial(trainer, trial, trial_id: str, params: dict[str, Any], args
     driver's ``reporter`` prunes it. A trial that never evaluated evaluates its trained model where it is.
     raytrainer's Trainer in this process (raytrainer/one_loop.py) runs its trials here the same way."""
     t = trainer.for_trial(args, [reporter])
+    # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay (in
+    # this process; the ranks of a run on workers keep the checkpoint's)
+    t._resume_with_new_hyperparameters = resume_from_checkpoint is not None
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     if pool is not None:
         pool.lend(t)

@@ -26,6 +26,7 @@ def test_each_file_goes_to_the_first_rank_that_lists_it():
 class _Args:
     save_total_limit = 1
     storage_filesystem = None
+    load_best_model_at_end = False
 
     def __init__(self, root):
         self.output_dir = self.storage_path = str(root)
