@@ -11,6 +11,10 @@ has it: on a shared file system rank 0 takes them all, on local disks each node 
 wrote. Each such rank then hashes its files and, when the storage is not ``output_dir`` itself
 (``storage_path``: ``s3://``, another folder), copies them there, and sends the driver its part. The
 driver writes ``manifest.json`` when every part has arrived (the commit) and rotates (driver/registry.py).
+In another storage, once every rank has sent its share, each node removes its local copy (at 70B a
+checkpoint is ~1 TB with its optimizer: kept, each node's disk would fill beside the storage meant for it);
+the best checkpoint's copy stays while it is the best, for ``load_best_model_at_end``, and the driver's
+``state.best_model_checkpoint`` names the committed one (driver/runner.py).
 
 As transformers' next save begins (it may rotate the local folders away: a save at a step, an epoch's
 end or a new best metric) and at the end of training, each rank waits for its thread. A resume reads a

@@ -470,6 +470,8 @@ def test_a_resume_from_a_bucket_reads_each_ranks_share(workdir, host, s3_bucket)
     finally:
         end(full)
     uninterrupted = losses(full)
+    # committed to the bucket: the node keeps no copy of its own (worker/hosted_commit.py)
+    assert not list((workdir / "full").glob("checkpoint-*"))
     files = s3_bucket.committed(f"runs/{host}")["checkpoint-4"]["files"]
     owners = {name: _owner(name) for name in files}
     assert {owners[n] for n in files if n.endswith(".distcp")} == {0, 1}, sorted(files)  # really sharded
