@@ -52,11 +52,13 @@ def check_in_process(trainer, method: str, kwargs: dict) -> None:
     """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py;
     ``trainer.args`` with the Ray fields): what transformers' loop would refuse late or not at all, refused
     before it starts -- a call's data sets, and for ``train()`` the examples' label column, a model that
-    returns no loss, the checkpoint to resume (resolved: it fits this model) and the storage (writable)."""
+    returns no loss, gradient checkpointing a model cannot do, the checkpoint to resume (resolved: it fits
+    this model) and the storage (writable)."""
     check_datasets(method, kwargs, trainer.args, trainer.train_dataset, trainer.eval_dataset,
                    owner=type(trainer).__name__)
     if method == "train":
         _check_train(trainer)
+        _check_gradient_checkpointing(trainer)
         _check_checkpointing(trainer, kwargs.get("resume_from_checkpoint"))
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
