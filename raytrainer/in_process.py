@@ -4,10 +4,11 @@ transformers' loop with the driver's and one rank's services around it, as on Ra
 The driver's side is the hosted trainer's (raytrainer/hosted.py, driver/runner.py): the checkpoint to resume
 chosen and checked (``True``: the latest one committed to the run's storage), a damaged one the run chose
 replaced by the committed one before it, the committed checkpoints pushed to the hub and rotated. The rank's
-side is a hosted rank's (worker/hosted.py): each checkpoint transformers saves is written in the background
-and committed to the storage with a manifest (worker/hosted_commit.py); a resume reads a committed
-checkpoint verified against that manifest, or copies it from remote storage first
-(worker/hosted_resume.py), and a resume on another world size is recorded. Only the transport differs: the
+side is a hosted rank's layer (worker/hosted.rank_layer): each checkpoint transformers saves is written in
+the background and committed to the storage with a manifest (worker/hosted_commit.py); a resume reads a
+committed checkpoint verified against that manifest, or copies it from remote storage first
+(worker/hosted_resume.py); a loss that is a mean is taken as one (worker/loss.py); ``nonfinite_loss``; a
+resume on another world size is recorded. Only the transport differs: the
 rank's checkpoint parts go to the driver's registry by a call, not over Ray.
 """
 
@@ -60,19 +61,15 @@ def train(trainer, run: Callable, resume_from_checkpoint, kwargs: dict):
 
 
 def _act_as_a_rank(trainer, ctx, channel, given) -> None:
-    """A hosted rank's callbacks for ``trainer`` (worker/hosted.py): its checkpoints committed through
-    ``channel``, a resume on another world size recorded, a resumed loader's seed drawn off the random
-    stream. Added once; the channel is replaced at each call (each ``train()`` has a registry of its own)."""
-    from raytrainer.worker.agreement import add_to_layer, layer_callback
-    from raytrainer.worker.hosted import WorldSizeRecord
+    """A hosted rank's layer for ``trainer`` (worker/hosted.rank_layer), its checkpoints committed through
+    ``channel``. Added once; the channel is replaced at each call (each ``train()`` has a registry of its
+    own)."""
+    from raytrainer.worker.agreement import layer_callback
+    from raytrainer.worker.hosted import rank_layer
     from raytrainer.worker.hosted_commit import CommitCallback
-    from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream
-    from raytrainer.worker.hosted_saves import write_in_background
 
     commit = layer_callback(trainer, CommitCallback)
     if commit is None:
-        add_to_layer(trainer, CommitCallback(ctx, channel, given, write_in_background(trainer)))
-        add_to_layer(trainer, WorldSizeRecord(trainer))
-        add_to_layer(trainer, LoaderSeedOffTheStream())
+        rank_layer(trainer, ctx, channel, given)
     else:
         commit.channel = channel

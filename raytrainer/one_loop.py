@@ -9,10 +9,12 @@ loop, never written into it:
 - on the workers, by each rank's layer (worker/hosted.py), as for any hosted trainer: agreed flags, rank-0
   evaluation, committed background saves, verified and world-size resume, ``nonfinite_loss``, the
   straggler warning, per-shard construction, sharding on CPU;
-- in this process, by the constructor (``_attach_in_process``): raytrainer's arguments (``args=None`` or
+- in this process, by the constructor: raytrainer's arguments as ``trainer.args`` (``args=None`` or
   transformers' own become ``raytrainer.TrainingArguments``), callbacks that return a mapping of control
-  flags, ``nonfinite_loss``, and the driver's checks of each call before the loop starts
-  (driver/preflight.py);
+  flags, the driver's checks of each call before the loop starts (driver/preflight.py), and at ``train()``
+  the same rank's layer as on the workers (raytrainer/in_process.py: committed background saves, verified
+  resume, the mean-loss handling, ``nonfinite_loss``), the search (raytrainer/search) and hub pushes by the
+  driver's services;
 - everywhere the class is built (here and on each rank), by the constructor: a plain ``torch.nn.Module``
   without a ``config`` trains with ``label_smoothing_factor`` (transformers reads ``model.config`` there).
 
@@ -107,17 +109,13 @@ class _Additions:
         return cls._args_class.from_transformers(args)
 
     def _attach_in_process(self, given) -> None:
-        """raytrainer's additions for a run in this process: callbacks may return a mapping of flags
-        (raytrainer's ``CallbackHandler``, through the agreement, a no-op with one process), and
-        ``nonfinite_loss``."""
+        """raytrainer's callbacks may return a mapping of flags (raytrainer's ``CallbackHandler``, through the
+        agreement, a no-op with one process); the rest of a rank's layer is added at the first ``train()``
+        (raytrainer/in_process.py)."""
         from raytrainer.rank_context import local_context
-        from raytrainer.worker.agreement import add_to_layer, agree_on_flags
-        from raytrainer.worker.nonfinite import NonFiniteCallback
+        from raytrainer.worker.agreement import agree_on_flags
 
-        ctx = local_context(given)
-        agree_on_flags(self, ctx)
-        if given.nonfinite_loss != "ignore":  # outside the trainer's list of callbacks (worker/agreement.py)
-            add_to_layer(self, NonFiniteCallback(self, given.nonfinite_loss, ctx))
+        agree_on_flags(self, local_context(given))
 
     # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):

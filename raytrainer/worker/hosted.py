@@ -83,27 +83,17 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 
 def _split_callbacks(trainer, session: RankSession, given) -> None:
     """transformers' progress bar and printer run on the driver; rank 0 relays what they need. The ranks
-    agree on every control flag a callback sets (worker/agreement.py). Every checkpoint is committed to the
-    run's storage (``given``: the arguments with their Ray fields), its files written in the background
-    (worker/hosted_saves.py)."""
+    agree on every control flag a callback sets (worker/agreement.py) and run with the rank's layer
+    (``rank_layer``), each its pace reported for the driver's straggler warning."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from raytrainer.worker.agreement import add_to_layer, agree_on_flags
-    from raytrainer.worker.hosted_commit import CommitCallback
-    from raytrainer.worker.hosted_saves import write_in_background
-    from raytrainer.worker.nonfinite import NonFiniteCallback
     from raytrainer.worker.relay import RelayCallback
 
     agree_on_flags(trainer, session.ctx)
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
-    # raytrainer's callbacks run after the trainer's own, outside its list (worker/agreement.py)
-    add_to_layer(trainer, CommitCallback(session.ctx, session.channel, given, write_in_background(trainer)))
-    add_to_layer(trainer, MeanLossCallback(trainer))
-    if given.nonfinite_loss != "ignore":
-        add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, session.ctx))
-    add_to_layer(trainer, WorldSizeRecord(trainer))
-    add_to_layer(trainer, LoaderSeedOffTheStream())
+    rank_layer(trainer, session.ctx, session.channel, given)
     if session.ctx.distributed:  # each rank's pace, for the driver's straggler warning
         from raytrainer.protocol import Kind
         from raytrainer.worker.pace import PaceCallback
@@ -112,6 +102,26 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
         add_to_layer(trainer, PaceCallback(trainer, session.ctx, report))
     if session.ctx.is_world_zero:
         add_to_layer(trainer, RelayCallback(session.channel))
+
+
+def rank_layer(trainer, ctx, channel, given) -> None:
+    """The callbacks transformers' loop runs with on every rank, on Ray workers and in the driver's process
+    (raytrainer/in_process.py), after the trainer's own and outside its list (worker/agreement.py): each
+    checkpoint committed through ``channel``, its files written in the background (worker/hosted_saves.py),
+    a loss that is a mean taken as one (worker/loss.py), ``nonfinite_loss``, a resume on another world size
+    recorded, a resumed loader's seed drawn off the random stream (worker/hosted_resume.py). ``given``: the
+    arguments with their Ray fields."""
+    from raytrainer.worker.agreement import add_to_layer
+    from raytrainer.worker.hosted_commit import CommitCallback
+    from raytrainer.worker.hosted_saves import write_in_background
+    from raytrainer.worker.nonfinite import NonFiniteCallback
+
+    add_to_layer(trainer, CommitCallback(ctx, channel, given, write_in_background(trainer)))
+    add_to_layer(trainer, MeanLossCallback(trainer))
+    if given.nonfinite_loss != "ignore":
+        add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, ctx))
+    add_to_layer(trainer, WorldSizeRecord(trainer))
+    add_to_layer(trainer, LoaderSeedOffTheStream())
 
 
 def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:
