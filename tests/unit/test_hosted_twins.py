@@ -143,7 +143,7 @@ def test_a_constructor_argument_that_cannot_be_pickled_is_named_on_the_driver(tm
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
     args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True)
     lock = threading.Lock()
-    with pytest.raises(ValueError, match=r"callbacks= cannot be pickled.*module level"):
+    with pytest.raises(ValueError, match=r"callbacks\[0\] \(lock\) cannot be pickled.*module level"):
         raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args, callbacks=[lock])
 
 
