@@ -253,8 +253,13 @@ class HostedTrainer:
         group is up; not for a loader the trainer class builds itself (GRPO's)."""
         import transformers
 
+        from raytrainer.deps import require
         from raytrainer.driver.preflight import _starts_a_group, check_datasets
 
+        if self.args.num_workers > 0:  # a machine without them: named with the fix, as raytrainer's loop does
+            require("ray.train", f"num_workers={self.args.num_workers} (training on Ray Train workers)")
+        if self.args.deepspeed:
+            require("deepspeed", "--deepspeed")
         own = frozenset(method for method, loader in _LOADERS
                         if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
         check_datasets(method, kwargs, self.args, self._given("train_dataset"), self._given("eval_dataset"),
@@ -374,20 +379,42 @@ class HostedTrainer:
     def model(self):
         """Rank 0's trained model, on first use after each ``train()``: the ranks save it (``save_model``, a
         collective under FSDP and ZeRO-3; ZeRO-3's partitions consolidated: worker/hosted_sharding.py) into
-        ``<output_dir>/.raytrainer/model`` and the driver loads it with ``from_pretrained``. Weights never
+        ``<output_dir>/.raytrainer/model``, and the driver reads it into the module the script gave the
+        constructor, in place, as transformers' Trainer trains the script's own module (or into what
+        ``model_init()`` builds here, for a run without one); a model named by a path, or one whose saved
+        files another class wrote (TRL's PEFT wrapping), is loaded with ``from_pretrained``. Weights never
         travel through the event channel."""
         if "_model" not in vars(self):
             folder = os.path.join(os.path.abspath(self.args.output_dir), ".raytrainer", "model")
             self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,),
                                "kwargs": {}})
             model_cls = self._run("call", {"name": "model.__class__", "call": False}).output
-            if _is_peft(model_cls):
+            own = self._driver_module(model_cls)
+            if own is not None and _filled_in_place(own, folder):
+                self._model = own
+            elif _is_peft(model_cls):
                 self._model = self._adapter_on_its_base(folder, model_cls)
             elif hasattr(model_cls, "from_pretrained"):
                 self._model = model_cls.from_pretrained(folder)
             else:
-                self._model = self._given_model_with(folder, model_cls)
+                # not AttributeError: Python would hand that to __getattr__, which would hide this message
+                raise RuntimeError(
+                    f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
+                    f"from_pretrained, and neither the constructor's model nor model_init() gives one to "
+                    f"load into); its weights are in {folder}")
         return self._model
+
+    def _driver_module(self, model_cls: type):
+        """The module on the driver that the trained weights go into: the constructor's model, else (a run
+        with ``model_init`` taking no trial) a new one from ``model_init()``, if of the trained class."""
+        import torch
+
+        from raytrainer.search.common import model_init_takes_trial
+
+        own = self._given("model")
+        if own is None and self.model_init is not None and not model_init_takes_trial(self):
+            own = self.model_init()
+        return own if isinstance(own, torch.nn.Module) and type(own) is model_cls else None
 
     def _adapter_on_its_base(self, folder: str, model_cls: type):
         """A PEFT model: the ranks saved its adapter (PEFT's files), which goes onto its base model loaded
@@ -398,26 +425,6 @@ class HostedTrainer:
         base_cls = self._run("call", {"name": "model.base_model.model.__class__", "call": False}).output
         base = base_cls.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path)
         return model_cls.from_pretrained(base, folder)
-
-    def _given_model_with(self, folder: str, model_cls: type):
-        """A trained model without ``from_pretrained`` (a plain ``torch.nn.Module``): the one given to the
-        constructor, as the ranks got it, with the weights they wrote (transformers' ``_save``:
-        ``model.safetensors``), every one of them."""
-        import cloudpickle
-        import torch
-        from safetensors.torch import load_file
-
-        trainer_cls, args, kwargs = cloudpickle.loads(self._recipe.payload)
-        given = inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs).arguments.get("model")
-        weights = os.path.join(folder, "model.safetensors")
-        if not (isinstance(given, torch.nn.Module) and type(given) is model_cls and os.path.exists(weights)):
-            # not AttributeError: Python would hand that to __getattr__, which would hide this message
-            raise RuntimeError(
-                f"trainer.model: the trained {model_cls.__name__} stays on the workers (it has no "
-                f"from_pretrained, and the constructor was not given one to load into); its weights are "
-                f"in {folder}")
-        given.load_state_dict(load_file(weights), strict=True)
-        return given
 
     # what launch() and the driver's display read of a trainer
     _display_model = None  # the display's callbacks get no model: it stays on the workers
@@ -440,6 +447,34 @@ def resume_target(args, resume_from_checkpoint):
         if os.path.isdir(args.output_dir) and (last := get_last_checkpoint(args.output_dir)):
             return last
     return resolve_resume(storage, resume_from_checkpoint)
+
+
+def _filled_in_place(module, folder: str) -> bool:
+    """Whether the weights saved in ``folder`` went into ``module`` in place: a single ``model.safetensors``
+    that fits it (transformers' ``_save``; tied weights stored once), or a PEFT model's adapter file into
+    its adapters (the frozen base is the one the script built). Other layouts (sharded files) are read
+    with ``from_pretrained``."""
+    from raytrainer import final_weights
+    from raytrainer.checkpoint import ADAPTER_WEIGHTS, CheckpointError
+
+    if _is_peft(type(module)):
+        if not os.path.exists(os.path.join(folder, ADAPTER_WEIGHTS)):
+            return False
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(module, load_file(os.path.join(folder, ADAPTER_WEIGHTS)))
+        return True
+    if not os.path.exists(os.path.join(folder, "model.safetensors")):
+        return False
+    try:
+        final_weights.load_into(module, folder)
+    except CheckpointError as error:
+        if not hasattr(type(module), "from_pretrained"):
+            raise
+        logger.info("trainer.model: %s; loading it with from_pretrained instead", error)
+        return False
+    return True
 
 
 def _is_peft(model_cls: type) -> bool:

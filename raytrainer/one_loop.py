@@ -211,6 +211,37 @@ class _Additions:
 
             reapply_hyperparameters(self.optimizer, self.lr_scheduler, self.args)
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' own, given the optimizer inside accelerate's wrapper when that is a layer-wise one
+        (``optim="*_layerwise"``): transformers makes the scheduler after wrapping the optimizer, and
+        ``get_scheduler`` makes each parameter's own schedule only for the unwrapped
+        ``LayerWiseDummyOptimizer`` (wrapped, the per-parameter learning rates never change); its
+        ``LayerWiseDummyScheduler`` reports a rate per parameter, which torch's scheduler refuses
+        (``optim.LayerWiseScheduler`` in its place)."""
+        from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+
+        from raytrainer.optim import layer_wise_schedules
+
+        inner = getattr(self.optimizer, "optimizer", None)
+        if optimizer is None and isinstance(inner, LayerWiseDummyOptimizer):
+            with layer_wise_schedules():
+                return super().create_scheduler(num_training_steps, inner)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False):
+        """transformers' own; a scheduler that steps on a metric (``ReduceLROnPlateau``, ``GreedyLR``) given
+        in ``optimizers`` without ``metric_for_best_model`` steps on ``eval_loss``, as with
+        ``lr_scheduler_type="reduce_lr_on_plateau"`` (transformers reads ``None.startswith`` there)."""
+        args = self.args
+        unset = args.metric_for_best_model is None and _steps_on_a_metric(self.lr_scheduler)
+        if unset:
+            args.metric_for_best_model = "loss"
+        try:
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
+        finally:
+            if unset:
+                args.metric_for_best_model = None
+
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""
         return getattr(type(self), name) is not getattr(transformers.Trainer, name)
@@ -243,6 +274,12 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+def _steps_on_a_metric(scheduler) -> bool:
+    from transformers.optimization import GreedyLR
+
+    return isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,9 @@ step on an evaluation metric, and the PBT re-application of hyperparameters afte
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+from unittest import mock
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
@@ -24,7 +26,8 @@ from transformers import optimization as _hf_optimization
 from transformers.optimization import get_scheduler
 from transformers.trainer_pt_utils import LayerWiseDummyScheduler
 
-__all__ = ["METRIC_SCHEDULERS", "LayerWiseScheduler", "get_scheduler", "reapply_hyperparameters"]
+__all__ = ["METRIC_SCHEDULERS", "LayerWiseScheduler", "get_scheduler", "layer_wise_schedules",
+           "reapply_hyperparameters"]
 
 # Schedulers stepped with a metric after each evaluation instead of after each optimizer step (the loop and
 # the evaluation hook test against these, as transformers' Trainer does).
@@ -43,6 +46,15 @@ class LayerWiseScheduler(LayerWiseDummyScheduler):
 
     def get_lr(self):
         return super().get_lr()[: len(self.optimizer.param_groups)]
+
+
+@contextlib.contextmanager
+def layer_wise_schedules():
+    """While ``transformers.get_scheduler`` is called for a ``LayerWiseDummyOptimizer``: it builds
+    ``LayerWiseScheduler`` in place of ``LayerWiseDummyScheduler`` (the per-parameter schedules are its
+    own)."""
+    with mock.patch.object(_hf_optimization, "LayerWiseDummyScheduler", LayerWiseScheduler):
+        yield
 
 
 def reapply_hyperparameters(optimizer: Optimizer, scheduler, args: Any) -> None:

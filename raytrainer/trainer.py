@@ -420,15 +420,11 @@ class Trainer(DataLoadersMixin):
         """transformers.Trainer.create_scheduler (for a layer-wise optimizer, with
         ``optim.LayerWiseScheduler`` in place of transformers' ``LayerWiseDummyScheduler``, whose rates torch
         refuses)."""
-        from unittest import mock
-
-        from transformers import optimization as hf_optimization
-
-        from raytrainer.optim import LayerWiseScheduler
+        from raytrainer.optim import layer_wise_schedules
 
         target = optimizer if optimizer is not None else self.optimizer
         if isinstance(target, hf_pt_utils.LayerWiseDummyOptimizer):
-            with mock.patch.object(hf_optimization, "LayerWiseDummyScheduler", LayerWiseScheduler):
+            with layer_wise_schedules():
                 return self._hf_create_scheduler(num_training_steps, optimizer)
         return self._hf_create_scheduler(num_training_steps, optimizer)
 

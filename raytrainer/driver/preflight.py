@@ -52,13 +52,14 @@ def check_in_process(trainer, method: str, kwargs: dict) -> None:
     """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py;
     ``trainer.args`` with the Ray fields): what transformers' loop would refuse late or not at all, refused
     before it starts -- a call's data sets, and for ``train()`` the examples' label column, a model that
-    returns no loss, gradient checkpointing a model cannot do, the checkpoint to resume (resolved: it fits
-    this model) and the storage (writable)."""
+    returns no loss, gradient checkpointing or NEFTune a model cannot do, the checkpoint to resume
+    (resolved: it fits this model) and the storage (writable)."""
     check_datasets(method, kwargs, trainer.args, trainer.train_dataset, trainer.eval_dataset,
                    owner=type(trainer).__name__)
     if method == "train":
         _check_train(trainer)
         _check_gradient_checkpointing(trainer)
+        _check_neftune_hook(trainer)
         _check_checkpointing(trainer, kwargs.get("resume_from_checkpoint"))
     elif method == "evaluate":
         dataset = kwargs.get("eval_dataset")
@@ -149,6 +150,23 @@ def _check_neftune(trainer) -> None:
         from raytrainer.worker.neftune import input_embeddings
 
         input_embeddings(trainer.model)  # raises, naming the fix, when there is none to hook
+
+
+def _check_neftune_hook(trainer) -> None:
+    """transformers' loop hooks NEFTune's noise on ``get_input_embeddings()`` (of a PEFT model's base): a
+    model without it is refused here, not with an AttributeError once training has started."""
+    model = trainer.model
+    if not trainer.args.neftune_noise_alpha or model is None:
+        return
+    from transformers.trainer_utils import _is_peft_model
+
+    base = model.base_model.model if _is_peft_model(model) else model
+    if not callable(getattr(base, "get_input_embeddings", None)):
+        raise ValueError(
+            f"neftune_noise_alpha needs the model's input embeddings: {type(base).__name__} has no "
+            "get_input_embeddings(), which transformers' loop hooks the noise on (transformers models have "
+            "it). Define get_input_embeddings() returning the model's nn.Embedding, or unset "
+            "neftune_noise_alpha.")
 
 
 def _check_weights_fit(trainer, reader) -> None:

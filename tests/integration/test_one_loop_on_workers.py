@@ -43,7 +43,8 @@ def test_one_loop_trainer_on_two_workers_agrees_a_stop_of_one_rank_and_commits(t
         output_dir=str(tmp_path), num_workers=2, per_device_train_batch_size=2, max_steps=8,
         save_strategy="steps", save_steps=2, label_smoothing_factor=0.1, logging_steps=1, report_to="none",
         disable_tqdm=True, learning_rate=0.1)
-    trainer = one_loop.Trainer(model=Plain(), args=args, train_dataset=rows, callbacks=[StopOnRankOne()])
+    model = Plain()
+    trainer = one_loop.Trainer(model=model, args=args, train_dataset=rows, callbacks=[StopOnRankOne()])
     assert isinstance(trainer, transformers.Trainer) and type(trainer).hosted_class is one_loop.Trainer
     output = trainer.train()
     assert output.global_step == 3  # rank 1 stopped; rank 0 stopped with it (the flags agreed)
@@ -51,6 +52,11 @@ def test_one_loop_trainer_on_two_workers_agrees_a_stop_of_one_rank_and_commits(t
     assert len(losses) == 3 and all(0 < loss < 5 for loss in losses)
     manifest = json.loads((tmp_path / "checkpoint-2" / "manifest.json").read_text())
     assert manifest["global_step"] == 2 and "model.safetensors" in manifest["files"]
-    trained = trainer.model.state_dict()["linear.weight"]
-    assert not torch.equal(trained, Plain().linear.weight.detach())
+    # the script's own module holds the trained weights, as after transformers' train(): rank 0's, read in
+    assert trainer.model is model
+    saved = (tmp_path / ".raytrainer" / "model" / "model.safetensors")
+    from safetensors.torch import load_file
+
+    assert torch.equal(model.linear.weight, load_file(saved)["linear.weight"])
+    assert not torch.equal(model.linear.weight, Plain().linear.weight.detach())
     trainer.end()

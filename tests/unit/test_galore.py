@@ -48,8 +48,9 @@ def _train(tmp_path, optim: str):
 
 def test_galore_adamw_keeps_the_target_layers_state_low_rank(tmp_path):
     trainer, _, losses = _train(tmp_path, "galore_adamw")
-    assert type(trainer.optimizer) is galore_torch.GaLoreAdamW
-    state = trainer.optimizer.state
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    assert type(optimizer) is galore_torch.GaLoreAdamW
+    state = optimizer.state
     assert state[trainer.model.mlp.weight]["exp_avg"].shape == (32, 4)  # projected: rank 4, not 32 x 32
     assert state[trainer.model.proj.weight]["exp_avg"].shape == (32, 16)  # not a target: full
     assert losses[-1] < losses[0] * 0.8
@@ -57,9 +58,10 @@ def test_galore_adamw_keeps_the_target_layers_state_low_rank(tmp_path):
 
 def test_layerwise_galore_steps_each_parameter_in_backward(tmp_path):
     trainer, before, losses = _train(tmp_path, "galore_adamw_layerwise")
-    assert isinstance(trainer.optimizer, LayerWiseDummyOptimizer)  # transformers' own
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    assert isinstance(optimizer, LayerWiseDummyOptimizer)  # transformers' own
     assert isinstance(trainer.lr_scheduler, LayerWiseDummyScheduler)
-    assert len(trainer.optimizer.optimizer_dict) == 6  # one optimizer per parameter
+    assert len(optimizer.optimizer_dict) == 6  # one optimizer per parameter
     for name, tensor in trainer.model.state_dict().items():
         assert not torch.equal(tensor, before[name]), f"{name} was never stepped"
     assert losses[-1] < losses[0] * 0.8

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+ONE_LOOP = issubclass(Trainer, transformers.Trainer)
 
 SEQ, DIM, ALPHA = 5, 8, 5.0
 
@@ -17,6 +20,9 @@ class TokenNet(nn.Module):
         torch.manual_seed(0)
         self.emb = nn.Embedding(20, DIM)
         self.head = nn.Linear(DIM, 2)
+
+    def get_input_embeddings(self):  # what transformers' loop hooks the noise on
+        return self.emb
 
     def forward(self, input_ids, labels=None):
         logits = self.head(self.emb(input_ids).mean(dim=1))
@@ -64,18 +70,40 @@ def test_noise_in_train_mode_only_and_removed_after(tmp_path):
     assert torch.equal(model.emb(IDS), nn.functional.embedding(IDS, model.emb.weight))
 
 
-def test_neftune_without_embeddings_is_refused_before_training(tmp_path):
-    class NoEmbedding(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(SEQ, 2)
+class NoEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(SEQ, 2)
 
-        def forward(self, input_ids, labels=None):
-            logits = self.lin(input_ids.float())
-            return {"loss": nn.functional.cross_entropy(logits, labels)}
+    def forward(self, input_ids, labels=None):
+        logits = self.lin(input_ids.float())
+        return {"loss": nn.functional.cross_entropy(logits, labels)}
 
-    trainer = Trainer(model=NoEmbedding(), train_dataset=data(),
+
+class EmbeddingWithoutAccessor(nn.Module):
+    """One nn.Embedding, but no get_input_embeddings()."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, DIM)
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids).mean(dim=1))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("model_cls", [NoEmbedding, EmbeddingWithoutAccessor])
+def test_neftune_without_input_embeddings_is_refused_before_training(tmp_path, model_cls):
+    if model_cls is EmbeddingWithoutAccessor and not ONE_LOOP:
+        pytest.skip("raytrainer's own loop hooks a model's only nn.Embedding; transformers' loop needs "
+                    "get_input_embeddings()")
+    model = model_cls()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model=model, train_dataset=data(),
                       args=TrainingArguments(output_dir=str(tmp_path), num_workers=0, max_steps=2,
                                              save_strategy="no", neftune_noise_alpha=ALPHA))
     with pytest.raises(ValueError, match="neftune_noise_alpha needs the model's input embeddings"):
         trainer.train()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # refused before a step
+    assert not (tmp_path / "checkpoint-1").exists()
