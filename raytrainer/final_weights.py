@@ -34,19 +34,55 @@ DCP_METADATA = ".metadata"
 
 def write(trainer, session) -> str:
     """On every rank after ``train()``: write the final weights (a collective); returns the folder URI."""
-    ctx, strategy = session.ctx, session.strategy
-    storage = Storage.for_run(trainer.args)
+    return write_with(trainer.args, session.ctx,
+                      lambda folder: session.strategy.save_final_weights(trainer.model_wrapped, folder))
+
+
+def write_hosted(trainer, ctx, args) -> str:
+    """``write`` for transformers' loop on a rank (a hosted trainer's, raytrainer/hosted.py): the layout
+    follows what accelerate made of the model -- each rank's DCP shard under FSDP2, DeepSpeed's ZeRO-3
+    partitions gathered module by module onto rank 0, else rank 0's ``model.safetensors``. ``args``: the
+    arguments with the Ray fields (the run's storage)."""
+    return write_with(args, ctx, lambda folder: _save_hosted(trainer, ctx, folder))
+
+
+def _save_hosted(trainer, ctx, folder: str) -> None:
+    from raytrainer.saving import WEIGHTS_NAME, dedupe_shared
+
+    model, engine = trainer.model, trainer.model_wrapped
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # FSDP2: nothing gathered
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
+        return
+    if (hasattr(engine, "_zero3_consolidated_16bit_state_dict")
+            and engine.zero_optimization_partition_weights()):
+        weights = engine._zero3_consolidated_16bit_state_dict()  # every rank takes part; rank 0 gets them
+    else:
+        weights = trainer.accelerator.unwrap_model(model).state_dict() if ctx.is_world_zero else None
+    if ctx.is_world_zero:
+        from safetensors.torch import save_file
+
+        weights = {k: v.detach().to("cpu") for k, v in dedupe_shared(weights).items()}  # a tied weight once
+        save_file(weights, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def write_with(args, ctx, save) -> str:
+    """Every rank calls ``save(folder)`` into the run's ``final-model`` folder (staged and uploaded for
+    remote storage, each rank its own files); returns the folder URI."""
+    storage = Storage.for_run(args)
     dest = storage.path(FOLDER)
     if ctx.is_world_zero and storage.exists(dest):
         storage.delete_dir(dest)  # an earlier train()'s files (another world size's shards, say)
     ctx.barrier()
     if storage.is_local:
         os.makedirs(dest, exist_ok=True)
-        strategy.save_final_weights(trainer.model_wrapped, dest)
+        save(dest)
     else:
         stage = tempfile.mkdtemp(prefix="raytrainer-final-")
         try:
-            strategy.save_final_weights(trainer.model_wrapped, stage)
+            save(stage)
             if os.listdir(stage):
                 storage.upload_dir(stage, dest)  # this rank's files only
         finally:

@@ -170,12 +170,15 @@ class HostedTrainer:
         kwargs = dict(resume_from_checkpoint=target, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                       **kwargs)
         vars(self).pop("_model", None)
+        vars(self).pop("_weights_at", None)
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
+        final = self._final_weights_wanted()
 
         def once(kw: dict):
-            result = self._run("train", {**kw, "stop_from_driver": stops}, registry)
+            result = self._run("train", {**kw, "stop_from_driver": stops, "final_weights": final}, registry)
             self.state = state_from_dict(result.state)
+            self._weights_at = result.weights_at
             return result.output
 
         output = train_sequence(self, kwargs, resume_from_checkpoint, registry, once)
@@ -385,6 +388,15 @@ class HostedTrainer:
         files another class wrote (TRL's PEFT wrapping), is loaded with ``from_pretrained``. Weights never
         travel through the event channel."""
         if "_model" not in vars(self):
+            at = vars(self).get("_weights_at")
+            if at is not None:  # written by the ranks at the end of train(): into the driver's own module
+                from raytrainer import final_weights
+
+                own = self._driver_module(None)
+                if own is not None:
+                    final_weights.load_into(own, at, getattr(self.args, "storage_filesystem", None))
+                    self._model = own
+                    return own
             folder = os.path.join(os.path.abspath(self.args.output_dir), ".raytrainer", "model")
             self._run("call", {"name": "_raytrainer_save_whole", "call": True, "args": (folder,),
                                "kwargs": {}})
@@ -404,9 +416,25 @@ class HostedTrainer:
                     f"load into); its weights are in {folder}")
         return self._model
 
-    def _driver_module(self, model_cls: type):
+    def _final_weights_wanted(self) -> str | None:
+        """What the ranks write their final weights for (worker/hosted.py): the class name of the module the
+        constructor was given, ``"model_init"`` for a run that builds it with ``model_init()``, else None
+        (a model named by a path: ``trainer.model`` loads it with ``from_pretrained``)."""
+        import torch
+
+        from raytrainer.search.common import model_init_takes_trial
+
+        given = self._given("model")
+        if isinstance(given, torch.nn.Module):
+            return type(given).__qualname__
+        if self.model_init is not None and not model_init_takes_trial(self):
+            return "model_init"
+        return None
+
+    def _driver_module(self, model_cls: type | None):
         """The module on the driver that the trained weights go into: the constructor's model, else (a run
-        with ``model_init`` taking no trial) a new one from ``model_init()``, if of the trained class."""
+        with ``model_init`` taking no trial) a new one from ``model_init()``; if ``model_cls`` is given, only
+        one of that class."""
         import torch
 
         from raytrainer.search.common import model_init_takes_trial
@@ -414,7 +442,9 @@ class HostedTrainer:
         own = self._given("model")
         if own is None and self.model_init is not None and not model_init_takes_trial(self):
             own = self.model_init()
-        return own if isinstance(own, torch.nn.Module) and type(own) is model_cls else None
+        if not isinstance(own, torch.nn.Module) or (model_cls is not None and type(own) is not model_cls):
+            return None
+        return own
 
     def _adapter_on_its_base(self, folder: str, model_cls: type):
         """A PEFT model: the ranks saved its adapter (PEFT's files), which goes onto its base model loaded

@@ -137,25 +137,27 @@ def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:
     try:
         return cloudpickle.dumps((trainer_cls, args, kwargs))
     except Exception as exc:
-        named = [*((f"argument {i}", v) for i, v in enumerate(args)),
-                 *((f"{k}=", v) for k, v in kwargs.items())]
+        owner = trainer_cls.__name__
+        named = [*((f"{owner}(...) argument {i}", v) for i, v in enumerate(args)),
+                 *((f"{owner}.{k}", v) for k, v in kwargs.items())]
         culprit = next((_culprit(label, value) for label, value in named if not _picklable(value)),
-                       "the constructor's arguments")
+                       f"{owner}(...)'s arguments")
         raise ValueError(
-            f"{trainer_cls.__name__}(...): {culprit} cannot be pickled to send it to the Ray workers "
-            f"({type(exc).__name__}: {exc}). Define functions and classes at module level, and keep locks, "
-            "open files and generators out of models, datasets and callbacks (or give the model as a path "
-            "or model_init, which the workers call)."
+            f"{culprit} cannot be pickled to send it to the Ray workers ({type(exc).__name__}: {exc}). "
+            "Define functions and classes at module level, and keep locks, open files and generators out of "
+            "models, datasets and callbacks (or give the model as a path or model_init, which the workers "
+            "call)."
         ) from exc
 
 
 def _culprit(label: str, value) -> str:
-    """``label``, or for a list (the callbacks) the first element that does not pickle, with its type."""
+    """``label`` with what the value is, or for a list (the callbacks) its first element that does not
+    pickle, with its type."""
     if isinstance(value, (list, tuple)):
         for i, element in enumerate(value):
             if not _picklable(element):
-                return f"{label.rstrip('=')}[{i}] ({type(element).__name__})"
-    return label
+                return f"{label}[{i}] ({type(element).__name__})"
+    return f"{label} ({getattr(value, '__qualname__', None) or type(value).__name__})"
 
 
 def _picklable(value) -> bool:

@@ -50,12 +50,14 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             trainer = build_trainer(trainer_cls, args, kwargs_init, targs,
                                     again=lambda: fetched.unpack(ctx.world_size)[1:3])
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
+            trainer._raytrainer_given = given  # the arguments with their Ray fields (the run's storage)
             _split_callbacks(trainer, session, given)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
         kwargs = after_restart(trainer, session, method, kwargs)
         if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
             return RankResult(global_step=0)
+        final = kwargs.pop("final_weights", None) if method == "train" else None
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
             _save_on_preemption(trainer, session)
@@ -74,11 +76,30 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         else:
             with resume.reading(trainer):
                 output = getattr(trainer, method)(**kwargs)
+        weights_at = _write_final_weights(trainer, ctx, final)
     if not ctx.is_world_zero:
         return RankResult(trainer.state.global_step)
     from raytrainer.callbacks import state_to_dict
 
-    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state))
+    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at)
+
+
+def _write_final_weights(trainer, ctx, wanted: str | None) -> str | None:
+    """After ``train()``, the trained weights into the run's storage (raytrainer/final_weights.py, every
+    rank its share), when the driver holds a module to read them into: ``wanted`` is its class's name, or
+    ``"model_init"`` (the driver builds one when ``trainer.model`` is used). A PEFT model's adapter goes the
+    way of ``save_model`` (hosted.HostedTrainer.model)."""
+    from transformers.trainer_utils import _is_peft_model
+
+    from raytrainer import final_weights
+
+    if wanted is None:
+        return None
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    classes = {cls.__qualname__ for cls in type(trained).__mro__}  # FSDP2 makes FSDP<class> of it
+    if _is_peft_model(trained) or (wanted != "model_init" and wanted not in classes):
+        return None
+    return final_weights.write_hosted(trainer, ctx, trainer._raytrainer_given)
 
 
 def _split_callbacks(trainer, session: RankSession, given) -> None:
@@ -112,11 +133,13 @@ def rank_layer(trainer, ctx, channel, given) -> None:
     recorded, a resumed loader's seed drawn off the random stream (worker/hosted_resume.py). ``given``: the
     arguments with their Ray fields."""
     from raytrainer.worker.agreement import add_to_layer
-    from raytrainer.worker.hosted_commit import CommitCallback
+    from raytrainer.worker.hosted_commit import CommitCallback, commit_jit_checkpoints
     from raytrainer.worker.hosted_saves import write_in_background
     from raytrainer.worker.nonfinite import NonFiniteCallback
 
-    add_to_layer(trainer, CommitCallback(ctx, channel, given, write_in_background(trainer)))
+    commit = CommitCallback(ctx, channel, given, write_in_background(trainer))
+    add_to_layer(trainer, commit)
+    commit_jit_checkpoints(trainer, commit)
     add_to_layer(trainer, MeanLossCallback(trainer))
     if given.nonfinite_loss != "ignore":
         add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, ctx))

@@ -197,3 +197,23 @@ class CommitCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.wait()
 
+
+
+def commit_jit_checkpoints(trainer, commit: CommitCallback) -> None:
+    """``enable_jit_checkpoint``: transformers' JIT callback saves on a SIGTERM by calling
+    ``_save_checkpoint`` itself, with no ``on_save`` event; each such checkpoint is committed as a saved one
+    is (``commit``'s ``on_save`` once the JIT save returns). On a Ray worker's rank transformers' handler is
+    off (raytrainer's own takes the SIGTERM: worker/signals.py); this is for the driver's process."""
+    for callback in trainer.callback_handler.callbacks:
+        manager = getattr(callback, "jit_manager", None)
+        if manager is None:
+            continue
+        if getattr(manager, "_raytrainer_commit", None) is None:  # wrapped once; a later call's commit
+            execute = manager.execute_jit_checkpoint
+
+            def execute_and_commit(execute=execute, manager=manager):
+                execute()
+                manager._raytrainer_commit.on_save(trainer.args, trainer.state, trainer.control)
+
+            manager.execute_jit_checkpoint = execute_and_commit
+        manager._raytrainer_commit = commit

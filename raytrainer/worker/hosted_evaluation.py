@@ -22,6 +22,9 @@ padded rows would move with the worker count.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 
 
@@ -31,12 +34,21 @@ def evaluate_as_one_process(trainer, ctx) -> None:
         return
     loop, step = trainer.evaluation_loop, trainer.prediction_step
 
-    def prediction_step(*args, **kwargs):
+    def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
         targs = trainer.args
         counted_across = targs.average_tokens_across_devices
         targs.average_tokens_across_devices = False
         try:
-            return step(*args, **kwargs)
+            loss, logits, labels = step(model, inputs, prediction_loss_only, *args, **kwargs)
+            if loss is not None and _last_round_padded(trainer, ctx):
+                # every rank steps again (a trainer's compute_loss may gather: TRL's), on its own rows
+                real = _real_rows(ctx, trainer.accelerator.gradient_state.remainder, _batch_rows(inputs))
+                again = inputs if real is None else _first_rows(inputs, real)
+                with _metrics_kept(trainer):
+                    loss_of_rows = step(model, again, True, *args, **kwargs)[0]
+                if real is not None:
+                    loss = loss_of_rows
+            return loss, logits, labels
         finally:
             targs.average_tokens_across_devices = counted_across
 
@@ -57,6 +69,48 @@ def evaluate_as_one_process(trainer, ctx) -> None:
 
     trainer.prediction_step = prediction_step
     trainer.evaluation_loop = evaluation_loop
+
+
+def _last_round_padded(trainer, ctx) -> bool:
+    """The evaluation's last batch, whose rows do not fill every rank's batch (the same answer on every
+    rank). accelerate makes the ranks' last batches equal (``even_batches``) by appending the data set's
+    first rows, and ``gather_for_metrics`` keeps the first ``remainder`` rows in rank order; transformers'
+    per-batch loss (repeated once per row) is the mean over the padded batch, so ``eval_loss`` would count
+    the appended rows too (one process has none)."""
+    state = trainer.accelerator.gradient_state
+    return (ctx.distributed and state.end_of_dataloader and (state.remainder or 0) > 0
+            and not trainer.accelerator.split_batches)
+
+
+def _real_rows(ctx, remainder: int, rows: int | None) -> int | None:
+    """How many of this rank's ``rows`` on the last round are the data set's; None when all or none are
+    (its loss stands, or is cut with its rows) or the batch has no row count."""
+    if rows is None:
+        return None
+    real = min(max(remainder - ctx.rank * rows, 0), rows)
+    return real if 0 < real < rows else None
+
+
+@contextlib.contextmanager
+def _metrics_kept(trainer):
+    """The loss-only step leaves no trace in a trainer's own evaluation metrics (TRL's ``_metrics``, which
+    its ``compute_loss`` appends to)."""
+    kept = copy.deepcopy(vars(trainer).get("_metrics"))
+    try:
+        yield
+    finally:
+        if kept is not None:
+            trainer._metrics = kept
+
+
+def _batch_rows(inputs) -> int | None:
+    """The batch's row count, when every tensor in ``inputs`` has it first."""
+    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _first_rows(inputs, n: int) -> dict:
+    return {k: v[:n] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in inputs.items()}
 
 
 def gather_on_rank_zero(data, ctx):

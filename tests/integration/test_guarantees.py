@@ -231,21 +231,21 @@ def test_a_save_does_not_block_the_step_and_a_failed_write_fails_the_run_naming_
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("host", HOSTS)
 def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, host):
-    """10 evaluation rows in batches of 2 on 2 workers: the last step's batch on rank 1 is padding, cut again
-    after the gathering (accelerate pads an uneven split with rows from the start, so a row count that
-    leaves one rank part of a batch gives its loss another mix than one process's). compute_metrics runs
-    once, on rank 0, over every row in dataset order, and every metric (eval_loss included) equals the same
-    trainer's in one process. transformers' loop all-gathered every batch onto every rank and ran
-    compute_metrics on each."""
+    """11 evaluation rows in batches of 2 on 2 workers: the last step's batch on rank 1 holds one row and one
+    of padding (accelerate pads an uneven split with rows from the start, and cuts them after the
+    gathering), so transformers' per-batch loss there is a mean over a row that one process never sees:
+    raytrainer takes that batch's loss over its own rows. compute_metrics runs once, on rank 0, over every
+    row in dataset order, and every metric (eval_loss included) equals the same trainer's in one process.
+    transformers' loop all-gathered every batch onto every rank and ran compute_metrics on each."""
     metrics = {}
     for workers in (0, 2):
-        trainer = make_trainer(host, str(workdir / f"run-{workers}"), num_workers=workers, eval_rows=10,
+        trainer = make_trainer(host, str(workdir / f"run-{workers}"), num_workers=workers, eval_rows=11,
                                per_device_eval_batch_size=2, compute_metrics=order_sensitive_metrics)
         try:
             metrics[workers] = trainer.evaluate()
             if host != "trl":  # SFTTrainer tokenizes its own data sets; predict() takes one given ready
                 prediction = trainer.predict(trainer.eval_dataset)
-                assert prediction.predictions.shape[0] == 10
+                assert prediction.predictions.shape[0] == 11
                 metrics[workers]["predicted"] = prediction.predictions
         finally:
             end(trainer)
@@ -253,7 +253,7 @@ def test_evaluation_is_gathered_on_rank_zero_and_equals_one_process(workdir, hos
         assert len((workdir / "metrics-ran-on-rank0").read_text().split()) == (1 if host == "trl" else 2)
         (workdir / "metrics-ran-on-rank0").unlink()
     one, two = metrics[0], metrics[2]
-    assert one["eval_rows"] == two["eval_rows"] == 10
+    assert one["eval_rows"] == two["eval_rows"] == 11
     assert two["eval_ordered"] == one["eval_ordered"]
     for key in ("eval_logit_mean", "eval_loss"):
         assert two[key] == pytest.approx(one[key], rel=1e-5), (key, one, two)
