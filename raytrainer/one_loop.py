@@ -94,8 +94,52 @@ class _Additions:
         if without_config:
             args.label_smoothing_factor = smoothing
             self.label_smoother = transformers.trainer_pt_utils.LabelSmoother(epsilon=smoothing)
+        self._sharded_checkpoints_by_default()
         if here:
             self._attach_in_process(args)
+
+    def _sharded_checkpoints_by_default(self) -> None:
+        """Under FSDP a checkpoint holds each rank's shard of the model and optimizer (accelerate's
+        ``SHARDED_STATE_DICT``: nothing gathered, each rank resuming from its own share), raytrainer's default
+        where ``fsdp_config`` does not name a ``state_dict_type`` (transformers' is ``FULL_STATE_DICT``: every
+        save gathers the whole model and optimizer state onto rank 0, ~1 TB at 70B with AdamW).
+        ``save_model`` still writes the whole model (below)."""
+        if getattr(self, "is_fsdp_enabled", False) and "state_dict_type" not in (self.args.fsdp_config or {}):
+            _state_dict_type(self.accelerator.state.fsdp_plugin, "SHARDED_STATE_DICT")
+            self._raytrainer_sharded_by_default = True
+
+    def _save_checkpoint(self, model, trial):
+        """transformers' own; every checkpoint holds the arguments readable (``training_args.json``), a
+        sharded FSDP one too (transformers writes its ``training_args.bin`` with the whole model only)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from raytrainer.saving import TRAINING_ARGS_NAME
+
+        vars(self)["_raytrainer_checkpointing"] = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            vars(self)["_raytrainer_checkpointing"] = False
+        step = self.state.global_step
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        path = os.path.join(folder, TRAINING_ARGS_NAME)
+        if self.args.should_save and os.path.isdir(folder) and not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(vars(self).get("_raytrainer_given", self.args).to_json_string())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """transformers' ``save_model``; with raytrainer's default sharded FSDP checkpoints, the model it
+        writes is still the whole one (``model.safetensors``, gathered as transformers' ``FULL_STATE_DICT``
+        does), which ``from_pretrained`` loads."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if (not self.__dict__.get("_raytrainer_sharded_by_default") or plugin is None
+                or self.__dict__.get("_raytrainer_checkpointing")):  # a checkpoint: each rank's shard
+            return super().save_model(output_dir, _internal_call)
+        _state_dict_type(plugin, "FULL_STATE_DICT")
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            _state_dict_type(plugin, "SHARDED_STATE_DICT")
 
     @classmethod
     def _ray_arguments(cls, args) -> RayArgumentsMixin:
@@ -202,10 +246,40 @@ class _Additions:
         if not self.__dict__.get("_runs_here"):
             super()._push_from_checkpoint(checkpoint_folder)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """transformers' own; a checkpoint of FSDP's shards (``pytorch_model_fsdp_0/``) also resumes without
+        FSDP (a plain module, DDP; transformers refuses it), each rank reading the whole tensors from them."""
+        if not _shards_without_fsdp(self, resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        from raytrainer.strategies.dcp import MODEL_DIR
+
+        model = self.model if model is None else model
+        loaded = _dcp_load({"model": get_model_state_dict(model)}, resume_from_checkpoint, MODEL_DIR)
+        set_model_state_dict(model, loaded["model"])
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        """transformers' own; a PBT exploit (another trial's checkpoint, raytrainer/search) then takes this
-        run's ``learning_rate`` and ``weight_decay``, the schedule keeping its position."""
-        super()._load_optimizer_and_scheduler(checkpoint)
+        """transformers' own (or, for FSDP's shards without FSDP, the optimizer's from ``optimizer_0/``);
+        a PBT exploit (another trial's checkpoint, raytrainer/search) then takes this run's
+        ``learning_rate`` and ``weight_decay``, the schedule keeping its position."""
+        if checkpoint is not None and _shards_without_fsdp(self, checkpoint):
+            from torch.distributed.checkpoint.state_dict import (
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+            from transformers.trainer import SCHEDULER_NAME
+
+            from raytrainer.strategies.dcp import OPTIMIZER_DIR
+
+            model, optimizer = self.model, getattr(self.optimizer, "optimizer", self.optimizer)
+            loaded = _dcp_load({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint,
+                               OPTIMIZER_DIR)
+            set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME),
+                                                         weights_only=True))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.__dict__.get("_resume_with_new_hyperparameters"):
             from raytrainer.optim import reapply_hyperparameters
 
@@ -274,6 +348,32 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+def _shards_without_fsdp(trainer, checkpoint) -> bool:
+    from raytrainer.strategies.dcp import MODEL_DIR
+
+    return (isinstance(checkpoint, str) and not getattr(trainer, "is_fsdp_enabled", False)
+            and not getattr(trainer, "is_deepspeed_enabled", False)
+            and os.path.isdir(os.path.join(checkpoint, MODEL_DIR)))
+
+
+def _dcp_load(state: dict, checkpoint: str, folder: str) -> dict:
+    """``state`` filled from the DCP folder ``checkpoint/folder`` (through ``dcp.FileSystemReader``, which a
+    resume from other storage reads in ranges: worker/hosted_resume.py)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(os.path.join(checkpoint, folder))
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    return state
+
+
+def _state_dict_type(plugin, kind: str) -> None:
+    """accelerate's FSDP plugin set to save ``kind`` with that kind's own default configs (its
+    ``set_state_dict_type`` keeps the configs of the kind before)."""
+    plugin.state_dict_config = plugin.optim_state_dict_config = None
+    plugin.set_state_dict_type(kind)
 
 
 def _steps_on_a_metric(scheduler) -> bool:
