@@ -76,6 +76,10 @@ class _Additions:
                 compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                 optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                 preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        if args.eval_on_start and eval_dataset is None and not self._overrides("get_eval_dataloader"):
+            # transformers finds out at train()'s first evaluation
+            raise ValueError("eval_on_start=True needs an eval_dataset: pass `eval_dataset=` to Trainer or "
+                             "drop eval_on_start.")
         smoothing = args.label_smoothing_factor
         without_config = smoothing and getattr(model, "config", None) is None and model_init is None
         if without_config:  # transformers reads model.config.problem_type to decide; a plain module has none
