@@ -29,7 +29,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import transformers
@@ -319,6 +319,21 @@ class _Additions:
         finally:
             if unset:
                 args.metric_for_best_model = None
+
+    def _prepare_inputs(self, inputs):
+        """transformers' own; under ``bf16_full_eval`` / ``fp16_full_eval`` an evaluation's floating inputs
+        (not its labels) follow the model, which transformers casts to half precision for it: a plain module
+        fed float32 features would otherwise fail on the dtype (transformers' models cast their own)."""
+        inputs = super()._prepare_inputs(inputs)
+        args = self.args
+        if (self.model is None or self.model.training or not (args.bf16_full_eval or args.fp16_full_eval)
+                or not isinstance(inputs, Mapping)):
+            return inputs
+        dtype = torch.bfloat16 if args.bf16_full_eval else torch.float16
+        labels = set(self.label_names or ())
+        return type(inputs)({k: v.to(dtype) if (isinstance(v, torch.Tensor) and v.is_floating_point()
+                                               and k not in labels) else v
+                             for k, v in inputs.items()})
 
     def _overrides(self, name: str) -> bool:
         """Whether a subclass replaced the method ``name`` (the driver asks about ``compute_loss``)."""
