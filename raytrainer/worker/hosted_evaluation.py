@@ -94,13 +94,16 @@ def _real_rows(ctx, remainder: int, rows: int | None) -> int | None:
 @contextlib.contextmanager
 def _metrics_kept(trainer):
     """The loss-only step leaves no trace in a trainer's own evaluation metrics (TRL's ``_metrics``, which
-    its ``compute_loss`` appends to)."""
-    kept = copy.deepcopy(vars(trainer).get("_metrics"))
+    its trainers' ``compute_loss`` appends to, and DPO's ``_stored_metrics``)."""
+    kept = {name: copy.deepcopy(vars(trainer)[name]) for name in _METRIC_LISTS if name in vars(trainer)}
     try:
         yield
     finally:
-        if kept is not None:
-            trainer._metrics = kept
+        vars(trainer).update(kept)
+
+
+#: Where TRL's trainers collect the metrics each step records, for their next log.
+_METRIC_LISTS = ("_metrics", "_stored_metrics")
 
 
 def _batch_rows(inputs) -> int | None:
