@@ -168,12 +168,24 @@ class _Additions:
     # -- a call in this process: the driver's checks first, the run's log level meanwhile ----------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if not self.__dict__.get("_runs_here"):  # on a rank, its layer commits and resumes (worker/hosted.py)
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+            with _batch_size_advice():
+                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         from raytrainer import in_process
 
-        with self._in_this_process("train", {}, check=False):  # in_process.train checks, once it has resolved
+        with self._in_this_process("train", {}, check=False), _batch_size_advice():
+            # in_process.train checks, once it has resolved the checkpoint to resume
             return in_process.train(self, super().train, resume_from_checkpoint,
                                     dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs))
+
+    def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
+        """transformers' own; with ``auto_find_batch_size`` the size it trains with, once lowered, is said
+        (accelerate's ``find_executable_batch_size`` retries at x0.9 silently)."""
+        if args is not None and args.auto_find_batch_size and batch_size is not None:
+            asked = args.per_device_train_batch_size * max(1, args.n_gpu)
+            if batch_size < asked:
+                logger.warning("auto_find_batch_size: training with per_device_train_batch_size=%d",
+                               batch_size // max(1, args.n_gpu))
+        return super()._inner_training_loop(batch_size, args, *rest, **kwargs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         with self._in_this_process("evaluate", {"eval_dataset": eval_dataset}):
@@ -367,6 +379,20 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+@contextlib.contextmanager
+def _batch_size_advice():
+    """``auto_find_batch_size`` that found no size (accelerate: "No executable batch size found, reached
+    zero."): said with what to do, as raytrainer's own loop says it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "No executable batch size found" not in str(exc):
+            raise
+        raise RuntimeError(
+            "auto_find_batch_size: not even a batch of 1 example fits in memory; use a sharding strategy "
+            "(--fsdp, --deepspeed), gradient checkpointing or a smaller model") from exc
 
 
 def _shards_without_fsdp(trainer, checkpoint) -> bool:
