@@ -103,20 +103,11 @@ def save_whole(trainer, folder: str) -> None:
 
 def shard_cpu_group(state, args) -> bool:
     """Switch accelerate's ``state`` of a CPU group to FSDP with the plugin transformers builds from
-    ``args`` (True), or leave it (False: no ``fsdp``, or accelerate already chose). A group of one CPU
-    worker is FSDP too (a mesh of one), as raytrainer's own FSDP is: its checkpoints are FSDP's, and a
-    sharded checkpoint of a bigger group resumes on it (accelerate calls a one-process group ``NO``)."""
-    import torch
+    ``args`` (True), or leave it (False: no ``fsdp``, or accelerate already chose)."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    kind = state.distributed_type
-    alone = (kind == DistributedType.NO and state.device.type == "cpu"
-             and torch.distributed.is_available() and torch.distributed.is_initialized())
-    # FSDP without a plugin: this worker's process state, switched for an earlier trainer (a warm group)
-    again = kind == DistributedType.FSDP and state.device.type == "cpu"
-    if (args.fsdp_plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
-            or not (kind == DistributedType.MULTI_CPU or alone or again)):
+    if args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
         return False
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     if state.mixed_precision != "no":
