@@ -422,14 +422,10 @@ class HostedTrainer:
         (a model named by a path: ``trainer.model`` loads it with ``from_pretrained``)."""
         import torch
 
-        from raytrainer.search.common import model_init_takes_trial
-
         given = self._given("model")
         if isinstance(given, torch.nn.Module):
             return type(given).__qualname__
-        if self.model_init is not None and not model_init_takes_trial(self):
-            return "model_init"
-        return None
+        return "model_init" if self._model_init_here() else None
 
     def _driver_module(self, model_cls: type | None):
         """The module on the driver that the trained weights go into: the constructor's model, else (a run
@@ -437,14 +433,19 @@ class HostedTrainer:
         one of that class."""
         import torch
 
-        from raytrainer.search.common import model_init_takes_trial
-
         own = self._given("model")
-        if own is None and self.model_init is not None and not model_init_takes_trial(self):
+        if own is None and self._model_init_here():
             own = self.model_init()
         if not isinstance(own, torch.nn.Module) or (model_cls is not None and type(own) is not model_cls):
             return None
         return own
+
+    def _model_init_here(self) -> bool:
+        """The driver can build the model itself: ``model_init`` taking no trial (a search's trial builds
+        its own on the ranks)."""
+        from raytrainer.search.common import model_init_takes_trial
+
+        return self.model_init is not None and not model_init_takes_trial(self)
 
     def _adapter_on_its_base(self, folder: str, model_cls: type):
         """A PEFT model: the ranks saved its adapter (PEFT's files), which goes onto its base model loaded

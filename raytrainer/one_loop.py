@@ -126,10 +126,9 @@ class _Additions:
             vars(self)["_raytrainer_checkpointing"] = False
         step = self.state.global_step
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        path = os.path.join(folder, TRAINING_ARGS_NAME)
-        if self.args.should_save and os.path.isdir(folder) and not os.path.exists(path):
-            with open(path, "w") as f:
-                f.write(vars(self).get("_raytrainer_given", self.args).to_json_string())
+        if (self.args.should_save and os.path.isdir(folder)
+                and not os.path.exists(os.path.join(folder, TRAINING_ARGS_NAME))):
+            _write_arguments(folder, vars(self).get("_raytrainer_given", self.args))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """transformers' ``save_model``; with raytrainer's default sharded FSDP checkpoints, the model it
@@ -364,10 +363,7 @@ class _Additions:
         finally:
             self.args = args
         if self.args.should_save:  # and readable, as raytrainer's checkpoints hold them (saving.py)
-            from raytrainer.saving import TRAINING_ARGS_NAME
-
-            with open(os.path.join(output_dir or self.args.output_dir, TRAINING_ARGS_NAME), "w") as f:
-                f.write(args.to_json_string())
+            _write_arguments(output_dir or self.args.output_dir, args)
 
     def create_model_card(self, language: str | None = None, license: str | None = None, tags=None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks=None,
@@ -379,6 +375,14 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+def _write_arguments(folder: str, args) -> None:
+    """``args`` readable in ``folder`` (``training_args.json``, as raytrainer's checkpoints hold them)."""
+    from raytrainer.saving import TRAINING_ARGS_NAME
+
+    with open(os.path.join(folder, TRAINING_ARGS_NAME), "w") as f:
+        f.write(args.to_json_string())
 
 
 @contextlib.contextmanager
