@@ -174,9 +174,12 @@ class HostedTrainer:
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
         final = self._final_weights_wanted()
+        # a PBT exploit (raytrainer/search): the checkpoint of another trial, this run's learning rate
+        exploit = vars(self).get("_resume_with_new_hyperparameters", False)
 
         def once(kw: dict):
-            result = self._run("train", {**kw, "stop_from_driver": stops, "final_weights": final}, registry)
+            result = self._run("train", {**kw, "stop_from_driver": stops, "final_weights": final,
+                                         "new_hyperparameters": exploit}, registry)
             self.state = state_from_dict(result.state)
             self._weights_at = result.weights_at
             return result.output

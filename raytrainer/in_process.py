@@ -38,7 +38,7 @@ def train(trainer, run: Callable, resume_from_checkpoint, kwargs: dict):
     from raytrainer.driver.runner import train_sequence
     from raytrainer.hosted import resume_target
     from raytrainer.rank_context import local_context
-    from raytrainer.worker.hosted_resume import localize
+    from raytrainer.worker.hosted_resume import localize, new_hyperparameters
 
     given = trainer.args
     registry = CheckpointRegistry(given)
@@ -51,7 +51,8 @@ def train(trainer, run: Callable, resume_from_checkpoint, kwargs: dict):
         if resume is None:
             return run(resume_from_checkpoint=target, **kwargs)
         trainer._raytrainer_saved_on = resume.saved_on  # worker/hosted.WorldSizeRecord's
-        with resume.reading(trainer):
+        exploit = trainer.__dict__.get("_resume_with_new_hyperparameters", False)  # a PBT exploit's
+        with resume.reading(trainer), new_hyperparameters(trainer, exploit):
             return run(resume_from_checkpoint=resume.folder, **kwargs)
 
     target = resume_target(given, resume_from_checkpoint)

@@ -176,16 +176,6 @@ class _Additions:
             return in_process.train(self, super().train, resume_from_checkpoint,
                                     dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs))
 
-    def _inner_training_loop(self, batch_size=None, args=None, *rest, **kwargs):
-        """transformers' own; with ``auto_find_batch_size`` the size it trains with, once lowered, is said
-        (accelerate's ``find_executable_batch_size`` retries at x0.9 silently)."""
-        if args is not None and args.auto_find_batch_size and batch_size is not None:
-            asked = args.per_device_train_batch_size * max(1, args.n_gpu)
-            if batch_size < asked:
-                logger.warning("auto_find_batch_size: training with per_device_train_batch_size=%d",
-                               batch_size // max(1, args.n_gpu))
-        return super()._inner_training_loop(batch_size, args, *rest, **kwargs)
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
         with self._in_this_process("evaluate", {"eval_dataset": eval_dataset}):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
@@ -234,6 +224,15 @@ class _Additions:
         trainer.model_init = self.model_init
         return trainer
 
+    def __reduce_ex__(self, protocol):
+        """A copy elsewhere (a Ray Tune trial's actor, with ``num_workers=0``) is this trainer built anew
+        there from its constructor's arguments, as a hosted trainer's ranks build theirs: transformers'
+        ``Accelerator`` and a tracker's open writer do not pickle, and the copy makes its own (its trackers
+        from ``report_to``)."""
+        if not self.__dict__.get("_runs_here"):
+            return super().__reduce_ex__(protocol)
+        return _built_anew, (type(self), self._constructor)
+
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,
                     **kwargs):
@@ -275,9 +274,7 @@ class _Additions:
         set_model_state_dict(model, loaded["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        """transformers' own (or, for FSDP's shards without FSDP, the optimizer's from ``optimizer_0/``);
-        a PBT exploit (another trial's checkpoint, raytrainer/search) then takes this run's
-        ``learning_rate`` and ``weight_decay``, the schedule keeping its position."""
+        """transformers' own (or, for FSDP's shards without FSDP, the optimizer's from ``optimizer_0/``)."""
         if checkpoint is not None and _shards_without_fsdp(self, checkpoint):
             from torch.distributed.checkpoint.state_dict import (
                 get_optimizer_state_dict,
@@ -295,10 +292,6 @@ class _Additions:
                                                          weights_only=True))
         else:
             super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.__dict__.get("_resume_with_new_hyperparameters"):
-            from raytrainer.optim import reapply_hyperparameters
-
-            reapply_hyperparameters(self.optimizer, self.lr_scheduler, self.args)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """transformers' own, given the optimizer inside accelerate's wrapper when that is a layer-wise one
@@ -375,6 +368,10 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+def _built_anew(cls: type, constructor: dict):
+    return cls(**constructor)
 
 
 def _write_arguments(folder: str, args) -> None:

@@ -1,9 +1,11 @@
 """The driver's record of committed checkpoints: latest, best, and rotation. Only the driver deletes.
 
-Rotation keeps the ``save_total_limit`` newest committed checkpoints, plus the best one
-(``best_model_checkpoint``) when it is older; the newest committed checkpoint -- the one a resume
-would use -- is always among those kept. Partial folders (no manifest) are never deleted here: they
-are skipped, with a warning, by whoever reads checkpoints.
+Rotation is transformers' (``trainer_utils.rotate_checkpoints``): the oldest committed checkpoints are
+deleted until ``save_total_limit`` are left, never the newest (the one a resume would use) nor the best
+(``best_model_checkpoint``), which count among the limit (so a limit of 1 keeps both). One rule, whether
+transformers' loop also rotates (the storage is ``output_dir``) or only the driver does (other storage).
+Partial folders (no manifest) are never deleted here: they are skipped, with a warning, by whoever reads
+checkpoints.
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ class CheckpointRegistry:
         if not self.limit:
             return []
         names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
-        protected = {uri_basename(u) for u in (self.latest, self.best) if u} | self.pinned
-        keep = set(names[-self.limit:]) | protected
+        protected = {uri_basename(u) for u in (self.latest, self.best) if u} | self.pinned | set(names[-1:])
+        left = len(names)
         deleted = []
-        for name in names:
-            if name not in keep:
+        for name in names:  # oldest first
+            if left <= max(self.limit, len(protected & set(names))):
+                break
+            if name not in protected:
                 self.storage.delete_dir(self.storage.path(name))
                 deleted.append(name)
+                left -= 1
                 logger.info("deleted %s (save_total_limit=%d)", self.storage.uri_of(name), self.limit)
         return deleted

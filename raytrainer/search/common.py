@@ -14,6 +14,7 @@ the backend prunes the trial, asks the workers to stop (``may_stop_training``, s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -173,7 +174,25 @@ def trial_args(args, values: dict[str, Any], trial_id: str):
     cast["output_dir"] = os.path.join(os.path.abspath(args.output_dir), name)
     if args.storage_path:
         cast["storage_path"] = join_uri(args.storage_path, name)
-    return dataclasses.replace(args, **cast)
+    with _accelerator_state_kept():
+        return dataclasses.replace(args, **cast)
+
+
+@contextlib.contextmanager
+def _accelerator_state_kept():
+    """transformers' arguments reset this process's accelerator state when made (``_setup_devices``), which
+    a trainer of this process training now (a Ray Tune trial's, whose summary is written at each evaluation)
+    or later (the search's caller) reads: kept as it was (accelerate's states share one dict each)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    kept = [(cls._shared_state, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState)]
+    try:
+        yield
+    finally:
+        for shared, before in kept:
+            if before:
+                shared.clear()
+                shared.update(before)
 
 
 # -- one trial ----------------------------------------------------------------------------------------------
@@ -370,8 +389,7 @@ def run_hosted_trial(trainer, trial, trial_id: str, params: dict[str, Any], args
     driver's ``reporter`` prunes it. A trial that never evaluated evaluates its trained model where it is.
     raytrainer's Trainer in this process (raytrainer/one_loop.py) runs its trials here the same way."""
     t = trainer.for_trial(args, [reporter])
-    # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay (in
-    # this process; the ranks of a run on workers keep the checkpoint's)
+    # a PBT exploit: another trial's checkpoint, this trial's (mutated) learning_rate and weight_decay
     t._resume_with_new_hyperparameters = resume_from_checkpoint is not None
     logger.info("trial %s: %s -> %s", trial_id, params, args.output_dir)
     if pool is not None:

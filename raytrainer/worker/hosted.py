@@ -12,6 +12,7 @@ and ``train`` resumes from the latest committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -19,7 +20,7 @@ from transformers import TrainerCallback
 
 from raytrainer.protocol import RankResult
 from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
-from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream, Resume, localize
+from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream, Resume, localize, new_hyperparameters
 from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
@@ -58,6 +59,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
             return RankResult(global_step=0)
         final = kwargs.pop("final_weights", None) if method == "train" else None
+        exploit = kwargs.pop("new_hyperparameters", False) if method == "train" else False  # PBT's
         if method == "train":
             _follow_the_driver(trainer, session, kwargs.pop("stop_from_driver", False))
             _save_on_preemption(trainer, session)
@@ -72,9 +74,10 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             evaluate_as_one_process(trainer, ctx)
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
-            output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
+            with _loaders_of_one_process(trainer, kwargs["name"]):
+                output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
         else:
-            with resume.reading(trainer):
+            with resume.reading(trainer), new_hyperparameters(trainer, exploit):
                 output = getattr(trainer, method)(**kwargs)
         weights_at = _write_final_weights(trainer, ctx, final)
     if not ctx.is_world_zero:
@@ -82,6 +85,30 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     from raytrainer.callbacks import state_to_dict
 
     return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at)
+
+
+@contextlib.contextmanager
+def _loaders_of_one_process(trainer, name: str):
+    """A loader the driver's script asks for (``trainer.get_train_dataloader()`` between calls) is what one
+    process gets, every example once per epoch, as from transformers in one process, not rank 0's share:
+    accelerate's ``prepare`` for one process; the rank's own cached evaluation loaders kept as they were."""
+    if name not in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
+        yield
+        return
+    from accelerate.data_loader import prepare_data_loader
+
+    accelerator, cached = trainer.accelerator, dict(vars(trainer).get("_eval_dataloaders", {}))
+    config = accelerator.dataloader_config
+    accelerator.prepare = functools.partial(
+        prepare_data_loader, num_processes=1, process_index=0, put_on_device=False,
+        use_seedable_sampler=config.use_seedable_sampler, data_seed=config.data_seed)
+    try:
+        yield
+    finally:
+        del accelerator.prepare  # the class's own again
+        vars(trainer).pop("_eval_dataloaders", None)
+        if cached:
+            trainer._eval_dataloaders = cached
 
 
 def _write_final_weights(trainer, ctx, wanted: str | None) -> str | None:
@@ -130,9 +157,11 @@ def rank_layer(trainer, ctx, channel, given) -> None:
     (raytrainer/in_process.py), after the trainer's own and outside its list (worker/agreement.py): each
     checkpoint committed through ``channel``, its files written in the background (worker/hosted_saves.py),
     a loss that is a mean taken as one (worker/loss.py), ``nonfinite_loss``, a resume on another world size
-    recorded, a resumed loader's seed drawn off the random stream (worker/hosted_resume.py). ``given``: the
-    arguments with their Ray fields."""
+    recorded, a resumed loader's seed drawn off the random stream (worker/hosted_resume.py), one
+    ``auto_find_batch_size`` for every rank (worker/hosted_batch_size.py). ``given``: the arguments with
+    their Ray fields."""
     from raytrainer.worker.agreement import add_to_layer
+    from raytrainer.worker.hosted_batch_size import AgreedBatchSize
     from raytrainer.worker.hosted_commit import CommitCallback, commit_jit_checkpoints
     from raytrainer.worker.hosted_saves import write_in_background
     from raytrainer.worker.nonfinite import NonFiniteCallback
@@ -145,6 +174,7 @@ def rank_layer(trainer, ctx, channel, given) -> None:
         add_to_layer(trainer, NonFiniteCallback(trainer, given.nonfinite_loss, ctx))
     add_to_layer(trainer, WorldSizeRecord(trainer))
     add_to_layer(trainer, LoaderSeedOffTheStream())
+    add_to_layer(trainer, AgreedBatchSize(trainer, ctx))
 
 
 def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:

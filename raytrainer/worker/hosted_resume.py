@@ -195,3 +195,29 @@ def _fork_first_iterator(loader) -> None:
             return cls.__iter__(self)
 
     loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__})
+
+
+@contextlib.contextmanager
+def new_hyperparameters(trainer, wanted: bool):
+    """A PBT exploit (raytrainer/search): another trial's checkpoint resumed with this run's (mutated)
+    ``learning_rate`` and ``weight_decay``, taken right after transformers' loop loads the checkpoint's
+    optimizer and scheduler state (``_load_optimizer_and_scheduler``), the schedule keeping its position.
+    The same for any hosted trainer, on a rank and in the driver's process."""
+    if not wanted:
+        yield
+        return
+    from raytrainer.optim import reapply_hyperparameters
+
+    load = trainer._load_optimizer_and_scheduler
+
+    def load_then_take_this_run_s(checkpoint):
+        load(checkpoint)
+        if checkpoint is not None:
+            scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # a wrapper's
+            reapply_hyperparameters(trainer.optimizer, scheduler, trainer.args)
+
+    trainer._load_optimizer_and_scheduler = load_then_take_this_run_s
+    try:
+        yield
+    finally:
+        del trainer._load_optimizer_and_scheduler  # the class's own again

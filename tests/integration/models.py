@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -50,6 +51,16 @@ class InitFailsOnShards(Regressor):
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
                 layer.reset_parameters()
+
+
+def rng_files(*ranks: int, of_a_new_process: bool = False) -> set[str]:
+    """The ranks' RNG state files in a checkpoint: transformers' loop (raytrainer's Trainer on it, any hosted
+    trainer) writes ``rng_state_<rank>.pth``, raytrainer's own loop ``rng_state_<rank>.safetensors``;
+    ``of_a_new_process``: a driver script's, which ``pytest --one-loop`` does not reach."""
+    trainer = importlib.import_module(raytrainer._EXPORTS["Trainer"]).Trainer if of_a_new_process \
+        else raytrainer.Trainer
+    suffix = "pth" if issubclass(trainer, transformers.Trainer) else "safetensors"
+    return {f"rng_state_{rank}.{suffix}" for rank in ranks}
 
 
 def make_data(n: int, seed: int = 1) -> list[dict]:

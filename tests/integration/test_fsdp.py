@@ -8,14 +8,16 @@ import os
 
 import pytest
 import torch
-import transformers
-from models import DropoutRegressor, ReportSharding, SlowThenFullDisk, make_data, train_into_the_full_disk
+from models import (
+    DropoutRegressor,
+    ReportSharding,
+    SlowThenFullDisk,
+    make_data,
+    rng_files,
+    train_into_the_full_disk,
+)
 
 from raytrainer import Trainer, TrainingArguments
-
-#: each rank's random state in a checkpoint: transformers' pickled file in its loop (read with torch's safe
-#: loader), raytrainer's own loop's safetensors
-RNG = "pth" if issubclass(Trainer, transformers.Trainer) else "safetensors"
 
 
 def _args(out, **kw) -> TrainingArguments:
@@ -49,7 +51,7 @@ def test_fsdp_shards_trains_and_resumes_exactly(tmp_path, capfd):
     assert {"pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
             "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
             "optimizer_0/__1_0.distcp", "trainer_state.json", "training_args.json", "scheduler.pt",
-            f"rng_state_0.{RNG}", f"rng_state_1.{RNG}"} <= files, files
+            *rng_files(0, 1)} <= files, files
     assert "model.safetensors" not in files and "optimizer.pt" not in files, files
     # the final checkpoint's shards, consolidated, are the trained model bitwise
     from safetensors.torch import load_file

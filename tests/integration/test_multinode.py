@@ -20,6 +20,7 @@ import sys
 import pytest
 from console_lines import not_ours
 from local_cluster import ROOT, local_cluster, read
+from models import rng_files
 
 DRIVER = os.path.join(os.path.dirname(__file__), "multinode_driver.py")
 TOKEN = "hf_multinode_secret_7c1d"  # the driver's hub_token
@@ -72,7 +73,7 @@ def test_two_nodes_ranks_logging_and_saving(cluster, tmp_path):
 
     # save_on_each_node: one committed checkpoint in the shared storage, files from both nodes
     reader = CheckpointReader(str(work / "each-node" / "checkpoint-6"))
-    assert {"model.safetensors", "rng_state_0.safetensors", "rng_state_1.safetensors"} <= set(reader.files)
+    assert {"model.safetensors", *rng_files(0, 1, of_a_new_process=True)} <= set(reader.files)
     for name in reader.files:
         reader.read(name)  # verifies each file against the manifest's sha256
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from models import STRATEGY_ARGS, PreemptionNoticeAt, Regressor, StepLog, make_data
+from models import STRATEGY_ARGS, PreemptionNoticeAt, Regressor, StepLog, make_data, rng_files
 
 from raytrainer import Trainer, TrainingArguments
 
@@ -34,7 +34,7 @@ def test_a_notice_saves_on_every_rank_and_the_restart_at_its_deadline_resumes_th
     checkpoint = tmp_path / "out" / "checkpoint-4"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 4
     files = {p.name for p in checkpoint.iterdir()}
-    assert {"manifest.json", "rng_state_0.safetensors", "rng_state_1.safetensors"} <= files  # committed
+    assert {"manifest.json", *rng_files(0, 1)} <= files  # committed
     if strategy != "ddp":  # sharded: each rank's part of the model and optimizer, no consolidated model
         assert "model.safetensors" not in files
     assert "every rank saves a checkpoint at step 4, then waits for the node to go" in console

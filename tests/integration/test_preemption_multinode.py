@@ -18,6 +18,7 @@ import time
 
 import pytest
 from local_cluster import local_cluster, read
+from models import rng_files
 
 DRIVER = os.path.join(os.path.dirname(__file__), "preemption_driver.py")
 IP_START = 16
@@ -134,7 +135,7 @@ def test_a_preempted_node_s_rank_saves_with_the_others_before_it_goes_and_the_ru
     step = int(saved[0].split("-")[1])
     assert f"every rank saves a checkpoint at step {step}, then waits for the node to go" in output
     files = {p.name for p in (work / "out" / saved[0]).iterdir()}
-    assert {"rng_state_0.safetensors", "rng_state_1.safetensors", "model.safetensors"} <= files
+    assert {*rng_files(0, 1, of_a_new_process=True), "model.safetensors"} <= files
     # the restart resumed from it, on the two nodes left (drain-node: without counting as a failure)
     assert f"resuming from {work / 'out' / saved[0]}" in output
     lines = [line.split() for line in (work / "steps").read_text().splitlines()]

@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 
 import torch
-from models import RecordPid, WideDropoutRegressor, make_data
+from models import RecordPid, WideDropoutRegressor, make_data, rng_files
 from test_fsdp import _args  # FSDP full_shard on 2 workers, saving every 5 steps
 
 from raytrainer import Trainer
@@ -44,8 +44,7 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
     assert set(committed) == {"checkpoint-15", "checkpoint-18"}  # rotation: 5 and 10 deleted by the driver
     shards = {f"{d}/{f}" for d in ("optimizer_0", "pytorch_model_fsdp_0")
               for f in ("__0_0.distcp", "__1_0.distcp", ".metadata")}
-    assert shards | {"rng_state_0.safetensors", "rng_state_1.safetensors"} \
-        <= set(committed["checkpoint-15"]["files"])
+    assert shards | rng_files(0, 1) <= set(committed["checkpoint-15"]["files"])
     assert "model.safetensors" not in committed["checkpoint-15"]["files"]  # the model sharded too
     assert not os.path.exists("s3:") and not any("s3:" in p for p in os.listdir(tmp_path / "full"))
 
@@ -79,7 +78,8 @@ def test_fsdp_checkpoints_in_a_bucket_resume_exactly_reading_each_ranks_share(tm
             foreign = reads[rank][f"{prefix}{folder}/__{other}_0.distcp"]
             assert own == sizes[f"{folder}/__{rank}_0.distcp"], (rank, dict(reads[rank]))  # once, whole
             assert foreign < sizes[f"{folder}/__{other}_0.distcp"] / 4, (rank, dict(reads[rank]))  # slices
-        assert reads[rank][f"{prefix}rng_state_{other}.safetensors"] == 0  # each rank its own RNG state
+        (foreign_rng,) = rng_files(other)
+        assert reads[rank][f"{prefix}{foreign_rng}"] == 0  # each rank its own RNG state
         # each rank reads its share of the checkpoint (model and optimizer), not the whole of it
         assert sum(reads[rank].values()) <= 0.6 * sum(sizes.values()), (rank, dict(reads[rank]), sizes)
 

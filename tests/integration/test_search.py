@@ -153,6 +153,35 @@ def _assert_token_nowhere(folder, bucket) -> None:
     assert places > 50  # the scan did read the run's files
 
 
+@pytest.mark.timeout(300)
+def test_ray_tune_with_num_workers_0_trains_each_trial_in_its_own_actor(tmp_path):
+    """backend="ray" with ``num_workers=0``: Tune's trial actors each get a copy of the trainer (raytrainer's
+    Trainer on transformers' loop is rebuilt there from its constructor's arguments: transformers'
+    ``Accelerator`` does not pickle) and train it in their own process, model_init(trial) included."""
+    from ray import tune
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    trainer = Trainer(model_init=_record_model_init(str(calls)),
+                      args=_args(tmp_path, num_workers=0, max_steps=8, eval_steps=4, save_steps=4),
+                      train_dataset=make_data(64), eval_dataset=make_data(32, seed=5))
+    best = trainer.hyperparameter_search(
+        hp_space=lambda _: {"learning_rate": tune.grid_search([0.0, 0.5])}, n_trials=1, backend="ray",
+        max_concurrent_trials=1)
+    assert best.hyperparameters == {"learning_rate": 0.5}  # 0.0 learns nothing
+    made = _calls(str(calls))
+    assert sorted(c["learning_rate"] for c in made) == [0.0, 0.5]  # once per trial, with its values
+    assert os.getpid() not in {c["pid"] for c in made}  # in the trial actors, not this process
+    for trial_id in os.listdir(tmp_path / "search"):
+        if trial_id.startswith("run-"):
+            ran = TrialSummary.load(str(tmp_path / "search" / trial_id))
+            assert ran.global_step == 8 and len(ran.evaluations) == 2, (trial_id, ran)
+    assert trainer.evaluate()["eval_loss"] > 0  # the caller's trainer still works in this process
+    assert best.objective < TrialSummary.load(
+        str(tmp_path / "search" / next(n for n in os.listdir(tmp_path / "search")
+                                       if n.startswith("run-") and n != f"run-{best.run_id}"))).objective
+
+
 @pytest.mark.timeout(600)
 def test_ray_tune_asha_two_workers_per_trial(tmp_path, s3_bucket, caplog, monkeypatch, capfd):
     """With storage_path in a bucket (the S3 test server): Tune's experiment folder and every trial's

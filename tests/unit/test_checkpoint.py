@@ -324,7 +324,7 @@ def test_a_pickle_payload_is_refused_and_never_runs(tmp_path):
     assert not os.path.exists(marker)
 
 
-def test_rotation_keeps_the_limit_plus_the_protected_best(tmp_path):
+def test_rotation_keeps_the_limit_the_best_and_the_newest_among_them(tmp_path):
     class WorsensAfterFirstEval(Trainer):
         calls = 0
 
@@ -340,9 +340,8 @@ def test_rotation_keeps_the_limit_plus_the_protected_best(tmp_path):
                   metric_for_best_model="loss", load_best_model_at_end=True))
     trainer.train()
     kept = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
-    # transformers keeps save_total_limit checkpoints, the best among them (raytrainer's own loop kept the
-    # best besides the 2 newest)
-    assert kept == ([4, 20] if ONE_LOOP else [4, 16, 20])
+    # transformers' rule: save_total_limit checkpoints, the best and the newest among them
+    assert kept == [4, 20]
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
     # load_best_model_at_end: trainer.model holds checkpoint-4's weights
     from safetensors.torch import load_file

@@ -1122,7 +1122,7 @@ def test_dataloaders_outside_a_run_see_the_whole_dataset(make_args, make_classif
     """A user's own get_train_dataloader() / get_eval_dataloader() before train(): the view of a one-process
     run (every example once per epoch), as transformers.Trainer gives in a single process."""
     dataset, _, _ = make_examples(10)
-    # with workers, transformers' loop's trainer is rank 0's (raytrainer/hosted.py): here, num_workers=0
+    # on the one loop with workers a Ray group answers: tests/integration/test_one_loop_on_workers.py
     args = make_args(per_device_train_batch_size=4, num_workers=0 if ONE_LOOP else 2,
                      per_device_eval_batch_size=3)
     trainer = Trainer(model=make_classifier(), args=args,
