@@ -13,6 +13,7 @@ earlier commit), so a change is measured before and after in one run. Each side 
 its logged losses and final weights: equal hashes mean bitwise-equal training.
 
     python bench/bench_step.py --repeats 5
+    python bench/bench_step.py --with transformers,one_loop --repeats 5   # beside transformers.Trainer
     python bench/bench_step.py --tree before=/tmp/rt-before --repeats 5 --out bench/results/x.json
     python bench/bench_step.py --profile /tmp/rt.prof      # cProfile one raytrainer run, print the top
 """
@@ -69,10 +70,24 @@ def _hand(cfg: dict) -> dict:
 
 
 def _raytrainer(cfg: dict) -> dict:
+    """A Trainer's run: raytrainer's (``cfg["trainer"]``: "raytrainer", its loop as exported; "one_loop",
+    raytrainer's Trainer on transformers' loop) or transformers' own ("transformers")."""
     from _common import build_dataset, build_model, collate, trainer_kwargs
+    from transformers import TrainerCallback
 
     import raytrainer
-    from raytrainer import Trainer, TrainerCallback, TrainingArguments
+
+    which = cfg.get("trainer", "raytrainer")
+    if which == "transformers":
+        from transformers import Trainer, TrainingArguments
+
+        ray_fields = {}
+    else:
+        from raytrainer import Trainer, TrainingArguments
+
+        ray_fields = {"num_workers": 0}
+        if which == "one_loop":
+            from raytrainer.one_loop import Trainer
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -86,7 +101,7 @@ def _raytrainer(cfg: dict) -> dict:
             self.logs.append(dict(logs))
 
     kwargs = trainer_kwargs(cfg)
-    args = TrainingArguments(output_dir=cfg["output_dir"], report_to="none", num_workers=0, **kwargs)
+    args = TrainingArguments(output_dir=cfg["output_dir"], report_to="none", **ray_fields, **kwargs)
     clock = Clock()
     model = build_model(cfg)
     trainer = Trainer(model=model, args=args, train_dataset=build_dataset(cfg), data_collator=collate,
@@ -126,6 +141,7 @@ def child(cfg_path: str) -> None:
 # -- the driver ------------------------------------------------------------------------------------------
 def run_side(side: str, src: str | None, cfg: dict, workdir: str) -> dict:
     cfg = {**cfg, "side": "hand" if side == "hand" else "raytrainer",
+           "trainer": side if side in ("transformers", "one_loop") else "raytrainer",
            "out": os.path.join(workdir, "result.json"), "output_dir": os.path.join(workdir, "out")}
     path = os.path.join(workdir, "cfg.json")
     with open(path, "w") as f:
@@ -147,6 +163,9 @@ def main() -> None:
     p.add_argument("--bert-examples", type=int, default=2048)
     p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                    help="also run raytrainer imported from PATH, as side NAME")
+    p.add_argument("--with", dest="also", default="", metavar="SIDES",
+                   help="also run these sides (comma-separated): transformers (transformers.Trainer in "
+                        "one process), one_loop (raytrainer's Trainer on transformers' loop)")
     p.add_argument("--profile", metavar="FILE", help="cProfile one raytrainer run into FILE, print the top")
     p.add_argument("--out", help="write the raw results here (JSON)")
     p.add_argument("--check", type=float, metavar="RATIO",
@@ -176,7 +195,8 @@ def main() -> None:
 
     from _machine import parse_trees
 
-    sides = {"hand": None, "raytrainer": None, **parse_trees(opts.tree, p.error)}
+    sides = {"hand": None, "raytrainer": None, **{name: None for name in opts.also.split(",") if name},
+             **parse_trees(opts.tree, p.error)}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     load_start = os.getloadavg()
     for r in range(opts.repeats):

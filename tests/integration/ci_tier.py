@@ -45,6 +45,8 @@ CI_TESTS = {
     "test_hosted.py::test_a_subclass_of_a_twin_runs_its_constructor_and_overrides_on_the_workers",
     # raytrainer's Trainer on transformers' loop (raytrainer.one_loop): built by each rank, flags agreed
     "test_one_loop_on_workers.py::test_one_loop_trainer_on_two_workers_agrees_a_stop_of_one_rank_and_commits",
+    # a PBT exploit's hyperparameters on the ranks of transformers' loop
+    "test_one_loop_on_workers.py::test_a_pbt_exploit_on_two_workers_takes_the_trial_s_hyperparameters",
     # nonfinite_loss="error" in transformers' loop on the workers: stops before the update, not retried
     "test_failures.py::test_a_nonfinite_loss_on_one_rank_stops_the_run_and_is_not_retried[transformers]",
     # the loss on 2 workers is one process's, for a model whose loss is a mean
@@ -53,6 +55,8 @@ CI_TESTS = {
     "test_failures.py::test_a_run_that_saves_evaluates_resumes_and_fails_on_a_worker_shows_only_raytrainer_s_lines",
     # hyperparameter_search: Optuna, 2 workers per trial, a pruned trial
     "test_search.py::test_optuna_two_workers_per_trial_prunes_planted_bad_trial",
+    # Ray Tune with num_workers=0: each trial's trainer copied into its actor and trained there
+    "test_search.py::test_ray_tune_with_num_workers_0_trains_each_trial_in_its_own_actor",
     # resources no node has: refused at once, once Ray is up
     "test_resources.py::test_use_gpu_on_a_cluster_without_gpus_is_refused_at_once_once_ray_is_up",
     "test_resources.py::test_a_resource_no_node_has_is_refused_at_once",
