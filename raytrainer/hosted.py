@@ -571,22 +571,15 @@ class _RankMethod:
 
 def check(trainer_cls: type, targs) -> None:
     """What the driver refuses before any worker starts: a ``report_to`` tracker whose package is missing
-    (named, with the install command), ``parallelism_config`` on CPU workers, and GRPO's vLLM server
-    mode."""
+    (named, with the install command), a mesh (``parallelism_config``) transformers' loop cannot run on CPU
+    workers, and GRPO's vLLM server mode."""
     from raytrainer.integrations import get_reporting_integration_callbacks
 
     get_reporting_integration_callbacks(targs.report_to)
-    if (config := getattr(targs, "parallelism_config", None)) is not None and not targs.use_gpu:
-        from raytrainer.parallelism import SIZES
+    if getattr(targs, "parallelism_config", None) is not None and not targs.use_gpu:
+        from raytrainer.worker import hosted_mesh
 
-        # accelerate/parallelism_config.py (_validate_accelerator), on every rank as the trainer is built
-        shown = {k: getattr(config, k) for k in SIZES if getattr(config, k) != 1}
-        raise ValueError(
-            f"parallelism_config={shown} with {trainer_cls.__name__} on CPU workers: accelerate accepts a "
-            "ParallelismConfig only for an FSDP2, multi-GPU or DeepSpeed state, and a CPU worker group is "
-            "MULTI_CPU, so every rank would fail building the trainer. Shard on CPU workers with --fsdp "
-            "'full_shard auto_wrap' (or a ZeRO-3 --deepspeed config), run raytrainer.Trainer (its "
-            "parallelism_config runs on CPU workers), or pass --use_gpu")
+        hosted_mesh.check(targs)  # accelerate refuses the mesh on CPU; raytrainer lays it (hosted_mesh.py)
     if getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", None) == "server":
         raise ValueError(
             "use_vllm=True with vllm_mode='server': the vLLM server is a process of its own on GPUs outside "

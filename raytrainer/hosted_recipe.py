@@ -108,6 +108,10 @@ class Recipe:
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
         if not self.use_gpu:
             overrides["use_cpu"] = True  # a CPU worker, whatever CUDA this node has
+            mesh = getattr(targs, "parallelism_config", None)
+            if mesh is not None and mesh.dp_shard_enabled and not targs.fsdp:
+                # a mesh that shards is FSDP's, as raytrainer's strategies read it (worker/hosted_mesh.py)
+                overrides["fsdp"] = "full_shard"
         if getattr(targs, "enable_jit_checkpoint", False):
             # transformers' SIGTERM handler needs the main thread, a rank trains on another; every rank
             # saves on a SIGTERM anyway (worker/signals.py)

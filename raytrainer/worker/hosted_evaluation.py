@@ -38,11 +38,15 @@ def evaluate_as_one_process(trainer, ctx) -> None:
         targs = trainer.args
         counted_across = targs.average_tokens_across_devices
         targs.average_tokens_across_devices = False
+        # this rank's own labels are its whole batch's: transformers divides the count by the tensor-parallel
+        # ranks sharing the batch, right only for a count summed over every rank
+        trainer.get_tp_size = _one
         try:
             loss, logits, labels = step(model, inputs, prediction_loss_only, *args, **kwargs)
             if loss is not None and _last_round_padded(trainer, ctx):
                 # every rank steps again (a trainer's compute_loss may gather: TRL's), on its own rows
-                real = _real_rows(ctx, trainer.accelerator.gradient_state.remainder, _batch_rows(inputs))
+                remainder = trainer.accelerator.gradient_state.remainder
+                real = _real_rows(ctx.rank // _replicas(trainer), remainder, _batch_rows(inputs))
                 again = inputs if real is None else _first_rows(inputs, real)
                 with _metrics_kept(trainer):
                     loss_of_rows = step(model, again, True, *args, **kwargs)[0]
@@ -51,12 +55,14 @@ def evaluate_as_one_process(trainer, ctx) -> None:
             return loss, logits, labels
         finally:
             targs.average_tokens_across_devices = counted_across
+            del trainer.get_tp_size  # the class's own again
 
     def evaluation_loop(*args, **kwargs):
         if not ctx.distributed:
             return loop(*args, **kwargs)
         accelerator, compute = trainer.accelerator, trainer.compute_metrics
-        accelerator.gather = lambda data: gather_on_rank_zero(data, ctx)
+        replicas = _replicas(trainer)
+        accelerator.gather = lambda data: gather_on_rank_zero(data, ctx, replicas)
         if compute is not None and not ctx.is_world_zero:
             trainer.compute_metrics = lambda *a, **k: {}
         try:
@@ -71,6 +77,17 @@ def evaluate_as_one_process(trainer, ctx) -> None:
     trainer.evaluation_loop = evaluation_loop
 
 
+def _one() -> int:
+    return 1
+
+
+def _replicas(trainer) -> int:
+    """Consecutive ranks that read the same batches: a tensor- (and context-) parallel group under
+    ``parallelism_config`` (accelerate deals each such group one batch), else 1."""
+    config = getattr(trainer.accelerator.state, "parallelism_config", None)
+    return config.tp_size * config.cp_size if config is not None else 1
+
+
 def _last_round_padded(trainer, ctx) -> bool:
     """The evaluation's last batch, whose rows do not fill every rank's batch (the same answer on every
     rank). accelerate makes the ranks' last batches equal (``even_batches``) by appending the data set's
@@ -82,12 +99,13 @@ def _last_round_padded(trainer, ctx) -> bool:
             and not trainer.accelerator.split_batches)
 
 
-def _real_rows(ctx, remainder: int, rows: int | None) -> int | None:
-    """How many of this rank's ``rows`` on the last round are the data set's; None when all or none are
-    (its loss stands, or is cut with its rows) or the batch has no row count."""
+def _real_rows(reader: int, remainder: int, rows: int | None) -> int | None:
+    """How many of this rank's ``rows`` on the last round are the data set's (``reader``: the rank's place
+    among the ranks that read different batches); None when all or none are (its loss stands, or is cut
+    with its rows) or the batch has no row count."""
     if rows is None:
         return None
-    real = min(max(remainder - ctx.rank * rows, 0), rows)
+    real = min(max(remainder - reader * rows, 0), rows)
     return real if 0 < real < rows else None
 
 
@@ -116,16 +134,17 @@ def _first_rows(inputs, n: int) -> dict:
     return {k: v[:n] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in inputs.items()}
 
 
-def gather_on_rank_zero(data, ctx):
+def gather_on_rank_zero(data, ctx, replicas: int = 1):
     """``data`` (a tensor, or a nested tuple / list / dict of tensors of the same shape on every rank, as
     accelerate's ``gather`` requires) concatenated over the ranks on rank 0, in rank order; this rank's own
-    on the others."""
+    on the others. ``replicas``: consecutive ranks that read the same batch (a tensor-parallel group), whose
+    first rank's part counts for all."""
     from accelerate.utils import recursively_apply
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()[None] if tensor.ndim == 0 else tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)] if ctx.is_world_zero else None
         torch.distributed.gather(tensor, parts, dst=0)
-        return torch.cat(parts) if ctx.is_world_zero else tensor
+        return torch.cat(parts[::replicas]) if ctx.is_world_zero else tensor
 
     return recursively_apply(one, data, error_on_other_type=True)

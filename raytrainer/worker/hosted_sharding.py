@@ -65,15 +65,18 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=Non
 def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = False):
     """``trainer_cls(*args, **kwargs)``, its accelerator switched to FSDP on a CPU group given ``fsdp``;
     ``by_shard``: each ``model_init`` of ``train()`` reads its shards of the files (hosted_loading.py)."""
-    from raytrainer.worker import hosted_loading
+    from raytrainer.worker import hosted_loading, hosted_mesh
 
     trainer = trainer_cls.__new__(trainer_cls)
     create = trainer.create_accelerator_and_postprocess  # the class's own (a subclass may override it)
 
     def create_accelerator_and_postprocess():
-        create()
-        if shard_cpu_group(trainer.accelerator.state, trainer.args):
-            create()  # once more, on the FSDP state: transformers' FSDP flags and checks for this run
+        with hosted_mesh.hidden(trainer.args) as mesh:  # parallelism_config on CPU (worker/hosted_mesh.py)
+            create()
+            if shard_cpu_group(trainer.accelerator.state, trainer.args):
+                create()  # once more, on the FSDP state: transformers' FSDP flags and checks for this run
+        if mesh is not None:
+            hosted_mesh.install(trainer, mesh)
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
     building = building_on_a_rank.set(True)

@@ -21,7 +21,7 @@ from raytrainer.worker.hosted_evaluation import _batch_rows, _first_rows, _metri
     (3, 1, None, None),  # a batch without one row count: its loss stands
 ])
 def test_a_ranks_own_rows_on_the_last_round(remainder, rank, rows, real):
-    assert _real_rows(SimpleNamespace(rank=rank), remainder, rows) == real
+    assert _real_rows(rank, remainder, rows) == real
 
 
 def test_the_first_rows_of_a_batch_and_its_row_count():

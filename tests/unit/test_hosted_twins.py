@@ -154,14 +154,23 @@ def test_a_report_to_package_that_is_missing_is_refused_before_anything_starts(t
         raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
 
 
-def test_parallelism_config_on_cpu_workers_is_refused_before_anything_starts(tmp_path):
-    """accelerate refuses a ParallelismConfig on a CPU (MULTI_CPU) group as each rank builds the trainer:
-    the driver's constructor says so first, with what runs instead."""
+def test_a_mesh_transformers_loop_cannot_run_on_cpu_workers_is_refused_before_anything_starts(tmp_path):
+    """accelerate refuses any ParallelismConfig on a CPU group; raytrainer lays the mesh itself
+    (worker/hosted_mesh.py), and refuses on the driver what cannot run: a mesh of another size than the
+    group, checkpoints under tensor parallelism alone."""
     Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    trainer_cls = raytrainer.on_ray(transformers.Trainer)
+    for mesh, kw, words in (
+            ({"dp_shard_size": 4}, {}, r"spans dp_shard_size=4 = 4 ranks, but num_workers=2"),
+            ({"tp_size": 2}, {}, r"tensor parallelism alone.*safetensors.*--save_strategy no"),
+    ):
+        with pytest.raises(ValueError, match=words):  # the size: once the arguments are made
+            trainer_cls(model_init=lambda: None, args=Args(
+                output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True,
+                parallelism_config=mesh, **kw))
     args = Args(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True,
-                parallelism_config={"dp_shard_size": 2})
-    with pytest.raises(ValueError, match=r"parallelism_config=.*dp_shard_size.*CPU workers.*--fsdp"):
-        raytrainer.on_ray(transformers.Trainer)(model_init=lambda: None, args=args)
+                parallelism_config={"tp_size": 2}, save_strategy="no")
+    assert trainer_cls(model_init=lambda: None, args=args).args.parallelism_config.tp_size == 2
 
 
 def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_path, monkeypatch):
