@@ -59,14 +59,13 @@ class CheckpointRegistry:
             return []
         names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
         protected = {uri_basename(u) for u in (self.latest, self.best) if u} | self.pinned | set(names[-1:])
-        left = len(names)
+        keep = max(self.limit, len(protected.intersection(names)))
         deleted = []
         for name in names:  # oldest first
-            if left <= max(self.limit, len(protected & set(names))):
+            if len(names) - len(deleted) <= keep:
                 break
             if name not in protected:
                 self.storage.delete_dir(self.storage.path(name))
                 deleted.append(name)
-                left -= 1
                 logger.info("deleted %s (save_total_limit=%d)", self.storage.uri_of(name), self.limit)
         return deleted
