@@ -6,6 +6,7 @@ With one process every collective is the identity, so the same loop runs in the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -151,4 +152,10 @@ def local_context(args) -> RankContext:
 
 
 def local_device(args) -> torch.device:
-    return torch.device("cuda") if not args.use_cpu and torch.cuda.is_available() else torch.device("cpu")
+    return _local_device(bool(args.use_cpu))
+
+
+@functools.cache
+def _local_device(use_cpu: bool) -> torch.device:
+    # asked at every step (``args.device``, ``n_gpu``); CUDA's presence does not change within a process
+    return torch.device("cuda") if not use_cpu and torch.cuda.is_available() else torch.device("cpu")

@@ -15,7 +15,7 @@ early-stopping callbacks), pays nothing.
 
 from __future__ import annotations
 
-from raytrainer.callbacks import TrainerControl, same_on_every_rank
+from raytrainer.callbacks import _BASE_HOOKS, TrainerControl, same_on_every_rank
 
 FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 
@@ -52,10 +52,25 @@ class AgreeingHandler:
     #: listed in ``callbacks``, which stays what transformers and the user put there
     layer: tuple = ()
 
+    #: per event, the layer's hooks that do something (not TrainerCallback's own), for ``_hooks_of``
+    _hooks: dict = {}
+    _hooks_for: tuple | None = None
+
+    def _hooks_of(self, event: str) -> list:
+        if self._hooks_for is not self.layer:  # add_to_layer / remove_from_layer replaced the tuple
+            self._hooks, self._hooks_for = {}, self.layer
+        hooks = self._hooks.get(event)
+        if hooks is None:
+            base = _BASE_HOOKS.get(event)
+            hooks = self._hooks[event] = [
+                hook for hook in (getattr(cb, event) for cb in self.layer)
+                if base is None or getattr(hook, "__func__", None) is not base]
+        return hooks
+
     def call_event(self, event, args, state, control, **kwargs):
         control = super().call_event(event, args, state, control, **kwargs)
-        for callback in self.layer:  # as transformers' handler calls each of its callbacks
-            result = getattr(callback, event)(
+        for hook in self._hooks_of(event):  # as transformers' handler calls each of its callbacks
+            result = hook(
                 args, state, control, model=self.model, processing_class=self.processing_class,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                 train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader, **kwargs)
