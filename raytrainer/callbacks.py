@@ -71,6 +71,13 @@ def runs_on_driver(callback) -> bool:
     return bool(getattr(callback, "on_driver", default))
 
 
+def explicitly_on_driver(callback) -> bool:
+    """Whether a hosted trainer's callback runs in the driver: one that says so (``on_driver = True``).
+    transformers' ``report_to`` trackers run where transformers runs them, on rank 0; its progress bar and
+    printer are the driver's display."""
+    return not isinstance(callback, type) and getattr(callback, "on_driver", None) is True
+
+
 def same_on_every_rank(callback) -> bool:
     """Whether ``callback``'s control decisions are the same on every rank (they need no agreement): a
     callback's own ``same_on_every_rank``, else yes for transformers' flow, early-stopping, progress and

@@ -130,6 +130,7 @@ class HostedTrainer:
             ProgressCallback,
             TrainerControl,
             TrainerState,
+            explicitly_on_driver,
         )
         from raytrainer.driver.spec import ship_dynamic_modules
 
@@ -139,12 +140,15 @@ class HostedTrainer:
         check(self.hosted_class, targs)
         ship_dynamic_modules()  # a trust_remote_code model's classes travel by value
         display = PrinterCallback() if targs.disable_tqdm else ProgressCallback()
+        # the script's callbacks that ask to run here (``on_driver = True``: a search's reporter, one that
+        # may stop the run from the driver) see rank 0's events, replayed; the ranks leave them out
+        on_driver = [cb for cb in bound.arguments.get("callbacks") or () if explicitly_on_driver(cb)]
         vars(self).update(
             args=targs,
             state=TrainerState(),
             control=TrainerControl(),
             # the driver's display (progress bar or printer): rank 0's callback events are replayed into it
-            callback_handler=CallbackHandler([display], flow=False),
+            callback_handler=CallbackHandler([display, *on_driver], flow=False),
             # on the driver: one process; print() and the main-process checks are the driver's
             accelerator=DriverAccelerator(targs.num_workers),
             _recipe=Recipe.make(self.hosted_class, args, kwargs),
@@ -394,11 +398,15 @@ class HostedTrainer:
         from raytrainer.protocol import Spec
         from raytrainer.worker.logs import driver_transformers_level
         from raytrainer.worker.place import driver_place
+        from raytrainer.worker.rank import absorb_callback_states
 
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
         recipe, payload = self._recipe.for_command()
         spec = Spec(recipe, kwargs, None, driver_transformers_level(), *driver_place(), payload=payload)
-        return launch(self, spec, method, registry or CheckpointRegistry(self.args))
+        result = launch(self, spec, method, registry or CheckpointRegistry(self.args))
+        # what the script's callbacks recorded on rank 0, in the script's own instances (as in one process)
+        absorb_callback_states(self._given("callbacks") or (), result.callbacks)
+        return result
 
     @property
     def model(self):

@@ -66,6 +66,9 @@ class Spec:
     #: a hosted trainer's recipe payload (its constructor's arguments): ``[object-store reference]``, put
     #: there once per trainer; a rank fetches it only when it builds the trainer
     payload: list = ()
+    #: the recipe keys of the hosted trainers of the driver that still may call this group again (alive,
+    #: having run on it): their ranks' trainers are kept, every other one is freed (worker/hosted.py)
+    keep: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ group an in-process backend that replays recorded worker messages, and so exerci
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -83,6 +84,8 @@ class WorkerGroup:
         self.lent = False  # lent to a search trial (GroupPool)
         self.last_used = 0.0
         self.idle_timer: threading.Timer | None = None  # closes it after IDLE_TIMEOUT_S with no Trainer
+        # the hosted trainers alive that ran on it, by recipe key: the ranks keep theirs (worker/hosted.py)
+        self.hosted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.name = f"group-{next(self._ids)}"
 
     # -- life -------------------------------------------------------------------------------------------
@@ -159,6 +162,9 @@ class WorkerGroup:
         if not self.started:
             self.start(datasets)
         command = next(self._commands)
+        if _is_hosted(trainer):  # its ranks keep the trainer of each one that may call
+            self.hosted[trainer._recipe.key] = trainer
+            spec = dataclasses.replace(spec, keep=tuple(self.hosted))
         # the group's first command says when its workers are up, and its first step
         pump = Pump(self.channel, DriverDisplay(trainer), registry,
                     started_at=self.started_at if command == 1 else None)
@@ -264,8 +270,8 @@ def _close_before_ray_exits() -> None:
 def attach(trainer, group: WorkerGroup) -> None:
     """Make ``group`` the Trainer's until its ``close()``, or until another Trainer of this process takes it
     while it is idle (``idle_group_for``). When the Trainer is garbage collected the group is left idle for
-    the next one: for a hosted trainer too, whose ranks keep the trainer they built until the next Trainer's
-    first command replaces it (worker/hosted.py)."""
+    the next one: for a hosted trainer too, whose ranks free the trainer they built for it at the group's
+    next command (``WorkerGroup.hosted``)."""
     trainer.__dict__["_group"] = group
     group.owner = weakref.ref(trainer)
     group.stop_idle_timer()
@@ -316,14 +322,13 @@ def idle_group_for(trainer, backend) -> WorkerGroup | None:
     """A live group of this process that is idle and has the shape ``trainer``'s arguments need (the same
     ``group_key``, the same kind of backend), taken from where it is: one no Trainer holds, most recently
     used first; else the one another Trainer used least recently -- that Trainer's next call takes an idle
-    group again the same way, or starts one. A hosted trainer's group stays with it (its ranks hold the
-    trainer they built). ``None`` when there is none."""
+    group again the same way, or starts one (a hosted trainer's ranks keep the trainer they built for it
+    meanwhile, as one process would hold both: ``WorkerGroup.hosted``). ``None`` when there is none."""
     key = group_key(trainer.args)
     fits = [g for g in _LIVE if g.alive and not g.busy and not g.lent and g.key == key
             and g.backend == backend and _holder(g) is not trainer]
     free = sorted((g for g in fits if _holder(g) is None), key=lambda g: g.last_used)
-    held = sorted((g for g in fits if _holder(g) is not None and not _is_hosted(_holder(g))),
-                  key=lambda g: g.last_used)
+    held = sorted((g for g in fits if _holder(g) is not None), key=lambda g: g.last_used)
     if not free and not held:
         return None
     group = free[-1] if free else held[0]

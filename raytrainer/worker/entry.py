@@ -62,7 +62,8 @@ def worker_main(config: dict) -> None:
                 hosted = isinstance(trainer, Recipe)
                 if not hosted:
                     forget_hosted()  # the group passed from a hosted trainer's search to a plain Trainer
-                run = functools.partial(run_hosted, payload=spec.payload) if hosted else run_rank
+                run = (functools.partial(run_hosted, payload=spec.payload, keep=spec.keep) if hosted
+                       else run_rank)
                 result = run(trainer, session, command.method.value, spec.kwargs)
         except BaseException as exc:
             if not (failures.retryable(exc) or failures.torn_down(ctx.world_size)):

@@ -24,12 +24,13 @@ from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream, Resume, loca
 from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
-from raytrainer.worker.rank import after_restart
+from raytrainer.worker.rank import after_restart, callback_states
 from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
 
-#: This worker's trainer, by recipe key: one at a time (a new trainer frees the last one's model).
+#: This worker's trainers, by recipe key: those of the driver's hosted trainers that may call again (the
+#: command's ``keep``), as the script's process would hold them; any other is freed at the next command.
 _LIVE: dict = {}
 
 
@@ -38,13 +39,15 @@ def forget_hosted() -> None:
     _LIVE.clear()
 
 
-def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload: list = ()) -> RankResult:
+def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload: list = (),
+               keep: tuple = ()) -> RankResult:
     """``method`` of this rank's trainer for ``recipe`` (built now, from the ``payload`` fetched from the
-    object store, if this worker has not got it)."""
+    object store, if this worker has not got it); the trainers of recipes not in ``keep`` are freed first."""
     ctx, channel = session.ctx, session.channel
+    for key in [key for key in _LIVE if key != recipe.key and key not in keep]:
+        del _LIVE[key]
     trainer = _LIVE.get(recipe.key)
     if trainer is None:
-        _LIVE.clear()
         fetched = recipe.fetched(payload)
         trainer_cls, args, kwargs_init, targs, given = fetched.unpack(ctx.world_size)
         with rank_logging(targs, ctx.rank, channel, session.transformers_log_level):
@@ -84,7 +87,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
         return RankResult(trainer.state.global_step)
     from raytrainer.callbacks import state_to_dict
 
-    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at)
+    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at,
+                      callback_states(trainer.callback_handler.callbacks))
 
 
 @contextlib.contextmanager
@@ -135,12 +139,15 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
     (``rank_layer``), each its pace reported for the driver's straggler warning."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from raytrainer.callbacks import explicitly_on_driver
     from raytrainer.worker.agreement import add_to_layer, agree_on_flags
     from raytrainer.worker.relay import RelayCallback
 
     agree_on_flags(trainer, session.ctx)
     for cls in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(cls)
+    for callback in [cb for cb in trainer.callback_handler.callbacks if explicitly_on_driver(cb)]:
+        trainer.callback_handler.remove_callback(callback)  # the driver's (raytrainer/hosted.py)
     rank_layer(trainer, session.ctx, session.channel, given)
     if session.ctx.distributed:  # each rank's pace, for the driver's straggler warning
         from raytrainer.protocol import Kind

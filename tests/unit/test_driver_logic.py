@@ -17,6 +17,7 @@ from fake_group import Fail, FakeBackend, Reply, WaitForDecision, event
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 from raytrainer.callbacks import TrainerState, state_to_dict
 from raytrainer.driver.group import WorkerGroup, attach
+from raytrainer.hosted_recipe import Recipe
 from raytrainer.protocol import (
     Attempt,
     CallbackEvent,
@@ -139,8 +140,12 @@ def test_a_call_is_a_command_and_rank_zeros_result_is_taken_in(tmp_path, capsys)
     (spec,) = command.spec
     import cloudpickle
 
-    shipped = cloudpickle.loads(spec.trainer)  # the Trainer the ranks get: the user's, no driver state
-    assert type(shipped) is Trainer and shipped.args.num_workers == 2 and "_group" not in vars(shipped)
+    shipped = cloudpickle.loads(spec.trainer)  # what the ranks build the Trainer from: no driver state
+    if isinstance(shipped, Recipe):  # transformers' loop: the constructor's arguments, in the object store
+        assert shipped.key == trainer._recipe.key and spec.keep == (shipped.key,)
+        assert command.spec[0].payload  # fetched by a rank only when it builds the trainer
+    else:
+        assert type(shipped) is Trainer and shipped.args.num_workers == 2 and "_group" not in vars(shipped)
     assert spec.kwargs["resume_from_checkpoint"] is None and spec.ray_data_rows is None
     # rank 0's result, taken into the driver's Trainer and its callbacks
     assert output.global_step == 4 and output.training_loss == 0.25
