@@ -175,6 +175,7 @@ class HostedTrainer:
                       **kwargs)
         vars(self).pop("_model", None)
         vars(self).pop("_weights_at", None)
+        self._trained = True  # trainer.model: the trained weights from now on
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
         final = self._final_weights_wanted()
@@ -264,16 +265,20 @@ class HostedTrainer:
         import transformers
 
         from raytrainer.deps import require
-        from raytrainer.driver.preflight import _starts_a_group, check_datasets
+        from raytrainer.driver.preflight import _starts_a_group, check_datasets, check_in_process
 
         if self.args.num_workers > 0:  # a machine without them: named with the fix, as raytrainer's loop does
             require("ray.train", f"num_workers={self.args.num_workers} (training on Ray Train workers)")
         if self.args.deepspeed:
             require("deepspeed", "--deepspeed")
-        own = frozenset(method for method, loader in _LOADERS
-                        if getattr(self.hosted_class, loader) is not getattr(transformers.Trainer, loader))
-        check_datasets(method, kwargs, self.args, self._given("train_dataset"), self._given("eval_dataset"),
-                       owner=type(self).__name__, skip=own)
+        view = inspect.getattr_static(self.user_class, "_driver_view", None)
+        if view is not None:  # raytrainer's Trainer: checked as in one process (driver/preflight.py)
+            check_in_process(view(self), method, kwargs, owner=type(self).__name__)
+        else:
+            own = frozenset(method for method, loader in _LOADERS if getattr(self.hosted_class, loader)
+                            is not getattr(transformers.Trainer, loader))
+            check_datasets(method, kwargs, self.args, self._given("train_dataset"),
+                           self._given("eval_dataset"), owner=type(self).__name__, skip=own)
         self._check_plan()
         if method == "train" or _starts_a_group(self):  # Ray Train's run folder, and the checkpoints
             from raytrainer.storage import Storage
@@ -315,11 +320,11 @@ class HostedTrainer:
                                      hp_name, **kwargs)
 
     def call_model_init(self, trial=None):
-        """raytrainer's own ``Trainer.call_model_init``, on the driver (a search asks it for the suggestions
+        """transformers' ``Trainer.call_model_init``, on the driver (a search asks it for the suggestions
         that ``model_init`` makes, on the meta device)."""
-        from raytrainer.trainer import Trainer
+        import transformers
 
-        return Trainer.call_model_init(self, trial)
+        return transformers.Trainer.call_model_init(self, trial)
 
     def for_trial(self, args, callbacks: list):
         """A copy of this trainer for one search trial: the trial's arguments (and its own output_dir), the
@@ -329,7 +334,8 @@ class HostedTrainer:
         trial = object.__new__(type(self))
         signature = inspect.signature(self.hosted_class.__init__)
         recipe_args, recipe_kwargs = _replace_args(signature, *self._constructor, args)
-        vars(trial).update({k: v for k, v in vars(self).items() if k not in ("_group", "_model", "_hub")})
+        vars(trial).update({k: v for k, v in vars(self).items()
+                            if k not in ("_group", "_model", "_hub", "_init_model")})
         vars(trial).update(
             args=args, state=TrainerState(), _hub=None,
             callback_handler=CallbackHandler([*self.callback_handler.callbacks, *callbacks], flow=False),
@@ -362,7 +368,7 @@ class HostedTrainer:
         """What a copy elsewhere (a Ray Tune trial actor) starts from: no worker group, pusher or fetched
         model of this process's, and the recipe without its object-store reference (the copy puts its own).
         Rebuilt without ``__new__``, which would build the trainer from constructor arguments."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_group", "_model")}
+        state = {k: v for k, v in vars(self).items() if k not in ("_group", "_model", "_init_model")}
         state["_hub"] = None
         if "_recipe" in state:
             state["_recipe"] = dataclasses.replace(state["_recipe"], ref=None)
@@ -417,6 +423,10 @@ class HostedTrainer:
         ``model_init()`` builds here, for a run without one); a model named by a path, or one whose saved
         files another class wrote (TRL's PEFT wrapping), is loaded with ``from_pretrained``. Weights never
         travel through the event channel."""
+        if "_model" not in vars(self) and not vars(self).get("_trained"):  # before any train()
+            model = self._untrained_model()
+            if model is not None:
+                return model
         if "_model" not in vars(self):
             at = vars(self).get("_weights_at")
             if at is not None:  # written by the ranks at the end of train(): into the driver's own module
@@ -446,6 +456,34 @@ class HostedTrainer:
                     f"load into); its weights are in {folder}")
         return self._model
 
+    @model.setter
+    def model(self, module) -> None:
+        """``trainer.model = module``, as a script sets it on transformers' Trainer: the driver's model is
+        ``module`` and from the next call the ranks build the trainer around it, as given ``model=module``
+        (the driver keeps the run's state and callbacks; the ranks' previous trainer is freed)."""
+        signature = inspect.signature(self.hosted_class.__init__)
+        args, kwargs = _replace_args(signature, *self._constructor, module, name="model")
+        vars(self).update(_constructor=(args, kwargs), _recipe=Recipe.make(self.hosted_class, args, kwargs),
+                          _model=module, _trained=False)
+        vars(self).pop("_weights_at", None)
+
+    def _untrained_model(self):
+        """The model before any ``train()``, as the driver holds it: the script's module (what the ranks
+        built the trainer around), or ``model_init``'s as transformers' constructor builds it -- without
+        weights when big (raytrainer.meta_model), kept; None for a model the ranks load by name."""
+        import torch
+
+        given = self._given("model")
+        if isinstance(given, torch.nn.Module):
+            return given
+        if self._model_init_here():
+            from raytrainer.meta_model import driver_model
+
+            if "_init_model" not in vars(self):
+                self._init_model = driver_model(self.model_init)
+            return self._init_model
+        return None
+
     def _final_weights_wanted(self) -> str | None:
         """What the ranks write their final weights for (worker/hosted.py): the class name of the module the
         constructor was given, ``"model_init"`` for a run that builds it with ``model_init()``, else None
@@ -463,9 +501,15 @@ class HostedTrainer:
         one of that class."""
         import torch
 
+        from raytrainer.meta_model import is_skeleton, materialise
+
         own = self._given("model")
         if own is None and self._model_init_here():
-            own = self.model_init()
+            own = vars(self).get("_init_model")  # the one trainer.model gave before train(): filled in place
+            if own is None:
+                own = self.model_init()
+            elif is_skeleton(own):
+                materialise(own, self.model_init)
         if not isinstance(own, torch.nn.Module) or (model_cls is not None and type(own) is not model_cls):
             return None
         return own

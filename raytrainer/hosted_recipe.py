@@ -126,14 +126,15 @@ class Recipe:
         return trainer_cls, args, kwargs, plain, targs
 
 
-def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new) -> tuple[tuple, dict]:
-    """The constructor's arguments with ``args=`` replaced by ``new``."""
+def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new,
+                  name: str = "args") -> tuple[tuple, dict]:
+    """The constructor's arguments with the argument ``name`` (``args=``) replaced by ``new``."""
     names = [n for n in signature.parameters if n != "self"]
-    if "args" in names and names.index("args") < len(args):
+    if name in names and names.index(name) < len(args):
         args = list(args)
-        args[names.index("args")] = new
+        args[names.index(name)] = new
         return tuple(args), kwargs
-    return args, {**kwargs, "args": new}
+    return args, {**kwargs, name: new}
 
 
 def _pickled(trainer_cls: type, args: tuple, kwargs: dict) -> bytes:

@@ -1,4 +1,4 @@
-"""raytrainer's Trainer as a ``transformers.Trainer``, running transformers' own loop (issue 56, under way).
+"""raytrainer's Trainer: a ``transformers.Trainer``, running transformers' own loop.
 
 ``one_loop.Trainer`` is what ``raytrainer.Trainer`` becomes: a subclass of ``transformers.Trainer``, through
 its twin (raytrainer/hosted.py), whose training, evaluation and prediction loops are transformers' own -- on
@@ -18,9 +18,8 @@ loop, never written into it:
 - everywhere the class is built (here and on each rank), by the constructor: a plain ``torch.nn.Module``
   without a ``config`` trains with ``label_smoothing_factor`` (transformers reads ``model.config`` there).
 
-``raytrainer.Trainer`` still names the native loop's class (raytrainer/trainer.py) until every test of it
-passes on this one; ``pytest --one-loop`` runs the test suite with this class in its place
-(tests/conftest.py), which is how the switch is measured (docs/architecture.md, "One loop").
+``raytrainer.Trainer`` and ``raytrainer.Seq2SeqTrainer`` are these classes. raytrainer's own loop
+(raytrainer/trainer.py, worker/loop.py) is still importable from its modules until it is deleted.
 """
 
 from __future__ import annotations
@@ -42,11 +41,39 @@ from raytrainer.seq2seq import Seq2SeqTrainingArguments
 logger = logging.getLogger(__name__)
 
 
+class DriverView:
+    """What the driver's checks (driver/preflight.py) read of raytrainer's Trainer on workers, before any
+    worker starts: the constructor's objects as given, and the model the driver holds (the script's module,
+    or ``model_init``'s without weights when big: raytrainer.meta_model), as transformers' constructor
+    would have set them. The checks of a call in one process, on the objects each rank builds from."""
+
+    def __init__(self, trainer):
+        from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
+        from transformers.utils import find_labels
+
+        given = trainer._given
+        self.args, self.model = trainer.args, trainer._untrained_model()
+        self.train_dataset, self.eval_dataset = given("train_dataset"), given("eval_dataset")
+        self.compute_loss_func, self.model_init = given("compute_loss_func"), given("model_init")
+        processing = given("processing_class")
+        tokenizer = getattr(processing, "tokenizer", processing)  # a processor's, as transformers reads it
+        padding = isinstance(tokenizer, transformers.PreTrainedTokenizerBase)
+        self.data_collator = given("data_collator") or (
+            DataCollatorWithPadding(tokenizer) if padding else default_data_collator)
+        labels = find_labels(type(self.model)) if self.model is not None else []
+        self.label_names = labels if self.args.label_names is None else self.args.label_names
+        self._class = trainer.user_class
+
+    def _overrides(self, name: str) -> bool:
+        return getattr(self._class, name) is not getattr(transformers.Trainer, name)
+
+
 class _Additions:
     """What raytrainer's trainers add to the twin of a transformers trainer class (see the module's
     docstring); first in their bases, before the twin."""
 
     _args_class = TrainingArguments  # what args=None and a transformers arguments object become
+    _driver_view = DriverView  # on workers, the driver checks each call on it first (raytrainer/hosted.py)
 
     def __init__(
         self,
@@ -330,7 +357,7 @@ class _Additions:
         fed float32 features would otherwise fail on the dtype (transformers' models cast their own)."""
         inputs = super()._prepare_inputs(inputs)
         args = self.args
-        if (self.model is None or self.model.training or not (args.bf16_full_eval or args.fp16_full_eval)
+        if (not (args.bf16_full_eval or args.fp16_full_eval) or self.model is None or self.model.training
                 or not isinstance(inputs, Mapping)):
             return inputs
         dtype = torch.bfloat16 if args.bf16_full_eval else torch.float16

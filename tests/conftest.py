@@ -27,24 +27,6 @@ if _TESTS_DIR not in sys.path:  # tests/s3server.py, importable from every test 
 from s3server import S3Server  # noqa: E402
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--one-loop", action="store_true",
-        help="run the tests with raytrainer.one_loop.Trainer (transformers' own loop, issue 56) in place of "
-             "raytrainer.Trainer: how the switch to one loop is measured (docs/architecture.md)")
-
-
-def pytest_configure(config):
-    if config.getoption("--one-loop"):
-        import raytrainer
-        import raytrainer.seq2seq
-        import raytrainer.trainer
-        from raytrainer import one_loop
-
-        raytrainer.Trainer = raytrainer.trainer.Trainer = one_loop.Trainer
-        raytrainer.Seq2SeqTrainer = raytrainer.seq2seq.Seq2SeqTrainer = one_loop.Seq2SeqTrainer
-
-
 @dataclass(frozen=True)
 class S3Bucket:
     name: str

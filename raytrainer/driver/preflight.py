@@ -48,14 +48,15 @@ def check(trainer, method: str, kwargs: dict) -> None:
         Storage.for_run(args).check_writable()  # the new group's Ray Train run folder lives there
 
 
-def check_in_process(trainer, method: str, kwargs: dict) -> None:
+def check_in_process(trainer, method: str, kwargs: dict, owner: str | None = None) -> None:
     """``check`` for a ``transformers.Trainer`` subclass run in the driver's process (raytrainer/one_loop.py;
     ``trainer.args`` with the Ray fields): what transformers' loop would refuse late or not at all, refused
     before it starts -- a call's data sets, and for ``train()`` the examples' label column, a model that
     returns no loss, gradient checkpointing or NEFTune a model cannot do, the checkpoint to resume
-    (resolved: it fits this model) and the storage (writable)."""
+    (resolved: it fits this model) and the storage (writable). Also for raytrainer's Trainer on workers,
+    given what its driver holds (``one_loop.DriverView``)."""
     check_datasets(method, kwargs, trainer.args, trainer.train_dataset, trainer.eval_dataset,
-                   owner=type(trainer).__name__)
+                   owner=owner or type(trainer).__name__)
     if method == "train":
         _check_train(trainer)
         _check_gradient_checkpointing(trainer)

@@ -575,30 +575,31 @@ class _Counter:
         self.loaded = state
 
 
-def test_the_writer_and_the_resume_go_through_the_pieces(tmp_path, monkeypatch):
-    """Each piece a file in the manifest; a piece added to the list is saved and loaded like the others."""
-    from raytrainer.worker import checkpointing, pieces
-
+def test_a_file_a_subclass_adds_to_its_checkpoints_is_committed_and_read_back_on_resume(tmp_path):
+    """A subclass keeping state of its own in each checkpoint, as transformers users do (``_save_checkpoint``
+    and ``_load_from_checkpoint`` overridden): its file is written, hashed and committed like the others, and
+    the resume reads it back."""
     counter = _Counter()
-    real_training, real_optimizer = pieces.training_pieces, pieces.optimizer_pieces
 
-    def with_counter(*a, **kw):
-        return [*real_training(*a, **kw), pieces.Piece("counter.pt", counter)]
+    class WithCounter(Trainer):
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+            torch.save(counter.state_dict(), os.path.join(folder, "counter.pt"))
 
-    def optimizer_side(*a, **kw):
-        return [*real_optimizer(*a, **kw), pieces.Piece("counter.pt", counter)]
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            counter.load_state_dict(torch.load(os.path.join(resume_from_checkpoint, "counter.pt")))
 
-    monkeypatch.setattr(checkpointing, "training_pieces", with_counter)
-    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train()
+    WithCounter(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train()
     folder = tmp_path / "checkpoint-8"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert "counter.pt" in manifest["files"]  # written, hashed and committed like the others
     assert torch.load(folder / "counter.pt")["saves"] == 2  # the second save's state (steps 4 and 8)
     assert set(manifest["files"]) >= {"optimizer.pt", "scheduler.pt", "trainer_state.json",
-                                      "rng_state_0.safetensors", "model.safetensors"}
+                                      "model.safetensors"}
 
-    monkeypatch.setattr(checkpointing, "optimizer_pieces", optimizer_side)
-    Trainer(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train(
+    WithCounter(model=DropoutNet(), args=args(tmp_path, max_steps=8), train_dataset=data()).train(
         resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert counter.loaded["saves"] == 1 and torch.equal(counter.loaded["tensor"], torch.arange(3))
 

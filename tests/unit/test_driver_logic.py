@@ -342,3 +342,31 @@ def test_a_new_groups_start_is_said_once_each_stage_and_a_warm_groups_calls_say_
     trainer.evaluate()
     assert "raytrainer: " not in capsys.readouterr().err
     trainer.close()
+
+
+def test_trainer_model_is_the_script_s_module_trained_and_a_new_one_is_what_the_next_call_builds(tmp_path):
+    """As in one process: before any call ``trainer.model`` is the module the script gave (no worker
+    starts for it); after ``train()`` the same object holds the trained weights, read from storage on first
+    use; a module assigned to ``trainer.model`` is the model of the next call's ranks."""
+    import cloudpickle
+    import ray
+
+    backend = FakeBackend({"train": [_train_reply(tmp_path), _train_reply(tmp_path)]})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+    given = trainer.model
+    assert given.linear.weight.tolist() != [[0.5, 0.5]] and backend.commands == []
+    trainer.train()
+    assert trainer.model is given and given.linear.weight.tolist() == [[0.5, 0.5]]
+
+    replacement = Regression()
+    with torch.no_grad():
+        replacement.linear.weight.fill_(2.0)
+    trainer.model = replacement
+    assert trainer.model is replacement
+    trainer.train()
+    first, second = (cmd.spec[0] for cmd in backend.commands)
+    if isinstance(cloudpickle.loads(second.trainer), Recipe):  # transformers' loop: the ranks' recipe
+        assert cloudpickle.loads(second.trainer).key != cloudpickle.loads(first.trainer).key
+        _, _, kwargs = cloudpickle.loads(ray.get(second.payload[0]))
+        assert kwargs["model"].linear.weight.tolist() == [[2.0, 2.0]]
+    assert trainer.model is replacement and replacement.linear.weight.tolist() == [[0.5, 0.5]]

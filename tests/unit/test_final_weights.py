@@ -6,14 +6,13 @@ layout (one file per rank) is checked by tests/integration/test_fsdp.py.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 import torch
 from torch import nn
 
-from raytrainer import Trainer, TrainingArguments, final_weights
+from raytrainer import TrainingArguments, final_weights
 from raytrainer.rank_context import RankContext
 from raytrainer.strategies.base import Strategy
 from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, refuse_weights
@@ -86,22 +85,6 @@ def test_a_second_write_replaces_the_first(tmp_path):
     _, driver = _round_trip(args, strategy, _model(seed=2))
     assert not stale.exists()
     assert torch.equal(driver[0].weight, _model(seed=2)[0].weight)
-
-
-def test_trainer_model_is_filled_on_first_use_and_a_new_model_cancels_it(tmp_path):
-    args = _args(tmp_path / "out")
-    strategy = Strategy(RankContext(), args)
-    uri = final_weights.write(_Rank(args, strategy, _model(seed=0)), _session(strategy))
-    trainer = Trainer(model=_model(seed=1), args=args, train_dataset=[{"x": 1}])
-    trainer._weights_pending(functools.partial(final_weights.load_into, uri=uri))
-    assert "_pending_weights" in trainer.__dict__
-    assert torch.equal(trainer.model[0].weight, _model(seed=0)[0].weight)  # loaded by this access
-    assert "_pending_weights" not in trainer.__dict__
-
-    trainer._weights_pending(functools.partial(final_weights.load_into, uri=uri))
-    replacement = _model(seed=3)
-    trainer.model = replacement  # the pending weights were meant for the module it replaces
-    assert torch.equal(trainer.model[0].weight, _model(seed=3)[0].weight)
 
 
 def test_missing_final_weights_name_the_folder(tmp_path):
