@@ -107,6 +107,33 @@ def load_into(model: torch.nn.Module, uri: str, filesystem=None) -> None:
     logger.debug("driver model filled from %s (%d files)", uri, len(files))
 
 
+def load_on_ranks(model: torch.nn.Module, uri: str, filesystem=None) -> None:
+    """Fill a rank's ``model`` from the final weights at ``uri``, every rank at once: a trainer the ranks
+    built again for a driver's trainer that had trained (a new group after ``close()``, a group Ray Train
+    restarted) goes on from its trained weights, as the trainer of one process would. Each rank reads its
+    own share of DCP's shards (a collective), or the whole ``model.safetensors``."""
+    storage = Storage.from_uri(uri, filesystem)
+    if DCP_METADATA not in storage.list_files(storage.root):
+        _load_safetensors(model, storage)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=_dcp_reader(storage))
+    set_model_state_dict(model, state["model"])
+
+
+def _dcp_reader(storage: Storage):
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_local:
+        return dcp.FileSystemReader(storage.root)
+    from raytrainer.dcp_storage import PyArrowReader
+
+    return PyArrowReader(storage.fs, storage.root, cache=None)
+
+
 # safetensors' dtype names -> torch dtypes (the ones a model's weights come in)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -163,12 +190,7 @@ def _load_dcp(model: torch.nn.Module, storage: Storage) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}  # the driver's tensors, filled in place
-    if storage.is_local:
-        reader = dcp.FileSystemReader(storage.root)
-    else:
-        from raytrainer.dcp_storage import PyArrowReader
-
-        reader = PyArrowReader(storage.fs, storage.root, cache=None)
+    reader = _dcp_reader(storage)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)

@@ -174,7 +174,7 @@ class HostedTrainer:
         kwargs = dict(resume_from_checkpoint=target, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                       **kwargs)
         vars(self).pop("_model", None)
-        vars(self).pop("_weights_at", None)
+        before = vars(self).pop("_weights_at", None)  # the last train()'s: where a new group's ranks start
         self._trained = True  # trainer.model: the trained weights from now on
         stops = any(getattr(cb, "may_stop_training", False) for cb in self.callback_handler.callbacks)
         registry = CheckpointRegistry(self.args)
@@ -184,7 +184,8 @@ class HostedTrainer:
 
         def once(kw: dict):
             result = self._run("train", {**kw, "stop_from_driver": stops, "final_weights": final,
-                                         "new_hyperparameters": exploit}, registry)
+                                         "new_hyperparameters": exploit, "trained_weights": before},
+                               registry)
             self.state = state_from_dict(result.state)
             self._weights_at = result.weights_at
             return result.output
@@ -407,6 +408,8 @@ class HostedTrainer:
         from raytrainer.worker.rank import absorb_callback_states
 
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
+        if method != "train" and vars(self).get("_weights_at"):  # ranks that build the trainer anew (a new
+            kwargs = {**kwargs, "trained_weights": self._weights_at}  # or restarted group) load them
         recipe, payload = self._recipe.for_command()
         spec = Spec(recipe, kwargs, None, driver_transformers_level(), *driver_place(), payload=payload)
         result = launch(self, spec, method, registry or CheckpointRegistry(self.args))

@@ -44,6 +44,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     """``method`` of this rank's trainer for ``recipe`` (built now, from the ``payload`` fetched from the
     object store, if this worker has not got it); the trainers of recipes not in ``keep`` are freed first."""
     ctx, channel = session.ctx, session.channel
+    kwargs = dict(kwargs)
+    trained = kwargs.pop("trained_weights", None)  # where the driver's trainer's last train() left them
     for key in [key for key in _LIVE if key != recipe.key and key not in keep]:
         del _LIVE[key]
     trainer = _LIVE.get(recipe.key)
@@ -56,6 +58,11 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
             trainer._raytrainer_given = given  # the arguments with their Ray fields (the run's storage)
             _split_callbacks(trainer, session, given)
+            if trained is not None:  # built anew after a train(): a new group's, a restarted group's
+                from raytrainer import final_weights
+
+                final_weights.load_on_ranks(trainer.model, trained,
+                                            getattr(given, "storage_filesystem", None))
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
         kwargs = after_restart(trainer, session, method, kwargs)

@@ -137,3 +137,50 @@ def test_safetensors_are_read_straight_into_the_model_tensors_and_cast_where_the
     (tmp_path / "model.safetensors").write_bytes(data[:-10])  # the last tensor cut short
     with pytest.raises(OSError, match="truncated"):
         final_weights.load_into(_Mixed(), str(tmp_path))
+
+
+def _rebuilt_rank(folder: str, rank: int, port: str, results) -> None:
+    """Rank ``rank`` of two: an FSDP2 model trained (seed 0) writes its shard of the final weights; a model
+    built again (seed 1, sharded the same way: a new group's trainer) loads them, each rank its share."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group("gloo")
+    trained, rebuilt = fully_shard(_model(seed=0)), fully_shard(_model(seed=1))
+    dcp.save({"model": get_model_state_dict(trained)}, checkpoint_id=folder)  # final_weights' FSDP2 layout
+    final_weights.load_on_ranks(rebuilt, folder)
+    mine = {k: v.to_local().clone() for k, v in rebuilt.state_dict().items()}
+    results.put({"rank": rank, "equal": all(torch.equal(mine[k], v.to_local())
+                                            for k, v in trained.state_dict().items()),
+                 "full": {k: v.full_tensor().numpy().copy() for k, v in rebuilt.state_dict().items()}})
+    torch.distributed.destroy_process_group()
+
+
+def test_a_trainer_built_again_on_the_ranks_loads_the_trained_weights_each_rank_its_share(tmp_path):
+    """After close() or a restart the ranks build a trained hosted trainer again: ``load_on_ranks`` gives
+    its model the final weights train() wrote -- DCP shards read by each rank for its own share, or the
+    one safetensors file."""
+    import functools
+    import socket
+
+    from two_ranks import run_two_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    target = functools.partial(_rebuilt_rank, str(tmp_path / "final"))
+    results = sorted(run_two_ranks(target, port, timeout=180), key=lambda r: r["rank"])
+    assert [r["equal"] for r in results] == [True, True]
+    for name, value in _model(seed=0).state_dict().items():
+        assert torch.equal(torch.from_numpy(results[0]["full"][name]), value), name
+
+    args = _args(tmp_path / "out")  # replicated: rank 0's model.safetensors, read whole by every rank
+    uri = final_weights.write(_Rank(args, Strategy(RankContext(), args), _model(seed=0)),
+                              _session(Strategy(RankContext(), args)))
+    again = _model(seed=1)
+    final_weights.load_on_ranks(again, uri)
+    for name, value in _model(seed=0).state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
