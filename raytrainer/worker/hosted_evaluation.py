@@ -8,7 +8,8 @@ through two instance attributes for the duration of each ``evaluation_loop`` cal
 TRL's) loop otherwise as it is:
 
 - ``accelerator.gather`` (which ``gather_for_metrics`` calls, then cutting the last batch's padding as it
-  always does) sends each tensor to rank 0 (``torch.distributed.gather``: one copy of each rank's tensor
+  always does; transformers' Seq2SeqTrainer, which gathers without the cut, is given the cut too) sends
+  each tensor to rank 0 (``torch.distributed.gather``: one copy of each rank's tensor
   crosses the network, to rank 0) and returns the concatenation there; every other rank keeps its own
   tensor, so it holds its share, not everything;
 - ``compute_metrics`` runs on rank 0; the loop's metrics (``eval_loss`` included) are then rank 0's on
@@ -62,6 +63,10 @@ def evaluate_as_one_process(trainer, ctx) -> None:
             return loop(*args, **kwargs)
         accelerator, compute = trainer.accelerator, trainer.compute_metrics
         replicas = _replicas(trainer)
+        if getattr(trainer.gather_function, "__func__", None) is type(accelerator).gather:
+            # transformers' Seq2SeqTrainer gathers its generations with accelerate's plain gather: every rank
+            # gets every rank's rows, the last round's padding rows kept (13 rows on 2 ranks of 3 return 18)
+            trainer.gather_function = accelerator.gather_for_metrics  # rank 0's, the padding cut
         accelerator.gather = lambda data: gather_on_rank_zero(data, ctx, replicas)
         if compute is not None and not ctx.is_world_zero:
             trainer.compute_metrics = lambda *a, **k: {}
