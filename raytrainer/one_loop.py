@@ -36,7 +36,7 @@ import transformers
 from raytrainer.args import RayArgumentsMixin, TrainingArguments
 from raytrainer.hosted import on_ray
 from raytrainer.hosted_recipe import building_on_a_rank
-from raytrainer.seq2seq import Seq2SeqTrainingArguments
+from raytrainer.seq2seq import Seq2SeqTrainingArguments, _settled_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -475,3 +475,12 @@ class Seq2SeqTrainer(_Additions, on_ray(transformers.Seq2SeqTrainer)):
     ``evaluate`` / ``predict`` run on every rank, the generated ids gathered by transformers' loop."""
 
     _args_class = Seq2SeqTrainingArguments
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        """transformers' own, with the model's generation config settled before the first ``generate``
+        (``seq2seq._settled_generation_config``): transformers fills its defaults after the first batch,
+        which alone may run a token longer -- on each rank's first batch, so that the ids would depend on
+        the number of workers."""
+        if self.args.predict_with_generate and not prediction_loss_only:
+            _settled_generation_config(self.model)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
