@@ -287,22 +287,16 @@ class HostedTrainer:
             Storage.for_run(self.args).check_writable()
 
     def _check_plan(self) -> None:
-        """Tensor parallelism needs the model's plan: the constructor's module, or ``model_init``'s built
-        here on the meta device (no weights), refused here as raytrainer's loop does
-        (``parallelism.check_plan``); a model named by a path is checked on the ranks, which load it."""
-        import torch
-
-        from raytrainer.meta_model import build_on_meta
+        """Tensor parallelism needs the model's plan: the driver's model (``_untrained_model``: the
+        constructor's module, or ``model_init``'s, weightless when big) refused here as raytrainer's loop
+        does (``parallelism.check_plan``); a model named by a path is checked on the ranks, which load it."""
         from raytrainer.parallelism import check_plan
 
         config = getattr(self.args, "parallelism_config", None)
-        if config is None or not config.tp_enabled:
-            return
-        model = self._given("model")
-        if model is None and self._model_init_here():
-            model = build_on_meta(self.model_init)
-        if isinstance(model, torch.nn.Module):
-            check_plan(config, model)
+        if config is not None and config.tp_enabled:
+            model = self._untrained_model()
+            if model is not None:
+                check_plan(config, model)
 
     def _given(self, name: str):
         """The constructor's argument ``name`` as the script gave it (None if absent)."""
