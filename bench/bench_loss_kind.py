@@ -62,7 +62,7 @@ def one_run(build, causal: bool, steps: int, ask: bool) -> list[float]:
     if ask:
         trainer.train()
     else:
-        with mock.patch("raytrainer.worker.loop.adapt_mean_losses", lambda trainer: None):
+        with mock.patch("raytrainer.worker.hosted.adapt_mean_losses", lambda trainer: None):
             trainer.train()
     return times.times
 

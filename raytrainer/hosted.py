@@ -132,7 +132,7 @@ class HostedTrainer:
             TrainerState,
             explicitly_on_driver,
         )
-        from raytrainer.driver.spec import ship_dynamic_modules
+        from raytrainer.hosted_recipe import ship_dynamic_modules
 
         signature = inspect.signature(self.hosted_class.__init__)
         bound = signature.bind(None, *args, **kwargs)

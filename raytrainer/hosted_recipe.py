@@ -9,6 +9,7 @@ import contextvars
 import dataclasses
 import inspect
 import itertools
+import sys
 import uuid
 from typing import Any
 
@@ -19,6 +20,22 @@ from raytrainer.args import RayArgumentsMixin, token_withheld
 #: True while a rank of a worker group builds its trainer (worker/hosted_sharding.py): the trainer is one rank
 #: of a run, and the rank's layer (worker/hosted.py) attaches raytrainer's additions, not the constructor.
 building_on_a_rank = contextvars.ContextVar("building_on_a_rank", default=False)
+
+
+#: Packages that transformers, evaluate and datasets create at run time from code under ``HF_HOME/modules``
+#: (a Hub model's ``trust_remote_code`` classes, an ``evaluate.load`` metric, a data set's loading script).
+#: A worker on another node has no such folder, and one on this node not on its ``sys.path``.
+DYNAMIC_MODULE_PACKAGES = ("transformers_modules", "evaluate_modules", "datasets_modules")
+
+
+def ship_dynamic_modules() -> None:
+    """Let the classes and functions of those packages travel by value (their source with them), as
+    cloudpickle does for ``__main__``: a ``compute_metrics`` holding an ``evaluate`` metric then unpickles on
+    every worker (transformers' example scripts load theirs that way)."""
+    for name in DYNAMIC_MODULE_PACKAGES:
+        module = sys.modules.get(name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
 
 
 def base_config_class(args) -> type:

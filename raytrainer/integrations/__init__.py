@@ -1,4 +1,4 @@
-"""``report_to``: transformers' own integration callbacks, run once, in the driver's process.
+"""``report_to``: transformers' own integration callbacks, each value logged once.
 
 raytrainer writes no tracker code: ``report_to`` takes the names transformers knows
 (``transformers.integrations.INTEGRATION_TO_CALLBACK``: ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``,
@@ -6,14 +6,11 @@ raytrainer writes no tracker code: ``report_to`` takes the names transformers kn
 transformers' environment variables. What raytrainer decides is where they run:
 
 - with ``num_workers=0`` they run in place, as in transformers;
-- on Ray workers they run in the driver (``runs_on_driver``), on world rank 0's relayed events
-  (``on_train_begin``, ``on_log``, ``on_evaluate``, ``on_save``, ``on_train_end``, ...), so each value is
-  logged once, not once per worker, and a tracker's files, runs and credentials stay in the user's process.
-  They see ``state.is_world_process_zero = True``, the arguments, and the driver's model for its
-  ``config`` (with ``model_init``, the weightless skeleton the driver builds: same config, no weights);
-- they never travel to the workers: the Trainer ships a ``LeftOnDriver`` stand-in for each
-  (``shipped_handler``), so a tracker's open writer, run or client need not pickle, and a worker needs no
-  tracker package;
+- on Ray workers they run where transformers runs them under ``accelerate launch``: on world rank 0 (each
+  rank builds the trainer from the constructor's arguments, its trackers anew from ``report_to``; the other
+  ranks' ``state.is_world_process_zero`` is False, so each value is logged once), so a worker needs the
+  tracker's package and its credentials, as a node under ``torchrun`` does (decided: what a TRL user sees
+  under ``accelerate launch``);
 - in a hyperparameter search each trial gets new instances (``for_trial``): one tracker run per trial, with
   ``state.is_hyper_param_search``, ``trial_name`` and ``trial_params`` set as transformers sets them.
 
@@ -23,7 +20,6 @@ before anything starts.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.util
 import os
@@ -31,9 +27,8 @@ import sys
 
 from raytrainer.callbacks import TrainerCallback, runs_on_driver  # runs_on_driver: re-exported
 
-__all__ = ["PACKAGES", "LeftOnDriver", "for_trial", "get_available_reporting_integrations",
-           "get_reporting_integration_callbacks", "is_tracker", "reporting_callbacks", "runs_on_driver",
-           "shipped_handler"]
+__all__ = ["PACKAGES", "for_trial", "get_available_reporting_integrations",
+           "get_reporting_integration_callbacks", "is_tracker", "reporting_callbacks", "runs_on_driver"]
 
 _HF = "transformers.integrations.integration_utils"
 
@@ -125,40 +120,9 @@ def is_tracker(callback) -> bool:
     return hf is not None and isinstance(callback, tuple(hf.INTEGRATION_TO_CALLBACK.values()))
 
 
-class LeftOnDriver(TrainerCallback):
-    """What travels in a tracker's place when the Trainer is pickled: its class, by name. The workers drop
-    it with the other driver-side callbacks; a search trial's process builds the class anew (``revive``)."""
-
-    on_driver = True
-    same_on_every_rank = True
-
-    def __init__(self, callback):
-        cls = type(callback)
-        # by name, so that a worker imports no tracker code; a script's own subclass travels by value
-        self.cls = cls if cls.__module__ == "__main__" else None
-        self.module, self.qualname = cls.__module__, cls.__qualname__
-
-    def revive(self, args) -> TrainerCallback:
-        cls = self.cls or importlib.import_module(self.module)
-        for part in ([] if self.cls else self.qualname.split(".")):
-            cls = getattr(cls, part)
-        return _new(cls, args)
-
-
-def shipped_handler(handler):
-    """``handler`` as the Trainer ships it: its trackers replaced by ``LeftOnDriver`` stand-ins."""
-    if not any(is_tracker(cb) for cb in handler.callbacks):
-        return handler
-    shipped = copy.copy(handler)
-    shipped.callbacks = [LeftOnDriver(cb) if is_tracker(cb) else cb for cb in handler.callbacks]
-    return shipped
-
-
 def for_trial(callback, args):
     """A search trial's own tracker: a new instance of ``callback``'s class (one tracker run per trial, as
     transformers' callbacks start one per trial); None when ``callback`` is not a tracker."""
-    if isinstance(callback, LeftOnDriver):
-        return callback.revive(args)
     if is_tracker(callback):
         return _new(type(callback), args)
     return None

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import cloudpickle
 
 from raytrainer.driver.group import GroupPool
-from raytrainer.driver.spec import ship_dynamic_modules
+from raytrainer.hosted_recipe import ship_dynamic_modules
 from raytrainer.search.common import (
     BestRun,
     TrialReporter,

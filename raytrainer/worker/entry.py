@@ -2,15 +2,14 @@
 
 A worker group outlives one Trainer call (driver/group.py): the processes, their imports and the process
 group are made once, and ``train``, ``evaluate``, ``predict`` -- and search trials, one after another -- run
-on them. Each command starts from a clean slate: the Trainer is unpickled afresh from the command's spec,
-and the process-level state one command may change (random generators, determinism and TF32 flags, the
+on them. Each command starts from a clean slate: the trainer's recipe is unpickled afresh from the command's
+spec, and the process-level state one command may change (random generators, determinism and TF32 flags, the
 default dtype, compile caches, the CUDA cache, environment variables) is put back as the fresh worker had
 it, so a command gives the same result whatever ran before it.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import random
@@ -31,13 +30,11 @@ def worker_main(config: dict) -> None:
     """Ray Train's train function: wait for a command, run it on this rank, hand back the result, repeat."""
     import ray
 
-    from raytrainer.hosted_recipe import Recipe
     from raytrainer.import_scratch import imports_in_own_folder, remove_own
     from raytrainer.rank_context import ray_train_context
     from raytrainer.worker.channel_client import ChannelClient
-    from raytrainer.worker.hosted import forget_hosted, run_hosted
+    from raytrainer.worker.hosted import run_hosted
     from raytrainer.worker.place import as_on_the_driver
-    from raytrainer.worker.rank import run_rank
     from raytrainer.worker.session import RankSession
 
     TIMES["entry"] = time.time()
@@ -56,20 +53,15 @@ def worker_main(config: dict) -> None:
             # driver's did (a folder the script put on sys.path, which Ray does not pass on)
             with as_on_the_driver(spec.cwd, spec.paths):
                 with imports_in_own_folder():  # wandb's folders, when TRL imports it (import_scratch.py)
-                    trainer = cloudpickle.loads(spec.trainer)
+                    recipe = cloudpickle.loads(spec.trainer)  # a Recipe (raytrainer/hosted_recipe.py)
                 TIMES["spec"] = time.time()
-                # a Recipe: a transformers.Trainer subclass that transformers' own loop runs (hosted.py)
-                hosted = isinstance(trainer, Recipe)
-                if not hosted:
-                    forget_hosted()  # the group passed from a hosted trainer's search to a plain Trainer
-                run = (functools.partial(run_hosted, payload=spec.payload, keep=spec.keep) if hosted
-                       else run_rank)
-                result = run(trainer, session, command.method.value, spec.kwargs)
+                result = run_hosted(recipe, session, command.method.value, spec.kwargs, payload=spec.payload,
+                                    keep=spec.keep)
         except BaseException as exc:
             if not (failures.retryable(exc) or failures.torn_down(ctx.world_size)):
                 client.record_fatal(failures.pickled(exc, ctx.rank))  # no retry trains again (failures.py)
             raise
-        del trainer, spec, session
+        del recipe, spec, session
         client.set_result(command.id, result)
         fresh.restore()
         done = command.id

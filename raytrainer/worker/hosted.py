@@ -34,11 +34,6 @@ logger = logging.getLogger(__name__)
 _LIVE: dict = {}
 
 
-def forget_hosted() -> None:
-    """Free the trainer this worker keeps (a plain Trainer's command runs on the group now)."""
-    _LIVE.clear()
-
-
 def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload: list = (),
                keep: tuple = ()) -> RankResult:
     """``method`` of this rank's trainer for ``recipe`` (built now, from the ``payload`` fetched from the

@@ -1,5 +1,6 @@
-"""What every rank does with one Trainer call, on a Ray worker or in the driver's own process
-(``num_workers=0``): take its place in the run, route its logs, run the method, hand back its part."""
+"""What every rank hands the driver about a call besides its answer, for every trainer on Ray workers
+(worker/hosted.py): the state rank 0's copies of the script's callbacks recorded, and where a restarted
+group resumes from."""
 
 from __future__ import annotations
 
@@ -8,52 +9,10 @@ import logging
 
 import torch
 
-from raytrainer import final_weights
-from raytrainer.callbacks import runs_on_driver, state_to_dict
-from raytrainer.parallelism import model_parallel_size
-from raytrainer.protocol import Kind, RankResult
-from raytrainer.worker.logs import rank_logging
+from raytrainer.callbacks import runs_on_driver
 from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
-
-
-def run_rank(trainer, session: RankSession, method: str, kwargs: dict) -> RankResult:
-    """What every rank does: take its place, route its logs, run ``method``, hand back its part. The
-    Trainer refers to the session while the method runs (``trainer._session``), and only then."""
-    ctx, channel = session.ctx, session.channel
-    trainer.args._set_process(ctx.world_size, ctx.rank, ctx.local_rank, ctx.node_rank, ctx.device)
-    ctx.model_parallel = model_parallel_size(getattr(trainer.args, "parallelism_config", None))
-    if getattr(trainer.args, "elastic", False):  # the global batch of max workers, on this many
-        from raytrainer.elastic import fit_batch
-
-        fit_batch(trainer.args, ctx.world_size)
-    trainer._session = session
-    try:
-        with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
-            if channel is not None:
-                session.checkpoint_sink = lambda info: channel.send(Kind.CHECKPOINT, info, urgent=True)
-                kwargs = after_restart(trainer, session, method, kwargs)
-                if kwargs is None:  # an earlier attempt failed deterministically: the driver raises its error
-                    return RankResult(global_step=0)
-                _split_callbacks(trainer, session)
-                if method == "train" and ctx.on_ray:  # a checkpoint on Ray's preemption notice
-                    from raytrainer.worker.preemption import PreemptionCallback
-
-                    growth = channel if getattr(trainer.args, "elastic", False) else None
-                    trainer.callback_handler.add_callback(PreemptionCallback(session, growth=growth))
-                if ctx.is_world_zero:  # each rank's pace, at each logging step (worker/pace.py)
-                    session.pace_sink = lambda report: channel.send(Kind.PACE, report)
-            output = getattr(trainer, method)(**kwargs)
-            weights_at = None
-            if method == "train" and channel is not None:
-                weights_at = final_weights.write(trainer, session)  # a collective; the weights go to storage
-    finally:
-        trainer._session = None
-    if not ctx.is_world_zero:
-        return RankResult(trainer.state.global_step)
-    return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at,
-                      callback_states(trainer.callback_handler.callbacks) if channel is not None else None)
 
 
 _STAYS = (torch.nn.Module, torch.optim.Optimizer, io.IOBase)
@@ -108,23 +67,6 @@ def absorb_callback_states(callbacks, states: list[tuple[str, dict]] | None) -> 
     for name, attributes in states:
         if mine.get(name):
             vars(mine[name].pop(0)).update(attributes)
-
-
-def _split_callbacks(trainer, session: RankSession) -> None:
-    """Display callbacks run on the driver; rank 0 relays the events they need."""
-    from raytrainer.worker.relay import RelayCallback
-
-    ctx, channel = session.ctx, session.channel
-    driver_side = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
-    for cb in driver_side:
-        trainer.callback_handler.remove_callback(cb)
-    if ctx.is_world_zero:
-        trainer.callback_handler.add_callback(RelayCallback(channel))
-    if any(getattr(cb, "may_stop_training", False) for cb in driver_side):
-        from raytrainer.worker.stop import DriverStopCallback
-
-        # On every rank, after the relay: rank 0 sends an evaluation before waiting for its decision.
-        trainer.callback_handler.add_callback(DriverStopCallback(channel, ctx, session.attempt))
 
 
 def after_restart(trainer, session: RankSession, method: str, kwargs: dict) -> dict | None:

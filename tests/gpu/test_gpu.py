@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -226,42 +225,6 @@ def test_resume_on_the_gpu_is_bitwise_equal(tmp_path):
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     assert len(losses(resumed)) == 6 and losses(resumed)[3:] == losses(full)[3:]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_fsdp2_on_a_one_gpu_nccl_group_matches_one_device(tmp_path):
-    """FSDP2's code path on one GPU (a world of one: the shards are whole) trains to the weights a plain
-    single-device run reaches, and its consolidated state dict is complete."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from raytrainer.rank_context import RankContext
-    from raytrainer.worker.rank import run_rank
-    from raytrainer.worker.session import RankSession
-
-    single = Trainer(model=tiny_llama(), args=make_args(tmp_path / "single", max_steps=8),
-                     train_dataset=token_data())
-    single.train()
-
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
-    try:
-        args = make_args(tmp_path / "fsdp", max_steps=8, num_workers=1, fsdp="full_shard auto_wrap")
-        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_data())
-        session = RankSession(RankContext(device=torch.device("cuda")))
-        run_rank(trainer, session, "train", {})
-        assert isinstance(next(trainer.model_wrapped.parameters()), DTensor)
-        full = session.strategy.full_state_dict(trainer.model_wrapped)
-    finally:
-        dist.destroy_process_group()
-    expected = single.model.state_dict()
-    assert set(full) == set(expected)
-    for k in expected:
-        torch.testing.assert_close(full[k].float(), expected[k].cpu().float(), rtol=1e-3, atol=1e-4)
-    assert losses(trainer) == pytest.approx(losses(single), rel=1e-3)
 
 
 # -- Ray Train workers (with ray importable) ---------------------------------------------------------------

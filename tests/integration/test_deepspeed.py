@@ -125,14 +125,6 @@ def test_zero_engine_trains_and_resumes_exactly_from_its_own_format(tmp_path, ca
     tolerance = 1e-2 if bf16 else 0.0  # the fp32 masters the partitions hold (bf16 training saved them cast)
     for key in saved:
         assert torch.allclose(made[key].float(), saved[key].float(), atol=tolerance, rtol=0.0), key
-    if stage == 3:  # the driver's load_best_model_at_end reads such a checkpoint's partitions the same way
-        from raytrainer.checkpoint import CheckpointReader
-        from raytrainer.driver.runner import _load_checkpoint_weights
-
-        driver_model = OneBiasRegressor()
-        _load_checkpoint_weights(driver_model, CheckpointReader(str(source)))
-        for key, tensor in driver_model.state_dict().items():
-            assert torch.equal(tensor, made[key].to(tensor.dtype)), key
 
     resumed = ReportEngine(
         model=OneBiasRegressor(), args=_args(tmp_path / "resumed", stage, bf16=bf16), train_dataset=data

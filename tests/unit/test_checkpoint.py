@@ -8,16 +8,11 @@ import pickle
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 from raytrainer.checkpoint import CheckpointError, committed_checkpoints
 from raytrainer.storage import Storage
-
-# raytrainer.Trainer runs transformers' own loop (issue 56; ``pytest --one-loop`` until it is the default):
-# where the two loops differ, the tests expect transformers' behaviour then, raytrainer's own loop's before
-ONE_LOOP = issubclass(Trainer, transformers.Trainer)
 
 
 class DropoutNet(nn.Module):
@@ -56,9 +51,8 @@ def test_layout_and_manifest(tmp_path):
     trainer.train()
     folder = tmp_path / "checkpoint-4"
     names = sorted(os.listdir(folder))
-    rng = "rng_state.pth" if ONE_LOOP else "rng_state_0.safetensors"  # transformers' name in its loop
-    assert names == sorted(["manifest.json", "model.safetensors", "optimizer.pt", rng, "scheduler.pt",
-                            "trainer_state.json", "training_args.bin", "training_args.json"])
+    assert names == sorted(["manifest.json", "model.safetensors", "optimizer.pt", "rng_state.pth",
+                            "scheduler.pt", "trainer_state.json", "training_args.bin", "training_args.json"])
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["global_step"] == 4
     assert set(manifest["files"]) == set(names) - {"manifest.json"}
@@ -248,8 +242,7 @@ class FullDiskTrainer(Trainer):
 
 
 def test_a_save_into_full_storage_names_the_path_and_leaves_older_checkpoints_intact(tmp_path):
-    trainer_class = FullDiskTrainer if ONE_LOOP else Trainer
-    trainer = trainer_class(model=FullDiskNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
+    trainer = FullDiskTrainer(model=FullDiskNet(), args=args(tmp_path, max_steps=12), train_dataset=data())
     with pytest.raises(RuntimeError, match=rf"writing checkpoint {tmp_path}/checkpoint-8 failed, so it is "
                                            r"not committed .*No space left on device") as info:
         trainer.train()
@@ -315,10 +308,8 @@ def test_a_pickle_payload_is_refused_and_never_runs(tmp_path):
 
     manifest["files"].update(digest_files(str(folder), ["optimizer.pt"]))
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    # raytrainer's own loop refuses it by name; transformers' loads it with torch's weights_only unpickler
-    refusal = (pickle.UnpicklingError, "Weights only load failed") if ONE_LOOP else (
-        CheckpointError, "refuses to unpickle")
-    with pytest.raises(refusal[0], match=refusal[1]):
+    # transformers' loop loads it with torch's weights_only unpickler, which refuses it
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         Trainer(model=DropoutNet(), args=args(tmp_path / "b", max_steps=8), train_dataset=data()).train(
             resume_from_checkpoint=str(folder))
     assert not os.path.exists(marker)

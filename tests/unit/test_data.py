@@ -1,5 +1,5 @@
-"""Unit tests for raytrainer.data: collation, eval block sharding, iterable shards, sampler equivalence; the
-training batches each rank of raytrainer's Trainer (transformers' loop) reads, on two real ranks."""
+"""Unit tests for raytrainer.data: collation and column removal as transformers'; the training batches each
+rank of raytrainer's Trainer (transformers' loop) reads, on two real ranks."""
 
 from __future__ import annotations
 
@@ -12,23 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from transformers.trainer_pt_utils import find_batch_size, get_length_grouped_indices
+from transformers.trainer_pt_utils import get_length_grouped_indices
 from transformers.trainer_utils import RemoveColumnsCollator as TransformersRemoveColumnsCollator
 from two_ranks import run_two_ranks
 
 from raytrainer import one_loop
 from raytrainer.data import (
-    EvalBlockSampler,
-    IterableShard,
     RemoveColumnsCollator,
-    batch_size_of,
     default_data_collator,
     default_label_names,
-    eval_positions,
-    length_grouped_sampler,
-    set_epoch,
     signature_columns,
-    unshard,
 )
 
 
@@ -150,139 +143,6 @@ def test_remove_columns_collator_is_transformers_also_for_non_dict_examples():
     assert set(batch) == keep
 
 
-def test_batch_size_of_is_transformers_find_batch_size():
-    batch = {"scalar": torch.tensor(1.0), "input_ids": torch.zeros(3, 5), "labels": torch.zeros(3)}
-    assert batch_size_of(batch) == find_batch_size(batch) == 3
-    assert batch_size_of({"x": torch.tensor(2.0)}) == 1 and find_batch_size({"x": torch.tensor(2.0)}) is None
-    assert batch_size_of({"x": torch.tensor(2.0)}, default=0) == 0
-
-
-# -- evaluation block sharding -------------------------------------------------------------------------------
-def _batches(items: list, batch_size: int) -> list[list]:
-    """How a DataLoader with ``batch_size`` chunks a rank's sampled items."""
-    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
-
-
-@pytest.mark.parametrize("n", [1, 7, 16, 33])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("batch_size", [1, 4, 5])
-def test_eval_block_sampler_and_unshard_round_trip(n, world_size, batch_size):
-    per_rank = []
-    for rank in range(world_size):
-        sampler = EvalBlockSampler(n, batch_size, world_size, rank)
-        assert sampler.num_examples == n
-        assert len(sampler) == len(list(sampler))
-        # What a rank's evaluation produces: one output per sampled example (here its dataset index).
-        per_rank.append(np.array(list(sampler), dtype=np.int64))
-    # Every rank runs the same number of batches (one per round), so the ranks stay in lock step.
-    rounds = max(1, -(-n // (batch_size * world_size)))
-    assert [len(_batches(list(a), batch_size)) for a in per_rank] == [rounds] * world_size
-    assert all(0 <= i < n for a in per_rank for i in a)
-    # Each real example is evaluated once; the only extra rows are one dummy per rank left without a block.
-    dummies = sum(p is None for r in range(world_size) for p in eval_positions(n, batch_size, world_size, r))
-    assert sum(len(a) for a in per_rank) == n + dummies
-    assert dummies <= world_size - 1
-    np.testing.assert_array_equal(unshard(per_rank, batch_size, n), np.arange(n))
-
-
-@pytest.mark.parametrize("n", [1, 7, 16, 33])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("batch_size", [1, 4, 5])
-def test_eval_positions_never_mix_dummies_with_real_examples(n, world_size, batch_size):
-    seen = []
-    for rank in range(world_size):
-        positions = eval_positions(n, batch_size, world_size, rank)
-        for batch in _batches(positions, batch_size):
-            assert batch == [None] or None not in batch, batch
-            # a real batch is consecutive examples: it is padded exactly as one process would pad it
-            if batch != [None]:
-                assert batch == list(range(batch[0], batch[0] + len(batch)))
-                seen.extend(batch)
-    assert sorted(seen) == list(range(n))
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_unshard_keeps_trailing_dimensions(world_size):
-    n, batch_size = 11, 4
-    per_rank = []
-    for rank in range(world_size):
-        idx = np.array(list(EvalBlockSampler(n, batch_size, world_size, rank)))
-        per_rank.append(np.stack([idx, -idx], axis=1))  # (examples, 2)
-    out = unshard(per_rank, batch_size, n)
-    np.testing.assert_array_equal(out, np.stack([np.arange(n), -np.arange(n)], axis=1))
-
-
-def test_eval_block_sampler_gives_contiguous_blocks_round_robin():
-    # 10 examples, batch 2, 2 ranks: rank 0 gets blocks 0, 2, 4; rank 1 gets 1, 3 and a one-example dummy.
-    assert list(EvalBlockSampler(10, 2, 2, 0)) == [0, 1, 4, 5, 8, 9]
-    assert list(EvalBlockSampler(10, 2, 2, 1)) == [2, 3, 6, 7, 0]
-    # 9 examples: rank 0's last block is partial (not padded with other examples)
-    assert list(EvalBlockSampler(9, 2, 2, 0)) == [0, 1, 4, 5, 8]
-    assert eval_positions(9, 2, 2, 1) == [2, 3, 6, 7, None]
-    # one process: the dataset in order, the last batch short, nothing added
-    assert list(EvalBlockSampler(10, 4, 1, 0)) == list(range(10))
-
-
-# -- iterable datasets ---------------------------------------------------------------------------------------
-class _Stream(torch.utils.data.IterableDataset):
-    def __init__(self, n: int):
-        self.n = n
-
-    def __iter__(self):
-        return iter(range(self.n))
-
-
-@pytest.mark.parametrize("n", [1, 5, 12, 13])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_iterable_shard_same_batch_count_and_full_coverage(n, world_size, batch_size):
-    shards = [IterableShard(_Stream(n), batch_size, world_size, rank) for rank in range(world_size)]
-    items = [list(shard) for shard in shards]
-    batches = [[a[i : i + batch_size] for i in range(0, len(a), batch_size)] for a in items]
-    assert len({len(b) for b in batches}) == 1, [len(b) for b in batches]
-    assert all(len(batch) == batch_size for b in batches for batch in b)  # the tail is completed
-    assert set(itertools.chain.from_iterable(items)) == set(range(n))
-    assert len(batches[0]) == -(-n // (batch_size * world_size))
-    assert all(shard.num_real == n for shard in shards)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_iterable_shard_drop_last_drops_only_the_incomplete_round(world_size):
-    n, batch_size = 13, 2
-    round_size = batch_size * world_size
-    items = [
-        list(IterableShard(_Stream(n), batch_size, world_size, r, drop_last=True)) for r in range(world_size)
-    ]
-    assert len({len(a) for a in items}) == 1
-    full = (n // round_size) * round_size
-    assert sorted(itertools.chain.from_iterable(items)) == list(range(full))
-
-
-@pytest.mark.parametrize("n", [1, 5, 12, 13])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_iterable_shard_for_evaluation_follows_eval_positions(n, world_size, batch_size):
-    shards = [
-        IterableShard(_Stream(n), batch_size, world_size, rank, pad_rounds=False)
-        for rank in range(world_size)
-    ]
-    items = [list(shard) for shard in shards]
-    expected = [
-        [p if p is not None else 0 for p in eval_positions(n, batch_size, world_size, r)]
-        for r in range(world_size)
-    ]
-    assert items == expected
-    assert len({len(_batches(a, batch_size)) for a in items}) == 1  # lock step
-    assert all(shard.num_real == n for shard in shards)
-    per_rank = [np.array(a) for a in items]
-    np.testing.assert_array_equal(unshard(per_rank, batch_size, n), np.arange(n))
-
-
-def test_iterable_shard_blocks_are_contiguous_per_rank():
-    assert list(IterableShard(_Stream(8), 2, 2, 0)) == [0, 1, 4, 5]
-    assert list(IterableShard(_Stream(8), 2, 2, 1)) == [2, 3, 6, 7]
-
-
 # -- training batches: each rank reads what it reads under transformers' Trainer and torchrun ---------------
 # Every rank here is a real one: one of two spawned processes in a gloo group, set up as Ray Train sets up a
 # worker group's ranks (the torchrun variables, the process group started before the trainer:
@@ -333,7 +193,8 @@ def _length_dataset():
 
 
 def _epoch(loader, epoch: int) -> list[list[int]]:
-    set_epoch(loader, epoch)  # transformers' loop: the loader's own set_epoch
+    if hasattr(loader, "set_epoch"):  # as transformers' loop tells its loader the epoch
+        loader.set_epoch(epoch)
     return [(batch["idx"] if isinstance(batch, Mapping) else batch).tolist() for batch in loader]
 
 
@@ -489,9 +350,7 @@ def test_length_grouped_batches_two_by_eight_equal_one_by_sixteen(ranks, tmp_pat
     own batch of 8, in mega-batches of ``min(n // (4 * 8), 50)`` batches: 2 x 8 here, the 1 x 16 of one
     process of 16 (equal only at this size: 96 examples give 3 x 8 against 1 x 16). Each epoch's order is
     drawn from torch's global random stream, which the constructor seeds ``seed`` (transformers'
-    ``set_seed``) on every rank alike, after the base seed each new iterator of the loader draws from it:
-    the order of the epoch read, not one seeded ``seed`` + epoch (as raytrainer's own loop gave:
-    ``test_length_grouped_order_is_seeded_seed_plus_epoch``)."""
+    ``set_seed``) on every rank alike, after the base seed each new iterator of the loader draws from it."""
     one = _one_process(tmp_path, _length_dataset(), (0, 1, 2, 3), per_device_train_batch_size=16, seed=seed,
                        train_sampling_strategy="group_by_length")
     two = [ranks[r]["length", seed] for r in (0, 1)]
@@ -503,21 +362,3 @@ def test_length_grouped_batches_two_by_eight_equal_one_by_sixteen(ranks, tmp_pat
         torch.empty((), dtype=torch.int64).random_(generator=stream)  # the iterator's base seed
         expected = get_length_grouped_indices(_LENGTHS, 16, generator=stream)
         assert list(itertools.chain.from_iterable(one[epoch])) == expected
-    # the lengths may also come from the examples themselves (raytrainer's own length_grouped_sampler)
-    derived = length_grouped_sampler([{"input_ids": [0] * length} for length in _LENGTHS], 16, seed=seed)
-    assert derived.lengths == _LENGTHS
-
-
-@pytest.mark.xfail(strict=True, reason="transformers' loop draws group_by_length's order from torch's "
-                   "global random stream (its LengthGroupedSampler has no set_epoch): raytrainer's own loop "
-                   "seeded it seed + epoch")
-@pytest.mark.parametrize("seed", [0, 7])
-def test_length_grouped_order_is_seeded_seed_plus_epoch(tmp_path, seed):
-    """What raytrainer's own loop gave: one process's order at epoch 3 (read first) is transformers'
-    ``get_length_grouped_indices`` over the global batch, seeded ``seed`` + 3."""
-    one = _one_process(tmp_path, _length_dataset(), (3,), per_device_train_batch_size=16, seed=seed,
-                       train_sampling_strategy="group_by_length")
-    generator = torch.Generator()
-    generator.manual_seed(seed + 3)
-    expected = get_length_grouped_indices(_LENGTHS, 16, generator=generator)
-    assert list(itertools.chain.from_iterable(one[3])) == expected

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from raytrainer import Trainer
-from raytrainer.driver.spec import pickled_trainer
 
 METRIC = '''
 class Accuracy:
@@ -38,7 +37,7 @@ def evaluate_modules(tmp_path, monkeypatch):
     yield module
     for name in [n for n in sys.modules if n.startswith("evaluate_modules")]:
         del sys.modules[name]
-    with contextlib.suppress(ValueError):  # registered by the spec's pickling
+    with contextlib.suppress(ValueError):  # registered by the recipe's pickling
         cloudpickle.unregister_pickle_by_value(package)
 
 
@@ -51,13 +50,13 @@ def test_an_evaluate_metric_in_compute_metrics_reaches_the_workers(make_args, ma
 
     trainer = Trainer(model=make_classifier(), args=make_args(num_workers=2),
                       train_dataset=make_examples(8)[0], compute_metrics=compute_metrics)
-    spec = pickled_trainer(trainer, {}, "evaluate")
+    payload = trainer._recipe.payload  # what each rank builds its trainer from (hosted_recipe.py)
     # a worker: the package is neither loaded nor on its path
     for name in [n for n in sys.modules if n.startswith("evaluate_modules")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("evaluate_modules.metrics.accuracy")
-    shipped = cloudpickle.loads(spec)
+    _cls, _args, kwargs = cloudpickle.loads(payload)
     p = SimpleNamespace(predictions=np.eye(3)[[1, 2, 2]], label_ids=np.array([1, 2, 0]))
-    assert shipped.compute_metrics(p) == {"accuracy": 2 / 3}
+    assert kwargs["compute_metrics"](p) == {"accuracy": 2 / 3}

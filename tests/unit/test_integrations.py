@@ -25,7 +25,6 @@ from transformers.integrations import integration_utils as hf
 from raytrainer import Trainer, TrainerCallback
 from raytrainer.integrations import (
     PACKAGES,
-    LeftOnDriver,
     for_trial,
     get_reporting_integration_callbacks,
     is_tracker,
@@ -33,7 +32,6 @@ from raytrainer.integrations import (
 )
 from raytrainer.search.common import check_picklable
 
-ONE_LOOP = issubclass(Trainer, transformers.Trainer)  # raytrainer.Trainer runs transformers' loop
 TOKEN = "hf_integration_secret_token_123"
 
 
@@ -132,18 +130,11 @@ def test_trackers_run_on_the_driver_and_never_travel_to_the_workers(make_args, m
         cloudpickle.dumps(trackers[0])
 
     shipped = cloudpickle.loads(cloudpickle.dumps(trainer)).callback_handler.callbacks
-    if ONE_LOOP:  # the copy is built anew from the constructor's arguments, its trackers from report_to
-        theirs = [cb for cb in shipped if is_tracker(cb)]
-        assert [type(cb) for cb in theirs] == [hf.TensorBoardCallback, hf.CodeCarbonCallback]
-        assert not {id(cb) for cb in theirs} & {id(cb) for cb in trackers}
-        assert theirs[0].tb_writer is None and theirs[0].logging_dir == str(tmp_path / "tb")
-    else:  # raytrainer's own loop ships a stand-in per tracker
-        stand_ins = [cb for cb in shipped if isinstance(cb, LeftOnDriver)]
-        assert all(runs_on_driver(cb) for cb in stand_ins) and not any(is_tracker(cb) for cb in shipped)
-        assert [type(cb) for cb in stand_ins] == [LeftOnDriver, LeftOnDriver]
-        assert len(cloudpickle.dumps(stand_ins)) < 1000  # a class name each
-        revived = stand_ins[0].revive(trainer.args)
-        assert type(revived) is hf.TensorBoardCallback and revived.logging_dir == str(tmp_path / "tb")
+    # the copy is built anew from the constructor's arguments, its trackers from report_to
+    theirs = [cb for cb in shipped if is_tracker(cb)]
+    assert [type(cb) for cb in theirs] == [hf.TensorBoardCallback, hf.CodeCarbonCallback]
+    assert not {id(cb) for cb in theirs} & {id(cb) for cb in trackers}
+    assert theirs[0].tb_writer is None and theirs[0].logging_dir == str(tmp_path / "tb")
     assert trainer.callback_handler.callbacks[1] is trackers[0]  # the driver keeps its own
 
     # a search's picklability preflight leaves the trackers out; each trial gets its own

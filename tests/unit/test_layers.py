@@ -16,11 +16,11 @@ LAYERS = (
     ("arguments", {"arg_types", "args", "accelerate_config", "hf_argparser", "hosted_recipe", "elastic",
                    "parallelism"}),
     ("engine", {"strategies", "checkpoint", "data", "optim", "final_weights", "consolidate",
-                "rank_accelerator", "integrations"}),
+                "integrations"}),
     ("worker", {"worker"}),
     ("driver", {"driver", "hub"}),
     ("search", {"search"}),
-    ("api", {"trainer", "trainer_data", "seq2seq", "cli", "__main__", "__init__", "hosted", "trl", "one_loop",
+    ("api", {"seq2seq", "cli", "__main__", "__init__", "hosted", "trl", "one_loop",
              "in_process"}),
 )
 

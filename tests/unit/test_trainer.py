@@ -18,10 +18,6 @@ from torch.utils.data import Dataset, IterableDataset
 
 from raytrainer import Trainer, TrainerCallback, TrainerControl, TrainingArguments
 
-# raytrainer.Trainer runs transformers' own loop (issue 56; ``pytest --one-loop`` until it is the default):
-# where the two loops differ, the tests expect transformers' behaviour then, raytrainer's own loop's before
-ONE_LOOP = issubclass(Trainer, transformers.Trainer)
-
 ALL_EVENTS = (
     "on_init_end",
     "on_train_begin",
@@ -840,10 +836,8 @@ def test_iterable_dataset_trains_for_max_steps_cycling_the_stream(make_args, mak
     examples, _, _ = make_examples(10)
     _, trainer = _train_on(make_args, make_classifier, Stream(examples), max_steps=5)
     assert trainer.state.global_step == 5
-    # one pass is 3 batches, the last one short in transformers' loop (raytrainer's own completed it with
-    # the first examples), then the stream starts again
-    last = [8, 9] if ONE_LOOP else [8, 9, 0, 1]
-    assert trainer.seen == [[0, 1, 2, 3], [4, 5, 6, 7], last, [0, 1, 2, 3], [4, 5, 6, 7]]
+    # one pass is 3 batches, the last one short in transformers' loop, then the stream starts again
+    assert trainer.seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_iterable_dataset_without_max_steps_fails_before_training(
@@ -1086,23 +1080,16 @@ def test_label_smoothing_is_used_in_training_and_evaluation(make_args, make_clas
     assert metrics["eval_loss"] == pytest.approx(expected.item(), abs=1e-6)
 
 
-def test_the_spec_of_train_with_model_init_holds_no_weights(make_args, make_examples):
-    """train() with model_init: the workers build the model, so the spec the driver ships holds no weights
-    (evaluate/predict need the trained model, and ship it)."""
-    from raytrainer.driver.spec import pickled_trainer
+def test_what_the_ranks_build_a_model_init_trainer_from_holds_no_weights(make_args, make_examples):
+    """With model_init the ranks build the model (hosted_recipe.py): the recipe the driver puts into Ray's
+    object store holds model_init, not weights."""
 
     def big():  # 1M parameters: 4 MB of float32 weights
         return nn.Sequential(nn.Linear(4, 1000), nn.Linear(1000, 996), nn.Linear(996, 3))
 
     data, _, _ = make_examples(16)
     trainer = Trainer(model_init=big, args=make_args(num_workers=2), train_dataset=data)
-    if ONE_LOOP:  # what the ranks build the trainer from (hosted_recipe.py): model_init, no weights
-        assert len(trainer._recipe.payload) < 200_000
-        return
-    kwargs = {"resume_from_checkpoint": None, "trial": None, "ignore_keys_for_eval": None}
-    assert len(pickled_trainer(trainer, kwargs, "train")) < 200_000
-    assert len(pickled_trainer(trainer, {}, "evaluate")) > 4_000_000
-    assert trainer.model is not None and trainer.callback_handler.model is trainer.model  # the driver's own
+    assert len(trainer._recipe.payload) < 200_000
 
 
 def test_trainable_parameters_and_learning_rates(make_args, make_examples):
@@ -1122,9 +1109,8 @@ def test_dataloaders_outside_a_run_see_the_whole_dataset(make_args, make_classif
     """A user's own get_train_dataloader() / get_eval_dataloader() before train(): the view of a one-process
     run (every example once per epoch), as transformers.Trainer gives in a single process."""
     dataset, _, _ = make_examples(10)
-    # on the one loop with workers a Ray group answers: tests/integration/test_one_loop_on_workers.py
-    args = make_args(per_device_train_batch_size=4, num_workers=0 if ONE_LOOP else 2,
-                     per_device_eval_batch_size=3)
+    # with workers a Ray group answers: tests/integration/test_one_loop_on_workers.py
+    args = make_args(per_device_train_batch_size=4, num_workers=0, per_device_eval_batch_size=3)
     trainer = Trainer(model=make_classifier(), args=args,
                       train_dataset=dataset, eval_dataset=dataset)
     train = list(trainer.get_train_dataloader())
@@ -1211,20 +1197,6 @@ def test_batch_eval_metrics_streams_per_batch_and_matches_whole_set(make_args, m
         whole["eval_accuracy"])
 
 
-def test_batch_eval_metrics_over_gathered_predictions_as_across_ranks(make_args, make_classifier):
-    """Across ranks rank 0 feeds compute_metrics the gathered, dataset-ordered predictions batch by batch."""
-    import numpy as np
-
-    from raytrainer.worker.evaluation import _metrics_by_batch
-
-    trainer = Trainer(model=make_classifier(), args=make_args(), compute_metrics=BatchedAccuracy())
-    preds = np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1, 2, 0]]
-    labels = np.array([0, 1, 2, 1, 1, 2, 2])
-    metrics = _metrics_by_batch(trainer, preds, labels, None, None, set(), batch_size=3)
-    assert trainer.compute_metrics.calls == [(3, False), (3, False), (1, True)]
-    assert metrics == {"accuracy": pytest.approx(5 / 7)}
-
-
 def test_memory_metrics_for_init_train_eval_and_predict_as_transformers(make_args, make_classifier,
                                                                        make_examples):
     dataset, _, _ = make_examples(8)
@@ -1275,13 +1247,11 @@ class OwnLoaderTrainer(Trainer):
 def test_evaluate_over_a_user_loader_without_sampler(tmp_path, make_args, make_classifier, make_examples):
     dataset, _, _ = make_examples(10)
     metrics = OwnLoaderTrainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
-    if ONE_LOOP:  # as transformers' Trainer does (each batch's loss counted eval_batch_size times)
-        theirs = type("Theirs", (transformers.Trainer,),
-                      {"get_eval_dataloader": OwnLoaderTrainer.get_eval_dataloader})
-        hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
-        reference = theirs(model=make_classifier(), args=hf_args, eval_dataset=dataset).evaluate()
-    else:  # the mean over the examples
-        reference = Trainer(model=make_classifier(), args=make_args(), eval_dataset=dataset).evaluate()
+    # as transformers' Trainer does (each batch's loss counted eval_batch_size times)
+    theirs = type("Theirs", (transformers.Trainer,),
+                  {"get_eval_dataloader": OwnLoaderTrainer.get_eval_dataloader})
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    reference = theirs(model=make_classifier(), args=hf_args, eval_dataset=dataset).evaluate()
     assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"])
 
 

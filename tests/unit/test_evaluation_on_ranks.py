@@ -1,0 +1,151 @@
+"""Evaluation on two real ranks gives what one process gives (worker/hosted_evaluation.py), without Ray.
+
+Each rank is one of two spawned processes in a gloo group, set up as Ray Train sets up a worker group's ranks,
+and builds raytrainer's Trainer from the recipe the driver's trainer (``num_workers=2``) made, as a Ray
+worker's rank does; the rank's evaluation layer is installed as ``run_hosted`` installs it. Rank 0 gets one
+process's predictions, in dataset order, and both ranks one process's metrics -- with
+``eval_accumulation_steps``, and with ``batch_eval_metrics``, whose ``compute_metrics`` runs on rank 0 only,
+over each batch of every rank's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+
+import numpy as np
+import pytest
+import torch
+from two_ranks import run_two_ranks
+
+from raytrainer import Trainer, TrainingArguments
+
+ROWS, BATCH = 13, 3  # 2 ranks of 3: three rounds, the last holding one real row
+CASES = {"plain": {}, "accumulated": {"eval_accumulation_steps": 2}, "batched": {"batch_eval_metrics": True}}
+
+
+class Accuracy:
+    """``compute_metrics``: records how it was called, in the process that calls it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, p, compute_result=None):
+        predictions, labels = (np.asarray(p.predictions), np.asarray(p.label_ids))
+        self.calls.append(len(labels))
+        return {"accuracy": float((predictions.argmax(-1) == labels).mean()), "rows": len(labels)}
+
+
+class BatchedAccuracy(Accuracy):
+    """transformers' ``batch_eval_metrics`` protocol: called per batch, the result on ``compute_result``."""
+
+    def __init__(self):
+        super().__init__()
+        self.correct = self.seen = 0
+
+    def __call__(self, p, compute_result=None):
+        predictions, labels = p.predictions, p.label_ids
+        self.calls.append(len(labels))
+        self.correct += int((predictions.argmax(-1) == labels).sum())
+        self.seen += len(labels)
+        if compute_result:
+            result = {"accuracy": self.correct / self.seen, "rows": self.seen}
+            self.correct = self.seen = 0
+            return result
+        return {}
+
+
+class _Scorer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def _examples() -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 4, generator=generator)
+    return [{"x": x[i], "labels": int(i % 3)} for i in range(ROWS)]
+
+
+def _trainer(output_dir: str, num_workers: int, **overrides) -> Trainer:
+    metrics = BatchedAccuracy() if overrides.get("batch_eval_metrics") else Accuracy()
+    args = TrainingArguments(output_dir=output_dir, num_workers=num_workers, per_device_eval_batch_size=BATCH,
+                             report_to="none", disable_tqdm=True, **overrides)
+    return Trainer(model=_Scorer(), args=args, eval_dataset=_examples(), compute_metrics=metrics)
+
+
+def _evaluate_on_rank(recipes: dict, rank: int, port: str, results) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
+    from raytrainer.worker.hosted_sharding import build_trainer
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method="env://", rank=rank, world_size=2)
+    ctx = RankContext(world_size=2, rank=rank, local_rank=rank, local_world_size=2)
+    seen = {"rank": rank}
+    for name, recipe in recipes.items():
+        trainer_cls, args, kwargs, targs, _given = recipe.unpack(2)
+        trainer = build_trainer(trainer_cls, args, kwargs, targs, again=lambda r=recipe: r.unpack(2)[1:3])
+        evaluate_as_one_process(trainer, ctx)
+        evaluated = trainer.evaluate()
+        predicted = trainer.predict(trainer.eval_dataset)
+        seen[name] = {"evaluate": evaluated, "metrics": predicted.metrics,
+                      "calls": trainer.compute_metrics.calls,
+                      "predictions": np.asarray(predicted.predictions),
+                      "labels": np.asarray(predicted.label_ids)}
+    results.put(seen)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _measured(metrics: dict) -> dict:
+    """The metrics without each process's own timings (``*_runtime``, ``*_per_second``...)."""
+    return {k: v for k, v in metrics.items() if not k.endswith(("_runtime", "_per_second", "_time"))}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of two real ranks got in every case, both spawned once."""
+    out = str(tmp_path_factory.mktemp("eval"))
+    recipes = {name: _trainer(out, 2, **overrides)._recipe for name, overrides in CASES.items()}
+    seen = run_two_ranks(functools.partial(_evaluate_on_rank, recipes), _free_port(), timeout=240)
+    return sorted(seen, key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_evaluate_and_predict_as_one_process(ranks, tmp_path, case):
+    one = _trainer(str(tmp_path), 0, **CASES[case])
+    evaluated, predicted = one.evaluate(), one.predict(one.eval_dataset)
+    zero, other = ranks[0][case], ranks[1][case]
+    # rank 0: every row once, in dataset order; the other rank holds only its own share
+    np.testing.assert_allclose(zero["predictions"], predicted.predictions, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(zero["labels"], predicted.label_ids)
+    assert len(other["predictions"]) < ROWS
+    for key in ("evaluate", "metrics"):
+        mine = zero[key]
+        assert _measured(mine) == _measured(other[key])  # rank 0's metrics on every rank
+        theirs = evaluated if key == "evaluate" else predicted.metrics
+        prefix = "eval" if key == "evaluate" else "test"
+        assert mine[f"{prefix}_accuracy"] == pytest.approx(theirs[f"{prefix}_accuracy"])
+        assert mine[f"{prefix}_rows"] == theirs[f"{prefix}_rows"] == ROWS
+        assert mine[f"{prefix}_loss"] == pytest.approx(theirs[f"{prefix}_loss"], rel=1e-6)
+    # compute_metrics ran on rank 0 only: once per call, or once per batch of both ranks' rows
+    assert other["calls"] == []
+    if case == "batched":
+        assert zero["calls"] == [2 * BATCH, 2 * BATCH, 1] * 2
+    else:
+        assert zero["calls"] == [ROWS, ROWS]
