@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset
 from transformers.data.data_collator import default_data_collator as _default_data_collator
 from transformers.trainer_utils import RemoveColumnsCollator as _RemoveColumnsCollator
 
@@ -85,7 +86,9 @@ def default_label_names(model: torch.nn.Module) -> list[str]:
 
 # -- Ray Data ----------------------------------------------------------------------------------------
 def is_ray_dataset(obj) -> bool:
-    return type(obj).__module__.startswith("ray.data") and hasattr(obj, "iter_torch_batches")
+    """A ``ray.data.Dataset``, or one made a training set transformers' loop takes (``RayTrainingSet``)."""
+    return isinstance(obj, RayTrainingSet) or (
+        type(obj).__module__.startswith("ray.data") and hasattr(obj, "iter_torch_batches"))
 
 
 #: Rows of Ray Data's local shuffle buffer per batch row (at least ``_SHUFFLE_MIN_ROWS``): each worker
@@ -93,6 +96,86 @@ def is_ray_dataset(obj) -> bool:
 #: (``random_shuffle``) would move the whole data set across the network every epoch.
 _SHUFFLE_BATCHES = 16
 _SHUFFLE_MIN_ROWS = 256
+
+
+class RayTrainingSet:
+    """A Ray Data training set as transformers' Trainer takes one: with a length (its rows, counted once on
+    the driver), so that its loop sizes the epoch and the schedule as for any sized data set. Each rank reads
+    it through ``ray_data_loader``, from its own shard on a Ray Train worker."""
+
+    def __init__(self, dataset, rows: int):
+        self.dataset, self.rows = dataset, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def take(self, n: int) -> list:  # the driver's checks read its first examples (driver/preflight.py)
+        return self.dataset.take(n)
+
+
+def uses_ray_data(*datasets) -> bool:
+    """Whether any of ``datasets`` (or of the evaluation sets a mapping holds) is a Ray Dataset."""
+    return any(uses_ray_data(*d.values()) if isinstance(d, Mapping) else is_ray_dataset(d) for d in datasets)
+
+
+def ray_data_as_transformers_takes_it(train_dataset, eval_dataset):
+    """The constructor's data sets with a Ray Dataset made what transformers' loop reads: a training set
+    sized (``RayTrainingSet``), an evaluation set read into its rows (``ray_data_rows``). Ray must be
+    started first, the way raytrainer starts it (Ray Data would start it on its own, with no CPU to
+    spare: driver/ray_runtime.ensure_ray)."""
+    if is_ray_dataset(train_dataset) and not isinstance(train_dataset, RayTrainingSet):
+        train_dataset = RayTrainingSet(train_dataset, train_dataset.count())
+    return train_dataset, ray_data_rows(eval_dataset)
+
+
+def ray_data_rows(dataset):
+    """A Ray Dataset used for evaluation (or a mapping holding some), read here into rows. Evaluation needs
+    every example once and in order; and a worker cannot read a Ray Dataset itself: Ray Data's tasks would
+    wait for CPUs inside the Ray Train placement group that the workers hold."""
+    if isinstance(dataset, Mapping):
+        return {k: ray_data_rows(v) for k, v in dataset.items()}
+    return dataset.take_all() if is_ray_dataset(dataset) else dataset
+
+
+def ray_data_loader(trainer, ctx):
+    """``get_train_dataloader`` for a ``RayTrainingSet`` on a rank (``ctx``): its batches, from this Ray Train
+    worker's shard (the driver padded the data set to a multiple of the workers: ``pad_ray_dataset``), or
+    from the whole data set in the driver's own process; in a new order every epoch, seeded ``data_seed``
+    (else ``seed``) + the epoch transformers' loop is in (``state.epoch``, so a resumed run reads its epoch's
+    order), unless ``train_sampling_strategy="sequential"``. A torch ``DataLoader`` over them, so that
+    transformers' loop skips a resumed epoch's first batches as it skips any loader's."""
+    from torch.utils.data import DataLoader
+
+    args, dataset = trainer.args, trainer.train_dataset
+    if ctx.on_ray:
+        import ray.train
+
+        source, rows = ray.train.get_dataset_shard("train"), -(-dataset.rows // ctx.world_size)
+    else:
+        source, rows = dataset.dataset, dataset.rows
+    keep = signature_columns(trainer.model, trainer.label_names) if args.remove_unused_columns else None
+    seed = None if args.train_sampling_strategy == "sequential" else (
+        args.seed if args.data_seed is None else args.data_seed)
+    batches = RayDataBatches(source, trainer._train_batch_size, rows, keep, args.dataloader_drop_last, seed)
+    stream = _EpochStream(batches, lambda: int(trainer.state.epoch or 0))
+    counted = type(trainer).num_examples  # transformers' "Num examples": the data set's rows, as for any set
+    trainer.num_examples = lambda loader: (dataset.rows if getattr(loader, "dataset", None) is stream
+                                           else counted(trainer, loader))
+    return DataLoader(stream, batch_size=None)
+
+
+class _EpochStream(IterableDataset):
+    """``RayDataBatches`` as a torch data set of batches, told the epoch when each pass begins."""
+
+    def __init__(self, batches: RayDataBatches, epoch):
+        self.batches, self.epoch = batches, epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        self.batches.set_epoch(self.epoch())
+        return iter(self.batches)
 
 
 def pad_ray_dataset(dataset, rows: int, world_size: int):

@@ -1,9 +1,9 @@
 """The trained weights go from the workers to the driver through storage, never through Ray.
 
 At the end of ``train()`` on Ray workers every rank takes part in writing the final weights into
-``<storage root>/.raytrainer/final-model/``, in its strategy's layout (``Strategy.save_final_weights``):
-one consolidated ``model.safetensors`` written by rank 0 for replicated strategies, one
-torch.distributed.checkpoint (DCP) file per rank for sharded ones, each rank writing only its own shard.
+``<storage root>/.raytrainer/final-model/``, in the layout of what accelerate made of the model
+(``write_hosted``): one consolidated ``model.safetensors`` written by rank 0 for a replicated model, one
+torch.distributed.checkpoint (DCP) file per rank under FSDP2, each rank writing only its own shard.
 Rank 0's answer through the event channel carries the folder's URI, a few bytes.
 
 The driver's ``trainer.model`` is filled from that folder lazily, on first access (``load_into``): a
@@ -32,14 +32,9 @@ FOLDER = posixpath.join(STATE_FOLDER, "final-model")  # hidden; never pushed to 
 DCP_METADATA = ".metadata"
 
 
-def write(trainer, session) -> str:
-    """On every rank after ``train()``: write the final weights (a collective); returns the folder URI."""
-    return write_with(trainer.args, session.ctx,
-                      lambda folder: session.strategy.save_final_weights(trainer.model_wrapped, folder))
-
-
 def write_hosted(trainer, ctx, args) -> str:
-    """``write`` for transformers' loop on a rank (a hosted trainer's, raytrainer/hosted.py): the layout
+    """On every rank after ``train()`` of transformers' loop, the final weights written (a collective;
+    returns the folder URI): the layout
     follows what accelerate made of the model -- each rank's DCP shard under FSDP2, DeepSpeed's ZeRO-3
     partitions gathered module by module onto rank 0, else rank 0's ``model.safetensors``. ``args``: the
     arguments with the Ray fields (the run's storage)."""

@@ -106,6 +106,25 @@ def _in_this_process(init):
     return __init__
 
 
+def _with_ray_data_read(signature: inspect.Signature, args: tuple, kwargs: dict, targs) -> tuple[tuple, dict]:
+    """The constructor's arguments with a Ray Dataset among its data sets made what transformers' loop reads
+    (``data.ray_data_as_transformers_takes_it``; Ray started first, raytrainer's way)."""
+    from raytrainer import data
+
+    bound = signature.bind(None, *args, **kwargs).arguments
+    given = bound.get("train_dataset"), bound.get("eval_dataset")
+    if not data.uses_ray_data(*given):
+        return args, kwargs
+    from raytrainer.driver.ray_runtime import ensure_ray
+
+    ensure_ray(targs)
+    for name, old, new in zip(("train_dataset", "eval_dataset"), given,
+                              data.ray_data_as_transformers_takes_it(*given)):
+        if new is not old:
+            args, kwargs = _replace_args(signature, args, kwargs, new, name=name)
+    return args, kwargs
+
+
 @functools.cache
 def _driver_class(cls: type) -> type:
     """The driver's side of ``cls`` (a twin or a subclass of one): ``HostedTrainer`` in front of it. The
@@ -138,6 +157,8 @@ class HostedTrainer:
         bound = signature.bind(None, *args, **kwargs)
         targs = _find_args(signature, bound)
         check(self.hosted_class, targs)
+        args, kwargs = _with_ray_data_read(signature, args, kwargs, targs)
+        bound = signature.bind(None, *args, **kwargs)
         ship_dynamic_modules()  # a trust_remote_code model's classes travel by value
         display = PrinterCallback() if targs.disable_tqdm else ProgressCallback()
         # the script's callbacks that ask to run here (``on_driver = True``: a search's reporter, one that
@@ -404,8 +425,13 @@ class HostedTrainer:
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
         if method != "train" and vars(self).get("_weights_at"):  # ranks that build the trainer anew (a new
             kwargs = {**kwargs, "trained_weights": self._weights_at}  # or restarted group) load them
+        if method in ("evaluate", "predict"):  # a Ray Dataset to evaluate on: its rows, read here
+            from raytrainer.data import ray_data_rows
+
+            kwargs = {k: ray_data_rows(v) if k in ("eval_dataset", "test_dataset") else v
+                      for k, v in kwargs.items()}
         recipe, payload = self._recipe.for_command()
-        spec = Spec(recipe, kwargs, None, driver_transformers_level(), *driver_place(), payload=payload)
+        spec = Spec(recipe, kwargs, driver_transformers_level(), *driver_place(), payload=payload)
         result = launch(self, spec, method, registry or CheckpointRegistry(self.args))
         # what the script's callbacks recorded on rank 0, in the script's own instances (as in one process)
         absorb_callback_states(self._given("callbacks") or (), result.callbacks)

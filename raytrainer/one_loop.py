@@ -96,6 +96,7 @@ class _Additions:
         init = super().__init__  # on a rank: the twin's, which gives transformers' loop the plain arguments
         if here:  # the driver's process: the trainer's arguments are raytrainer's, the object given
             args = self._ray_arguments(args)
+            train_dataset, eval_dataset = _ray_data_read(train_dataset, eval_dataset, args)
             init = functools.partial(self._twin_of.__init__, self)
             self._constructor = dict(  # what each trial of a search builds its trainer from (for_trial)
                 model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -204,10 +205,12 @@ class _Additions:
                                     dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs))
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **kwargs):
+        eval_dataset = _rows_if_ray_data(eval_dataset)
         with self._in_this_process("evaluate", {"eval_dataset": eval_dataset}):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **kwargs)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
+        test_dataset = _rows_if_ray_data(test_dataset)
         with self._in_this_process("predict", {"test_dataset": test_dataset}):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, **kwargs)
 
@@ -395,6 +398,26 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
+
+
+def _ray_data_read(train_dataset, eval_dataset, args):
+    """A Ray Dataset among the data sets made what transformers' loop reads (raytrainer/data.py), Ray started
+    first, raytrainer's way."""
+    from raytrainer import data
+
+    if not data.uses_ray_data(train_dataset, eval_dataset):
+        return train_dataset, eval_dataset
+    from raytrainer.driver.ray_runtime import ensure_ray
+
+    ensure_ray(args)
+    return data.ray_data_as_transformers_takes_it(train_dataset, eval_dataset)
+
+
+def _rows_if_ray_data(dataset):
+    """A Ray Dataset (or a mapping holding some) to evaluate on in this process: its rows, in order."""
+    from raytrainer import data
+
+    return data.ray_data_rows(dataset) if data.uses_ray_data(dataset) else dataset
 
 
 def _built_anew(cls: type, constructor: dict):

@@ -51,13 +51,12 @@ class Command:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a command runs (driver/spec.py builds it): the pickled Trainer -- the user's state only -- (for a
-    hosted trainer, its ``Recipe``: raytrainer/hosted.py), the call's arguments, and what the driver learnt
-    for the ranks: the rows of a Ray Dataset training set and transformers' log level in the script."""
+    """What a command runs (raytrainer/hosted.py builds it): the trainer's ``Recipe`` pickled without its
+    payload (raytrainer/hosted_recipe.py), the call's arguments, and what the driver learnt for the ranks:
+    transformers' log level in the script."""
 
     trainer: bytes
     kwargs: dict
-    ray_data_rows: int | None = None
     transformers_log_level: int | None = None
     #: the driver's working directory and import path: each rank runs the command there, where its node has
     #: them, so that relative paths and the user's modules mean what they mean on the driver

@@ -1,8 +1,9 @@
-"""Launching a Trainer method on the Trainer's worker group (driver/group.py).
+"""Launching a trainer's method on its worker group (driver/group.py).
 
-The run spec is the pickled Trainer itself (made once by the preflight), so a subclass's overrides run on
-the workers; the group puts it in the object store once per command and the command carries only its
-reference. While the command runs, the group's pump (driver/display.py) shows the workers' events.
+The run spec carries the trainer's recipe (raytrainer/hosted_recipe.py: its class and constructor's
+arguments, so a subclass's overrides run on the workers); the group puts it in the object store once per
+command and the command carries only its reference. While the command runs, the group's pump
+(driver/display.py) shows the workers' events.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
     from raytrainer.driver.ray_train import RayBackend
 
     args = trainer.args
-    datasets = _ray_datasets(trainer, spec, method)
+    datasets = _ray_datasets(trainer, method)
     group = trainer.__dict__.get("_group")
     backend = group.backend if group is not None else None  # a replacement runs where the last one ran
     if group is not None and (datasets or not group.usable_for(args)):
@@ -40,11 +41,11 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
             group.close()
 
 
-def _ray_datasets(trainer, spec: Spec, method: str) -> dict | None:
+def _ray_datasets(trainer, method: str) -> dict | None:
     """A Ray Data training set goes to Ray Train, which gives each worker its shard."""
-    from raytrainer.data import is_ray_dataset, pad_ray_dataset
+    from raytrainer.data import RayTrainingSet, pad_ray_dataset
 
-    dataset = trainer.train_dataset
-    if method == "train" and is_ray_dataset(dataset):  # no row left out of the equal split
-        return {"train": pad_ray_dataset(dataset, spec.ray_data_rows, max(trainer.args.num_workers, 1))}
+    dataset = trainer._given("train_dataset")
+    if method == "train" and isinstance(dataset, RayTrainingSet):  # no row left out of the equal split
+        return {"train": pad_ray_dataset(dataset.dataset, dataset.rows, max(trainer.args.num_workers, 1))}
     return None

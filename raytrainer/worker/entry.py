@@ -46,8 +46,7 @@ def worker_main(config: dict) -> None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
-        session = RankSession(ctx, client, ray_data_rows=spec.ray_data_rows,
-                              transformers_log_level=spec.transformers_log_level)
+        session = RankSession(ctx, client, transformers_log_level=spec.transformers_log_level)
         try:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
             # driver's did (a folder the script put on sys.path, which Ray does not pass on)

@@ -167,8 +167,9 @@ def rank_layer(trainer, ctx, channel, given) -> None:
     checkpoint committed through ``channel``, its files written in the background (worker/hosted_saves.py),
     a loss that is a mean taken as one (worker/loss.py), ``nonfinite_loss``, a resume on another world size
     recorded, a resumed loader's seed drawn off the random stream (worker/hosted_resume.py), one
-    ``auto_find_batch_size`` for every rank (worker/hosted_batch_size.py). ``given``: the arguments with
-    their Ray fields."""
+    ``auto_find_batch_size`` for every rank (worker/hosted_batch_size.py), a Ray Data training set read
+    from the rank's shard. ``given``: the arguments with their Ray fields."""
+    from raytrainer.data import RayTrainingSet, ray_data_loader
     from raytrainer.worker.agreement import add_to_layer
     from raytrainer.worker.hosted_batch_size import AgreedBatchSize
     from raytrainer.worker.hosted_commit import CommitCallback, commit_jit_checkpoints
@@ -184,6 +185,8 @@ def rank_layer(trainer, ctx, channel, given) -> None:
     add_to_layer(trainer, WorldSizeRecord(trainer))
     add_to_layer(trainer, LoaderSeedOffTheStream())
     add_to_layer(trainer, AgreedBatchSize(trainer, ctx))
+    if isinstance(trainer.train_dataset, RayTrainingSet):  # each rank reads its shard (raytrainer/data.py)
+        trainer.get_train_dataloader = functools.partial(ray_data_loader, trainer, ctx)
 
 
 def _follow_the_driver(trainer, session: RankSession, stops: bool) -> None:

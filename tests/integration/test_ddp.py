@@ -14,13 +14,14 @@ from models import (
     FlagsOnOneRank,
     LoggingTrainer,
     Regressor,
+    SeenRows,
     SlowOnRank,
     StopAtStepOnRank,
     UnusedHead,
     make_data,
 )
 
-from raytrainer import ArgumentParser, Trainer, TrainingArguments
+from raytrainer import ArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 
 def _args(tmp_path, name: str, **kw) -> TrainingArguments:
@@ -204,6 +205,44 @@ def test_ray_dataset_rows_are_all_trained_on_in_a_new_order_every_epoch(tmp_path
     for rank in (0, 1):
         assert seen[(rank, 1)] != seen[(rank, 2)]  # a new order each epoch
         assert seen[(rank, 1)] != sorted(seen[(rank, 1)])  # shuffled, not in row order
+
+
+class _EpochsSeen(TrainerCallback):
+    """The row ids a ``SeenRows`` model trained on, epoch by epoch (in this process)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        self.seen.append(model.seen[:])
+        model.seen.clear()
+
+
+@pytest.mark.timeout(300)
+def test_ray_dataset_trains_and_evaluates_in_this_process_as_a_sized_set(tmp_path):
+    """num_workers=0: a Ray Dataset trains as a sized data set in transformers' loop (every row once per
+    epoch, a new order every epoch, the steps and epochs transformers counts for 40 rows) and evaluates on
+    every row, in order, as the same rows given as a list."""
+    import ray
+
+    from raytrainer import set_seed
+
+    rows = [{"x": np.array([i, *d["x"][1:].tolist()], dtype=np.float32), "label": d["labels"]}
+            for i, d in enumerate(make_data(40))]
+    epochs = _EpochsSeen()
+    trainer = Trainer(model=SeenRows(), train_dataset=ray.data.from_items(rows),
+                      eval_dataset=ray.data.from_items(rows), callbacks=[epochs],
+                      args=_args(tmp_path, "raydata-here", num_workers=0, per_device_train_batch_size=8,
+                                 per_device_eval_batch_size=8, num_train_epochs=2, learning_rate=1e-3,
+                                 seed=3))
+    out = trainer.train()
+    assert out.global_step == 10 and trainer.state.epoch == 2.0  # 40 rows in batches of 8, 2 epochs
+    assert [sorted(e) for e in epochs.seen] == [list(range(40))] * 2 and epochs.seen[0] != epochs.seen[1]
+    set_seed(0)
+    listed = Trainer(model=trainer.model, eval_dataset=[{"x": torch.from_numpy(r["x"]), "labels": r["label"]}
+                                                        for r in rows],
+                     args=_args(tmp_path, "listed", num_workers=0, per_device_eval_batch_size=8))
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(listed.evaluate()["eval_loss"], rel=1e-6)
 
 
 def test_auto_find_batch_size_agrees_on_one_size_across_workers(tmp_path, capfd):

@@ -14,9 +14,7 @@ from torch import nn
 
 from raytrainer import TrainingArguments, final_weights
 from raytrainer.rank_context import RankContext
-from raytrainer.strategies.base import Strategy
 from raytrainer.worker.channel_client import MAX_RESULT_TENSOR_BYTES, refuse_weights
-from raytrainer.worker.session import RankSession
 
 
 def _model(seed: int) -> nn.Module:
@@ -25,22 +23,26 @@ def _model(seed: int) -> nn.Module:
 
 
 class _Rank:
-    """What final_weights.write needs of a Trainer running as a rank."""
+    """What final_weights.write_hosted reads of a trainer on a rank: its model, as accelerate prepared it."""
 
-    def __init__(self, args, strategy, model):
-        self.args, self.model_wrapped = args, model
+    def __init__(self, model):
+        self.model = self.model_wrapped = model
+        self.accelerator = self
+
+    def unwrap_model(self, model):
+        return model
 
 
-def _session(strategy) -> RankSession:
-    return RankSession(strategy.ctx, strategy=strategy)
+def _write(args, model) -> str:
+    return final_weights.write_hosted(_Rank(model), RankContext(), args)
 
 
 def _args(out, **kw) -> TrainingArguments:
     return TrainingArguments(output_dir=str(out), report_to="none", **kw)
 
 
-def _round_trip(args, strategy, trained):
-    uri = final_weights.write(_Rank(args, strategy, trained), _session(strategy))
+def _round_trip(args, trained):
+    uri = _write(args, trained)
     driver = _model(seed=1)  # the driver's module: other values, filled in place
     before = driver[0].weight
     final_weights.load_into(driver, uri, args.storage_filesystem)
@@ -51,7 +53,7 @@ def _round_trip(args, strategy, trained):
 def test_replicated_weights_are_one_safetensors_file_filled_in_place(tmp_path):
     args = _args(tmp_path / "out")
     trained = _model(seed=0)
-    uri, driver = _round_trip(args, Strategy(RankContext(), args), trained)
+    uri, driver = _round_trip(args, trained)
     assert os.listdir(uri) == ["model.safetensors"]
     for name, value in trained.state_dict().items():
         assert torch.equal(driver.state_dict()[name], value), name
@@ -60,14 +62,11 @@ def test_replicated_weights_are_one_safetensors_file_filled_in_place(tmp_path):
 def test_fsdp_writes_shards_and_the_driver_loads_them_from_a_bucket(tmp_path, s3_bucket, gloo_group):
     from torch.distributed.fsdp import fully_shard
 
-    from raytrainer.strategies.fsdp import FSDPStrategy
-
     args = _args(tmp_path / "out", storage_path=f"{s3_bucket.uri}/run", fsdp="full_shard", num_workers=1)
     trained = _model(seed=0)
     expected = {k: v.clone() for k, v in trained.state_dict().items()}
-    strategy = FSDPStrategy(RankContext(), args)
-    fully_shard(trained)
-    uri, driver = _round_trip(args, strategy, trained)
+    fully_shard(trained)  # as accelerate's FSDP2 prepares it: each rank's parameters a DTensor shard
+    uri, driver = _round_trip(args, trained)
     assert uri == f"{s3_bucket.uri}/run/.raytrainer/final-model"
     folder = "run/.raytrainer/final-model/"
     assert sorted(k for k in s3_bucket.list_objects(folder) if not k.endswith("/")) == [
@@ -78,11 +77,10 @@ def test_fsdp_writes_shards_and_the_driver_loads_them_from_a_bucket(tmp_path, s3
 
 def test_a_second_write_replaces_the_first(tmp_path):
     args = _args(tmp_path / "out")
-    strategy = Strategy(RankContext(), args)
-    final_weights.write(_Rank(args, strategy, _model(seed=0)), _session(strategy))
+    _write(args, _model(seed=0))
     stale = tmp_path / "out" / ".raytrainer" / "final-model" / "__5_0.distcp"
     stale.write_bytes(b"from a run on more workers")
-    _, driver = _round_trip(args, strategy, _model(seed=2))
+    _, driver = _round_trip(args, _model(seed=2))
     assert not stale.exists()
     assert torch.equal(driver[0].weight, _model(seed=2)[0].weight)
 
@@ -178,8 +176,7 @@ def test_a_trainer_built_again_on_the_ranks_loads_the_trained_weights_each_rank_
         assert torch.equal(torch.from_numpy(results[0]["full"][name]), value), name
 
     args = _args(tmp_path / "out")  # replicated: rank 0's model.safetensors, read whole by every rank
-    uri = final_weights.write(_Rank(args, Strategy(RankContext(), args), _model(seed=0)),
-                              _session(Strategy(RankContext(), args)))
+    uri = _write(args, _model(seed=0))
     again = _model(seed=1)
     final_weights.load_on_ranks(again, uri)
     for name, value in _model(seed=0).state_dict().items():
