@@ -8,17 +8,18 @@ checkpoint is ~300 MB) is trained for ``--saves`` x ``--save-steps`` steps on CP
     hf         transformers.Trainer, output_dir local
     rt_local   raytrainer (num_workers=0), output_dir local (storage_path defaults to it)
     rt_remote  raytrainer (num_workers=0), storage_path="file://<another local folder>" standing in for
-               remote storage: like any URI it takes raytrainer's remote path -- a local staging folder
-               (under the run's TMPDIR, same disk), then serialisation, hashing and a pyarrow
-               ``copy_files`` upload in the background thread.
+               remote storage: like any URI it takes raytrainer's remote path -- transformers' loop
+               writes the checkpoint into output_dir (the model and optimizer files on a background
+               thread where it can), then hashing and a pyarrow upload of each file on the commit's
+               thread, the local copy removed after.
 
 Blocking time is the wall time the training thread spends in checkpointing:
 
 - hf: ``Trainer._save_checkpoint`` (model, optimizer, scheduler, RNG, trainer state, rotation).
-- raytrainer: ``Trainer._save_checkpoint`` (which first waits for the previous save's commit) plus every
-  ``CheckpointWriter.commit`` the loop makes outside ``_save_checkpoint`` -- the in-loop commit once the
-  background thread is done, and the final one at the end of training, which waits for the last save's
-  hashing (and upload) on the training thread.
+- raytrainer (transformers' loop with the rank layer): ``Trainer._save_checkpoint`` (which first waits
+  for the previous save's commit) plus every ``CommitCallback.wait`` outside it -- at each ``on_save``,
+  and at the end of training, which waits for the last save's hashing (and upload) on the training
+  thread.
 
 Per run, blocking per save = total blocking time / number of saves; the table shows the median over
 ``--repeats`` runs (sides interleaved, order rotating). Bars (the issue): rt_remote <= 0.5x hf, and
@@ -59,8 +60,7 @@ STORAGE_SIDES = ("rt_remote",)  # checkpoints under storage_dir, not output_dir
 # (side, reference, bar): median blocking per save of side <= bar x reference's.
 BARS = [("rt_remote", "hf", 0.5), ("rt_local", "hf", 1.0)]
 HF_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
-RT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.safetensors",
-            "trainer_state.json", "training_args.json", "manifest.json")
+RT_FILES = (*HF_FILES, "training_args.json", "manifest.json")
 
 
 # =====================================================================================================
@@ -149,22 +149,29 @@ class _Clock:
 
 
 def _instrument_raytrainer(clock: _Clock) -> None:
-    import raytrainer.worker.checkpointing as ckpt
+    import raytrainer.worker.hosted_commit as ckpt
     from raytrainer.storage import Storage
 
-    commit, digest, upload = ckpt.CheckpointWriter.commit, ckpt.digest_files, Storage.upload_dir
+    wait, digest, upload = ckpt.CommitCallback.wait, ckpt.digest_files, Storage.upload_file
+    step = {"n": 0}
 
-    def timed_commit(self):
-        pending = self._pending is not None
+    def on_save(self, args, state, control, **kwargs):  # which step a wait outside the save belongs to
+        step["n"] = state.global_step
+        return saved(self, args, state, control, **kwargs)
+
+    saved = ckpt.CommitCallback.on_save
+
+    def timed_wait(self):
+        pending = self._thread is not None
         t0 = time.perf_counter()
         try:
-            return commit(self)
+            return wait(self)
         finally:
             dt = time.perf_counter() - t0
             if clock.inside():  # nested in save(): already in the _save_checkpoint interval
                 clock.local.wait_prev += dt
             else:
-                clock.commits.append({"step": self.trainer.state.global_step, "s": dt, "pending": pending})
+                clock.commits.append({"step": step["n"], "s": dt, "pending": pending})
 
     def timed(fn, what):
         def wrapper(*a, **k):
@@ -175,9 +182,9 @@ def _instrument_raytrainer(clock: _Clock) -> None:
                 clock.background.append({"what": what, "s": time.perf_counter() - t0})
         return wrapper
 
-    ckpt.CheckpointWriter.commit = timed_commit
+    ckpt.CommitCallback.wait, ckpt.CommitCallback.on_save = timed_wait, on_save
     ckpt.digest_files = timed(digest, "hash")
-    Storage.upload_dir = timed(upload, "upload")
+    Storage.upload_file = timed(upload, "upload")
 
 
 def run_child(cfg_path: str) -> None:

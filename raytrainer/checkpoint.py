@@ -23,14 +23,10 @@ import io
 import json
 import logging
 import os
-import random
 import re
 import tempfile
 
-import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from raytrainer.storage import Storage, uri_basename
 
@@ -532,20 +528,6 @@ def _load_sharded(reader: CheckpointReader, tensors: dict[str, torch.Tensor]) ->
             dcp.load({"model": tensors}, storage_reader=_dcp_storage_reader(reader), no_dist=True)
 
 
-def load_sharded_model_into(model: torch.nn.Module, reader: CheckpointReader) -> None:
-    """The sharded model into a whole ``model`` in one process (the driver's load_best_model_at_end): DCP's
-    planner reads each tensor's bytes straight into the module's own tensors, which the whole checkpoint
-    must fill. The files are verified against the manifest first."""
-    _verify_sharded(reader)
-    own = model.state_dict()
-    shapes = {name: tuple(meta.size) for name, meta in _sharded_metadata(reader).items()}
-    if not loads_its_own_way(model):
-        check_fits(own, shapes, reader.uri)
-    state = {k: v for k, v in own.items() if k in shapes}  # a tied twin stored once
-    _load_sharded(reader, state)
-    model.load_state_dict(state, strict=False)
-
-
 def model_weights(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated weights (its safetensors files, or its DCP-sharded model put together
     in memory: small models, tests and tools only -- a resume reads each rank's share instead)."""
@@ -621,58 +603,3 @@ def loads_its_own_way(model) -> bool:
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def load_checkpoint_model(model: torch.nn.Module, reader: CheckpointReader) -> None:
-    """The checkpoint's model into ``model``: for a PEFT model, the adapter file into its adapters (the frozen
-    base stays as ``model_init`` built it, as transformers' Trainer loads an adapter checkpoint); otherwise
-    the consolidated weights."""
-    if ADAPTER_WEIGHTS in reader.files and hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        adapter = reader.tensors(ADAPTER_WEIGHTS)
-        result = set_peft_model_state_dict(model, adapter)
-        if getattr(result, "unexpected_keys", None):
-            raise CheckpointError(
-                f"{reader.uri} does not fit the model: adapter tensor {result.unexpected_keys[0]!r} has no "
-                "place in it (the checkpoint is from another LoRA configuration: target_modules or r).")
-        return
-    if holds_sharded_model(reader.files) and not _weight_files(reader):
-        load_sharded_model_into(model, reader)
-        return
-    load_weights_into(model, model_weights(reader), reader.uri)
-
-
-def load_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Load consolidated weights, naming the first tensor whose shape or name does not fit."""
-    if not loads_its_own_way(model):
-        check_fits(model.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, source)
-    model.load_state_dict(weights, strict=False)
-
-
-# -- RNG states, without pickle ---------------------------------------------------------------------------
-def rng_state_bytes() -> bytes:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = state
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    metadata = {
-        "python": json.dumps([version, list(internal), gauss]),
-        "numpy": json.dumps([kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]),
-    }
-    return save_safetensors(tensors, metadata=metadata)
-
-
-def restore_rng_state(data: bytes) -> None:
-    tensors = load_safetensors(data)
-    header_len = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
-    version, internal, gauss = json.loads(metadata["python"])
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = json.loads(metadata["numpy"])
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(t for t in tensors if t.startswith("cuda_"))]
-        if states:
-            torch.cuda.set_rng_state_all(states)

@@ -103,6 +103,3 @@ def batch_at(args, world: int) -> tuple[int, int]:
     return batch, accumulation
 
 
-def fit_batch(args, world: int) -> None:
-    """Set ``batch_at`` on a rank's own copy of the arguments."""
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = batch_at(args, world)

@@ -11,11 +11,9 @@ raytrainer never unpickles the ``.bin`` itself.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import fields
 
 import torch
-from safetensors.torch import save_file
 
 WEIGHTS_NAME = "model.safetensors"
 TRAINING_ARGS_NAME = "training_args.json"
@@ -55,52 +53,6 @@ def peft_saved_keys(model, state_dict: dict) -> list[str] | None:
                     return None
                 kept.add(key_of[id(tensor)])
     return [k for k in state_dict if k in kept]
-
-
-def save_model_files(model, output_dir: str, state_dict, processing_class, args) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    if state_dict is None:
-        state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-    else:
-        path = os.path.join(output_dir, WEIGHTS_NAME)
-        save_file(dedupe_shared(state_dict), path, metadata={"format": "pt"})
-    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(output_dir)
-    _save_arguments(args, output_dir)
-
-
-def save_model_metadata(model, output_dir: str, args) -> None:
-    """Everything ``save_model_files`` writes except the weights: a checkpoint whose model is held as each
-    rank's shard (FSDP's ``pytorch_model_fsdp_0/``) still has the model's ``config.json`` (architectures
-    naming the model's own class, not FSDP's subclass of it), its generation config, a custom-code
-    model's files, and the training arguments -- what ``raytrainer consolidate`` copies beside the
-    weights so the folder loads with ``from_pretrained``."""
-    os.makedirs(output_dir, exist_ok=True)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")),
-                   type(model))
-        config = copy.copy(config)
-        config.architectures = [own.__name__]
-        config.save_pretrained(output_dir)
-        if getattr(model, "_auto_class", None) is not None:  # custom code: its modules beside the config
-            from transformers.dynamic_module_utils import custom_object_save
-
-            custom_object_save(model, output_dir, config=config)
-        generation = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", None)
-        if generation is not None and callable(can_generate) and can_generate():
-            generation.save_pretrained(output_dir)
-    _save_arguments(args, output_dir)
-
-
-def _save_arguments(args, output_dir: str) -> None:
-    """``training_args.json`` (readable) and transformers' ``training_args.bin``, neither with a secret."""
-    with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w") as f:
-        f.write(args.to_json_string())
-    torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_BIN))
 
 
 def without_secrets(args, fallback=None):

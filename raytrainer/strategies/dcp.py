@@ -77,20 +77,6 @@ def save_model(model, folder: str, pending: list | None = None) -> str:
     return MODEL_DIR
 
 
-def load_model(model, reader, ctx) -> None:
-    """The checkpoint's ``pytorch_model_fsdp_0/`` into ``model`` (FSDP-sharded, DDP-wrapped or plain), as a
-    collective when a process group is up: each rank fills what it holds -- its own shards under FSDP, the
-    whole tensors otherwise -- reading only those bytes (see ``load_optimizer``)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    loaded = {"model": get_model_state_dict(model)}  # the layout to fill: DTensor shards under FSDP
-    with reader.dcp_reader(MODEL_DIR, ctx) as storage_reader:
-        dcp.load(loaded, storage_reader=storage_reader, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, loaded["model"])
-
-
 def save_optimizer(model, optimizer, folder: str, pending: list | None = None) -> str:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

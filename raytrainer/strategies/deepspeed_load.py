@@ -51,16 +51,3 @@ def weights_only_loads():
         torch.load = original
 
 
-def zero_weights(reader, tag: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights held by a ZeRO checkpoint's partitions (``reader``: a committed CheckpointReader,
-    ``tag``: its ``global_step<N>``), put together in this process by DeepSpeed's own converter, every file
-    verified against the manifest. A whole-model copy in memory: for a process that holds the whole model
-    anyway (the driver's ``load_best_model_at_end``). The optimizer partitions hold the fp32 master weights
-    beside Adam's moments, so the files read are ~3x the model's fp32 size (a bucket's are downloaded)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from raytrainer.rank_context import RankContext
-
-    names = sorted(n for n in reader.files if n.startswith(f"{tag}/"))
-    with reader.local_copy(names, RankContext()) as folder, weights_only_loads():
-        return get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)

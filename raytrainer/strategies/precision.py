@@ -101,10 +101,6 @@ class CastPrecision(Precision):
         return data
 
 
-def full_eval_dtype(args) -> torch.dtype | None:
-    return torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
-
-
 def select_precision(args, device: torch.device) -> Precision:
     if args.fp16:
         return Fp16Precision(device.type)

@@ -39,7 +39,6 @@ from raytrainer.checkpoint import (
 from raytrainer.protocol import CheckpointPart, Kind
 from raytrainer.rank_context import side_group
 from raytrainer.storage import Storage
-from raytrainer.worker.checkpointing import _walk
 
 logger = logging.getLogger(__name__)
 
@@ -217,3 +216,11 @@ def commit_jit_checkpoints(trainer, commit: CommitCallback) -> None:
 
             manager.execute_jit_checkpoint = execute_and_commit
         manager._raytrainer_commit = commit
+
+
+def _walk(folder: str) -> list[str]:
+    """Every file under ``folder``, as paths relative to it."""
+    out = []
+    for root, _dirs, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return out

@@ -8,7 +8,6 @@ model is wrapped, so DDP and FSDP alike see it) and removed when it ends.
 from __future__ import annotations
 
 import torch
-from transformers.integrations.neftune import neftune_post_forward_hook
 
 
 def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
@@ -25,12 +24,3 @@ def input_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     return found[0]
 
 
-class NEFTune:
-    def __init__(self, model: torch.nn.Module, alpha: float):
-        self.module = input_embeddings(model)
-        self.module.neftune_noise_alpha = alpha
-        self.handle = self.module.register_forward_hook(neftune_post_forward_hook)  # transformers' hook
-
-    def remove(self) -> None:
-        self.handle.remove()
-        del self.module.neftune_noise_alpha
