@@ -3,9 +3,8 @@
 transformers' ``evaluation_loop`` all-gathers every batch's losses, logits and labels onto every rank
 (``accelerator.gather_for_metrics``) and runs ``compute_metrics`` on every rank. At 64 ranks that is 64
 copies of every prediction (a causal LM's logits: rows x length x vocabulary) and 64 runs of the metric.
-raytrainer's loop sends each rank's predictions to rank 0 alone; a hosted trainer gets the same here,
-through two instance attributes for the duration of each ``evaluation_loop`` call, with transformers' (or
-TRL's) loop otherwise as it is:
+raytrainer sends each rank's predictions to rank 0 alone, through two instance attributes for the
+duration of each ``evaluation_loop`` call, with transformers' (or TRL's) loop otherwise as it is:
 
 - ``accelerator.gather`` (which ``gather_for_metrics`` calls, then cutting the last batch's padding as it
   always does; transformers' Seq2SeqTrainer, which gathers without the cut, is given the cut too) sends
@@ -18,13 +17,14 @@ TRL's) loop otherwise as it is:
 ``eval_use_gather_object`` (arbitrary objects) keeps accelerate's own all-gather of objects. Each batch's
 loss is its own labels' mean, as in one process (``average_tokens_across_devices`` off inside
 ``prediction_step``): transformers counts every rank's labels there, so that a causal LM's eval_loss over
-padded rows would move with the worker count.
+padded rows would move with the worker count. On the last round, whose batches accelerate fills with the
+data set's first rows, a rank holding some of the data set's rows steps those alone, the batch one process
+steps: its loss their mean, its generations made without other rows beside them (a beam search pads a
+finished sequence by what else is in its batch), the rows given back for the gathering's shapes and cut
+there.
 """
 
 from __future__ import annotations
-
-import contextlib
-import copy
 
 import torch
 
@@ -43,17 +43,18 @@ def evaluate_as_one_process(trainer, ctx) -> None:
         # ranks sharing the batch, right only for a count summed over every rank
         trainer.get_tp_size = _one
         try:
-            loss, logits, labels = step(model, inputs, prediction_loss_only, *args, **kwargs)
-            if loss is not None and _last_round_padded(trainer, ctx):
-                # every rank steps again (a trainer's compute_loss may gather: TRL's), on its own rows
+            real = None
+            if _last_round_padded(trainer, ctx):
                 remainder = trainer.accelerator.gradient_state.remainder
                 real = _real_rows(ctx.rank // _replicas(trainer), remainder, _batch_rows(inputs))
-                again = inputs if real is None else _first_rows(inputs, real)
-                with _metrics_kept(trainer):
-                    loss_of_rows = step(model, again, True, *args, **kwargs)[0]
-                if real is not None:
-                    loss = loss_of_rows
-            return loss, logits, labels
+            if real is None:  # every row is the data set's, or none is (cut after the gathering)
+                return step(model, inputs, prediction_loss_only, *args, **kwargs)
+            # the data set's rows alone, the batch one process steps (its loss their mean, its generations
+            # made without the padding rows beside them); the padding rows back for the gathering's shapes
+            mine = _first_rows(inputs, real)
+            loss, logits, labels = step(model, mine, prediction_loss_only, *args, **kwargs)
+            rows = _batch_rows(inputs)
+            return loss, _rows_again(logits, real, rows), _rows_again(labels, real, rows)
         finally:
             targs.average_tokens_across_devices = counted_across
             del trainer.get_tp_size  # the class's own again
@@ -114,25 +115,23 @@ def _real_rows(reader: int, remainder: int, rows: int | None) -> int | None:
     return real if 0 < real < rows else None
 
 
-@contextlib.contextmanager
-def _metrics_kept(trainer):
-    """The loss-only step leaves no trace in a trainer's own evaluation metrics (TRL's ``_metrics``, which
-    its trainers' ``compute_loss`` appends to, and DPO's ``_stored_metrics``)."""
-    kept = {name: copy.deepcopy(vars(trainer)[name]) for name in _METRIC_LISTS if name in vars(trainer)}
-    try:
-        yield
-    finally:
-        vars(trainer).update(kept)
-
-
-#: Where TRL's trainers collect the metrics each step records, for their next log.
-_METRIC_LISTS = ("_metrics", "_stored_metrics")
-
-
 def _batch_rows(inputs) -> int | None:
     """The batch's row count, when every tensor in ``inputs`` has it first."""
     sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim > 0}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def _rows_again(outputs, real: int, rows: int):
+    """``outputs`` of a batch's first ``real`` rows given ``rows`` rows again, the last one repeated: the
+    shapes every rank gathers alike; the repeated rows are the padding rows ``gather_for_metrics`` cuts."""
+    from accelerate.utils import recursively_apply
+
+    def fill(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim == 0 or tensor.shape[0] != real:
+            return tensor
+        return torch.cat([tensor, tensor[-1:].expand(rows - real, *tensor.shape[1:])])
+
+    return None if outputs is None else recursively_apply(fill, outputs)
 
 
 def _first_rows(inputs, n: int) -> dict:

@@ -4,12 +4,10 @@ path runs on workers in tests/integration/test_guarantees.py (11 rows in batches
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from raytrainer.worker.hosted_evaluation import _batch_rows, _first_rows, _metrics_kept, _real_rows
+from raytrainer.worker.hosted_evaluation import _batch_rows, _first_rows, _real_rows, _rows_again
 
 
 @pytest.mark.parametrize(("remainder", "rank", "rows", "real"), [
@@ -34,15 +32,9 @@ def test_the_first_rows_of_a_batch_and_its_row_count():
     assert _batch_rows({"a": torch.zeros(4, 2), "b": torch.zeros(3)}) is None
 
 
-def test_the_loss_only_step_leaves_the_trainers_metric_lists_as_they_were():
-    trainer = SimpleNamespace(_metrics={"eval": {"mean_token_accuracy": [0.5]}},
-                              _stored_metrics={"eval": {"rewards/chosen": [1.0]}})
-    with _metrics_kept(trainer):
-        trainer._metrics["eval"]["mean_token_accuracy"].append(0.9)  # as TRL's compute_loss does
-        trainer._stored_metrics["eval"]["rewards/chosen"].append(2.0)  # as DPO's store_metrics does
-    assert trainer._metrics == {"eval": {"mean_token_accuracy": [0.5]}}
-    assert trainer._stored_metrics == {"eval": {"rewards/chosen": [1.0]}}
-    plain = SimpleNamespace()
-    with _metrics_kept(plain):  # a trainer without them: nothing added
-        pass
-    assert vars(plain) == {}
+def test_a_rank_s_outputs_of_its_real_rows_are_given_the_padding_rows_back():
+    logits = (torch.arange(6.0).reshape(2, 3), torch.ones(2, 4, 5))  # two real rows of a batch of 4
+    again = _rows_again(logits, 2, 4)
+    assert again[0].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [3.0, 4.0, 5.0], [3.0, 4.0, 5.0]]
+    assert again[1].shape == (4, 4, 5)
+    assert _rows_again(torch.tensor(1.5), 2, 4).item() == 1.5 and _rows_again(None, 2, 4) is None
