@@ -26,6 +26,8 @@ there.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -34,6 +36,7 @@ def evaluate_as_one_process(trainer, ctx) -> None:
     if "evaluation_loop" in vars(trainer):
         return
     loop, step = trainer.evaluation_loop, trainer.prediction_step
+    pending: dict = {}
 
     def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
         targs = trainer.args
@@ -43,18 +46,22 @@ def evaluate_as_one_process(trainer, ctx) -> None:
         # ranks sharing the batch, right only for a count summed over every rank
         trainer.get_tp_size = _one
         try:
-            real = None
-            if _last_round_padded(trainer, ctx):
+            last, real = _last_round_padded(trainer, ctx), None
+            if last:
                 remainder = trainer.accelerator.gradient_state.remainder
                 real = _real_rows(ctx.rank // _replicas(trainer), remainder, _batch_rows(inputs))
             if real is None:  # every row is the data set's, or none is (cut after the gathering)
-                return step(model, inputs, prediction_loss_only, *args, **kwargs)
-            # the data set's rows alone, the batch one process steps (its loss their mean, its generations
-            # made without the padding rows beside them); the padding rows back for the gathering's shapes
-            mine = _first_rows(inputs, real)
-            loss, logits, labels = step(model, mine, prediction_loss_only, *args, **kwargs)
-            rows = _batch_rows(inputs)
-            return loss, _rows_again(logits, real, rows), _rows_again(labels, real, rows)
+                out = step(model, inputs, prediction_loss_only, *args, **kwargs)
+            else:
+                # the data set's rows alone, the batch one process steps (its loss their mean, its generations
+                # made without the padding rows beside them); the padding rows back for the gathering's shapes
+                loss, logits, labels = step(model, _first_rows(inputs, real), prediction_loss_only, *args,
+                                            **kwargs)
+                rows = _batch_rows(inputs)
+                out = loss, _rows_again(logits, real, rows), _rows_again(labels, real, rows)
+            # the loop's next gather is this loss's: the last round's, of batches of this many rows
+            pending["last_loss"] = _batch_rows(inputs) if last and out[0] is not None else None
+            return out
         finally:
             targs.average_tokens_across_devices = counted_across
             del trainer.get_tp_size  # the class's own again
@@ -67,7 +74,7 @@ def evaluate_as_one_process(trainer, ctx) -> None:
         if getattr(trainer.gather_function, "__func__", None) is type(accelerator).gather:
             # transformers' Seq2SeqTrainer gathers its generations with accelerate's plain gather: every rank
             # gets every rank's rows, the last round's padding rows kept (13 rows on 2 ranks of 3 return 18)
-            trainer.gather_function = accelerator.gather_for_metrics  # rank 0's, the padding cut
+            trainer.gather_function = functools.partial(_gather_as_one_process, trainer, ctx, pending)
         accelerator.gather = lambda data: gather_on_rank_zero(data, ctx, replicas)
         if compute is not None and not ctx.is_world_zero:
             trainer.compute_metrics = lambda *a, **k: {}
@@ -81,6 +88,23 @@ def evaluate_as_one_process(trainer, ctx) -> None:
 
     trainer.prediction_step = prediction_step
     trainer.evaluation_loop = evaluation_loop
+
+
+def _gather_as_one_process(trainer, ctx, pending: dict, data):
+    """A Seq2SeqTrainer's gathering on workers: ``gather_for_metrics`` (rank 0's, the last round's padding
+    rows cut), and the last round's losses counted as one process counts them. transformers'
+    Seq2SeqTrainer gathers with accelerate's plain gather, which in one process cuts nothing, so each
+    batch's loss -- repeated ``eval_batch_size`` times by the loop, the short last batch's too -- weighs as a
+    full batch; here each rank holding rows of the data set on that round gives its batch's copies whole
+    (the padding ranks none)."""
+    accelerator, rows = trainer.accelerator, pending.pop("last_loss", None)
+    if not rows:
+        return accelerator.gather_for_metrics(data)
+    gathered = accelerator.gather(data)  # rank 0: every reader's copies in rank order, nothing cut
+    if not ctx.is_world_zero:
+        return gathered
+    readers = -(-accelerator.gradient_state.remainder // rows)  # the ranks holding rows of the data set
+    return gathered[: readers * data.shape[0]]
 
 
 def _one() -> int:

@@ -19,8 +19,11 @@ Where the files cannot give the trained model's weights as they are (a head adde
 trainer did not take from the first load, adapters derived from the base weights) every rank builds the
 trainer again the ordinary way: whole, then sharded by ``prepare``. So also with FSDP1,
 ``cpu_ram_efficient_loading`` (accelerate's rank-0 loading, as asked), CPU offload, activation checkpointing,
-``torch_compile`` or ``parallelism_config`` (accelerate orders those around its own sharding), and one
-worker. A trainer whose construction loads nothing (a model given as an object) is kept as built.
+``torch_compile`` or ``parallelism_config`` (accelerate orders those around its own sharding), one
+worker, and ``use_kernels=True``. A trainer whose construction loads nothing (a model given as an object)
+is kept as built. A model read shard by shard is not kernelized by hub kernels, which transformers >= 5.25
+applies by default where the ``kernels`` package is installed (its ``kernelize`` cannot run on the
+weightless model).
 """
 
 from __future__ import annotations
@@ -61,8 +64,13 @@ class FirstLoad:
 
         def from_pretrained(cls, *args, **kwargs):
             owner.from_pretrained = original  # this call only (weightless_loading patches it in turn)
+            if kwargs.get("use_kernels"):  # asked for: built the ordinary way (build_trainer catches it)
+                raise ValueError("use_kernels=True: hub kernels replace layers of a loaded model, not of a "
+                                 "weightless one")
             with weightless_loading(self.sources):
-                self.model = cls.from_pretrained(*args, **kwargs)
+                # transformers >= 5.25 kernelizes a loaded model by default (with `kernels` installed), which
+                # fails on the meta device: a model read shard by shard keeps torch's layers
+                self.model = cls.from_pretrained(*args, **{**kwargs, "use_kernels": False})
             return self.model
 
         owner.from_pretrained = classmethod(from_pretrained)

@@ -245,6 +245,30 @@ def test_ray_dataset_trains_and_evaluates_in_this_process_as_a_sized_set(tmp_pat
     assert trainer.evaluate()["eval_loss"] == pytest.approx(listed.evaluate()["eval_loss"], rel=1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_a_ray_dataset_run_resumed_in_the_middle_of_an_epoch_reads_the_rest_of_that_epoch_s_order(tmp_path):
+    """num_workers=0, 40 rows in batches of 8 (5 steps an epoch): resumed from step 7 (the second epoch's
+    second step), the run reads the rows the uninterrupted run read after that step, in the same order,
+    and ends with its weights."""
+    import ray
+
+    rows = [{"x": np.array([i, *d["x"][1:].tolist()], dtype=np.float32), "label": d["labels"]}
+            for i, d in enumerate(make_data(40))]
+    runs = {}
+    for name, resume in (("full", None), ("resumed", "checkpoint-7")):
+        epochs = _EpochsSeen()
+        trainer = Trainer(model=SeenRows(), train_dataset=ray.data.from_items(rows), callbacks=[epochs],
+                          args=_args(tmp_path, "raydata-resume", num_workers=0, per_device_train_batch_size=8,
+                                     num_train_epochs=2, learning_rate=1e-3, seed=3, save_strategy="steps",
+                                     save_steps=7))
+        trainer.train(resume_from_checkpoint=resume and str(tmp_path / "raydata-resume" / resume))
+        runs[name] = epochs.seen, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    (full, full_weights), (resumed, resumed_weights) = runs["full"], runs["resumed"]
+    assert resumed == [full[1][16:]]  # the second epoch's rows after its first two batches, in order
+    for key, value in full_weights.items():
+        assert torch.allclose(resumed_weights[key], value, atol=1e-6), key
+
+
 def test_auto_find_batch_size_agrees_on_one_size_across_workers(tmp_path, capfd):
     """Rank 1 runs out of memory above 5 examples, rank 0 never: both must train with 5."""
     from models import OutOfMemoryOnRank1

@@ -4,8 +4,8 @@ Each rank is one of two spawned processes in a gloo group, set up as Ray Train s
 and builds raytrainer's Trainer from the recipe the driver's trainer (``num_workers=2``) made, as a Ray
 worker's rank does; the rank's evaluation layer is installed as ``run_hosted`` installs it. Rank 0 gets one
 process's predictions, in dataset order, and both ranks one process's metrics -- with
-``eval_accumulation_steps``, and with ``batch_eval_metrics``, whose ``compute_metrics`` runs on rank 0 only,
-over each batch of every rank's rows.
+``eval_accumulation_steps``, with ``batch_eval_metrics``, whose ``compute_metrics`` runs on rank 0 only,
+over each batch of every rank's rows, and with the plain gather transformers' Seq2SeqTrainer uses.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from two_ranks import run_two_ranks
 from raytrainer import Trainer, TrainingArguments
 
 ROWS, BATCH = 13, 3  # 2 ranks of 3: three rounds, the last holding one real row
-CASES = {"plain": {}, "accumulated": {"eval_accumulation_steps": 2}, "batched": {"batch_eval_metrics": True}}
+CASES = {"plain": {}, "accumulated": {"eval_accumulation_steps": 2}, "batched": {"batch_eval_metrics": True},
+         "plain_gather": {}}
 
 
 class Accuracy:
@@ -55,6 +56,20 @@ class BatchedAccuracy(Accuracy):
         return {}
 
 
+class PlainGather(Trainer):
+    """Gathers as transformers' Seq2SeqTrainer does: accelerate's plain gather, which in one process cuts
+    nothing, so the short last batch's loss (repeated eval_batch_size times by the loop) weighs as a full
+    batch's."""
+
+    def evaluate(self, *args, **kwargs):
+        self.gather_function = self.accelerator.gather
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self.gather_function = self.accelerator.gather
+        return super().predict(*args, **kwargs)
+
+
 class _Scorer(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -73,11 +88,13 @@ def _examples() -> list[dict]:
     return [{"x": x[i], "labels": int(i % 3)} for i in range(ROWS)]
 
 
-def _trainer(output_dir: str, num_workers: int, **overrides) -> Trainer:
+def _trainer(output_dir: str, num_workers: int, case: str) -> Trainer:
+    overrides = CASES[case]
     metrics = BatchedAccuracy() if overrides.get("batch_eval_metrics") else Accuracy()
     args = TrainingArguments(output_dir=output_dir, num_workers=num_workers, per_device_eval_batch_size=BATCH,
                              report_to="none", disable_tqdm=True, **overrides)
-    return Trainer(model=_Scorer(), args=args, eval_dataset=_examples(), compute_metrics=metrics)
+    cls = PlainGather if case == "plain_gather" else Trainer
+    return cls(model=_Scorer(), args=args, eval_dataset=_examples(), compute_metrics=metrics)
 
 
 def _evaluate_on_rank(recipes: dict, rank: int, port: str, results) -> None:
@@ -121,14 +138,14 @@ def _measured(metrics: dict) -> dict:
 def ranks(tmp_path_factory) -> list[dict]:
     """What each of two real ranks got in every case, both spawned once."""
     out = str(tmp_path_factory.mktemp("eval"))
-    recipes = {name: _trainer(out, 2, **overrides)._recipe for name, overrides in CASES.items()}
+    recipes = {name: _trainer(out, 2, name)._recipe for name in CASES}
     seen = run_two_ranks(functools.partial(_evaluate_on_rank, recipes), _free_port(), timeout=240)
     return sorted(seen, key=lambda r: r["rank"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_evaluate_and_predict_as_one_process(ranks, tmp_path, case):
-    one = _trainer(str(tmp_path), 0, **CASES[case])
+    one = _trainer(str(tmp_path), 0, case)
     evaluated, predicted = one.evaluate(), one.predict(one.eval_dataset)
     zero, other = ranks[0][case], ranks[1][case]
     # rank 0: every row once, in dataset order; the other rank holds only its own share
@@ -149,3 +166,12 @@ def test_two_ranks_evaluate_and_predict_as_one_process(ranks, tmp_path, case):
         assert zero["calls"] == [2 * BATCH, 2 * BATCH, 1] * 2
     else:
         assert zero["calls"] == [ROWS, ROWS]
+
+
+def test_a_plain_gather_s_short_last_batch_weighs_as_in_one_process(ranks, tmp_path):
+    """The two ways one process counts the short last batch's loss differ here (so the case above tells
+    them apart): per row under gather_for_metrics, as a full batch under the plain gather."""
+    rows_weighted = _trainer(str(tmp_path), 0, "plain").evaluate()["eval_loss"]
+    batch_weighted = _trainer(str(tmp_path), 0, "plain_gather").evaluate()["eval_loss"]
+    assert abs(rows_weighted - batch_weighted) > 1e-3
+    assert ranks[0]["plain_gather"]["evaluate"]["eval_loss"] == pytest.approx(batch_weighted, rel=1e-6)
