@@ -131,6 +131,9 @@ def weightless_loading(sources: dict | None = None):
 
         def from_pretrained(cls, *args, **kwargs):
             kwargs["device_map"] = "meta"  # whatever was asked: this rank's weights come from elsewhere
+            # transformers >= 5.25 kernelizes a loaded model by default where the `kernels` package is
+            # installed, which refuses the meta device: a skeleton keeps torch's layers
+            kwargs["use_kernels"] = False
             return pretrained(cls, *args, **kwargs)
 
         patches.append((modeling_utils.PreTrainedModel, "from_pretrained", classmethod(from_pretrained)))

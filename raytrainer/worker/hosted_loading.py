@@ -67,10 +67,8 @@ class FirstLoad:
             if kwargs.get("use_kernels"):  # asked for: built the ordinary way (build_trainer catches it)
                 raise ValueError("use_kernels=True: hub kernels replace layers of a loaded model, not of a "
                                  "weightless one")
-            with weightless_loading(self.sources):
-                # transformers >= 5.25 kernelizes a loaded model by default (with `kernels` installed), which
-                # fails on the meta device: a model read shard by shard keeps torch's layers
-                self.model = cls.from_pretrained(*args, **{**kwargs, "use_kernels": False})
+            with weightless_loading(self.sources):  # a skeleton keeps torch's layers (no hub kernels)
+                self.model = cls.from_pretrained(*args, **kwargs)
             return self.model
 
         owner.from_pretrained = classmethod(from_pretrained)
