@@ -106,20 +106,24 @@ def _in_this_process(init):
     return __init__
 
 
-def _with_ray_data_read(signature: inspect.Signature, args: tuple, kwargs: dict, targs) -> tuple[tuple, dict]:
-    """The constructor's arguments with a Ray Dataset among its data sets made what transformers' loop reads
-    (``data.ray_data_as_transformers_takes_it``; Ray started first, raytrainer's way)."""
+def ray_data_read(train_dataset, eval_dataset, args):
+    """A Ray Dataset among the data sets made what transformers' loop reads
+    (``data.ray_data_as_transformers_takes_it``), Ray started first, raytrainer's way."""
     from raytrainer import data
 
-    bound = signature.bind(None, *args, **kwargs).arguments
-    given = bound.get("train_dataset"), bound.get("eval_dataset")
-    if not data.uses_ray_data(*given):
-        return args, kwargs
+    if not data.uses_ray_data(train_dataset, eval_dataset):
+        return train_dataset, eval_dataset
     from raytrainer.driver.ray_runtime import ensure_ray
 
-    ensure_ray(targs)
-    for name, old, new in zip(("train_dataset", "eval_dataset"), given,
-                              data.ray_data_as_transformers_takes_it(*given)):
+    ensure_ray(args)
+    return data.ray_data_as_transformers_takes_it(train_dataset, eval_dataset)
+
+
+def _with_ray_data_read(signature: inspect.Signature, args: tuple, kwargs: dict, targs) -> tuple[tuple, dict]:
+    """The constructor's arguments with their data sets through ``ray_data_read``."""
+    bound = signature.bind(None, *args, **kwargs).arguments
+    given = bound.get("train_dataset"), bound.get("eval_dataset")
+    for name, old, new in zip(("train_dataset", "eval_dataset"), given, ray_data_read(*given, targs)):
         if new is not old:
             args, kwargs = _replace_args(signature, args, kwargs, new, name=name)
     return args, kwargs

@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from raytrainer.args import RayArgumentsMixin, TrainingArguments
-from raytrainer.hosted import on_ray
+from raytrainer.hosted import on_ray, ray_data_read
 from raytrainer.hosted_recipe import building_on_a_rank
 from raytrainer.seq2seq import Seq2SeqTrainingArguments, _settled_generation_config
 
@@ -96,7 +96,7 @@ class _Additions:
         init = super().__init__  # on a rank: the twin's, which gives transformers' loop the plain arguments
         if here:  # the driver's process: the trainer's arguments are raytrainer's, the object given
             args = self._ray_arguments(args)
-            train_dataset, eval_dataset = _ray_data_read(train_dataset, eval_dataset, args)
+            train_dataset, eval_dataset = ray_data_read(train_dataset, eval_dataset, args)
             init = functools.partial(self._twin_of.__init__, self)
             self._constructor = dict(  # what each trial of a search builds its trainer from (for_trial)
                 model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
@@ -398,19 +398,6 @@ class _Additions:
         create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                           dataset=dataset, dataset_args=dataset_args)
-
-
-def _ray_data_read(train_dataset, eval_dataset, args):
-    """A Ray Dataset among the data sets made what transformers' loop reads (raytrainer/data.py), Ray started
-    first, raytrainer's way."""
-    from raytrainer import data
-
-    if not data.uses_ray_data(train_dataset, eval_dataset):
-        return train_dataset, eval_dataset
-    from raytrainer.driver.ray_runtime import ensure_ray
-
-    ensure_ray(args)
-    return data.ray_data_as_transformers_takes_it(train_dataset, eval_dataset)
 
 
 def _rows_if_ray_data(dataset):
