@@ -6,6 +6,12 @@ tests/unit/test_lm_script_parity.py.
 
     .venv/bin/python bench/side_by_side.py              # every setting (about 2 minutes here)
     .venv/bin/python bench/side_by_side.py ga2 neftune  # some of them
+    .venv/bin/python bench/side_by_side.py --workers 2 [settings]
+
+With ``--workers 2``: transformers.Trainer under torchrun (2 processes, gloo; started fresh for each
+setting, as users run it) against raytrainer's Trainer with ``num_workers=2`` (one Ray group, kept warm
+between settings), each rank with ``per_device_train_batch_size`` 4: the same comparison, rank 0's view of
+transformers' run against the driver's of raytrainer's.
 
 Exits 1 when a setting differs (or one side raises where the other does not).
 """
@@ -13,8 +19,12 @@ Exits 1 when a setting differs (or one side raises where the other does not).
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import subprocess
 import sys
 import tempfile
+import types
 import warnings
 
 import numpy as np
@@ -118,17 +128,55 @@ def mean_prediction(p, compute_result=None) -> dict:
     return {"mean_pred": float(as_array(preds).mean())}
 
 
-def run(trainer_cls, args_cls, setting: dict, output_dir: str, with_metrics: bool):
+def run(trainer_cls, args_cls, setting: dict, output_dir: str, with_metrics: bool, workers: int = 0):
+    """One side's record: the log history, the trained weights, the train and eval metrics, the prediction."""
     kwargs = dict(output_dir=output_dir, max_steps=6, per_device_train_batch_size=4, logging_steps=1,
                   report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no", seed=1)
     kwargs.update(setting)
     if args_cls is raytrainer.TrainingArguments:
-        kwargs["num_workers"] = 0
+        kwargs["num_workers"] = workers
+    elif workers:
+        kwargs["ddp_backend"] = "gloo"
     trainer = trainer_cls(model=tiny_gpt2(), args=args_cls(**kwargs), train_dataset=blocks(32),
                           eval_dataset=blocks(12, seed=1),
                           compute_metrics=mean_prediction if with_metrics else None)
     train = trainer.train()
-    return trainer, train.metrics, trainer.evaluate(), trainer.predict(blocks(6, seed=2))
+    evaluation, prediction = trainer.evaluate(), trainer.predict(blocks(6, seed=2))
+    return types.SimpleNamespace(
+        log_history=list(trainer.state.log_history), train=train.metrics, eval=evaluation,
+        weights={k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        predictions=_shape(prediction.predictions))
+
+
+def under_torchrun(name: str, workers: int) -> types.SimpleNamespace:
+    """transformers' side of a setting, run by torchrun on ``workers`` processes; rank 0's record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record.pkl")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}",
+                               "--standalone",
+                               os.path.abspath(__file__), "--rank-of", name, out],
+                              env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"torchrun exited {done.returncode}: {done.stderr[-300:]}")
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+
+def rank_of(name: str, out: str) -> None:
+    """A torchrun process: transformers' side of setting ``name``; rank 0 writes the record to ``out``."""
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        record = run(transformers.Trainer, transformers.TrainingArguments, SETTINGS[name], tmp,
+                     _with_metrics(name), workers=int(os.environ["WORLD_SIZE"]))
+    if os.environ["RANK"] == "0":
+        with open(out, "wb") as f:
+            pickle.dump(record, f)
+
+
+def _with_metrics(name: str) -> bool:
+    return any(word in name for word in ("eval", "best", "label"))
 
 
 def _close(a, b) -> bool:
@@ -143,8 +191,8 @@ def _shape(x):
 
 def differences(theirs, ours) -> list[str]:
     found = []
-    strip = [[{k: v for k, v in e.items() if k not in UNCOMPARED} for e in t.state.log_history]
-             for t in (theirs[0], ours[0])]
+    strip = [[{k: v for k, v in e.items() if k not in UNCOMPARED} for e in side.log_history]
+             for side in (theirs, ours)]
     values = [[{k: v for k, v in e.items() if "_mem_" not in k} for e in side] for side in strip]
     if [sorted(e) for e in strip[0]] != [sorted(e) for e in strip[1]]:
         found.append(f"log keys: transformers {[sorted(e) for e in strip[0]]}, "
@@ -152,37 +200,45 @@ def differences(theirs, ours) -> list[str]:
     else:
         found += [f"step {a.get('step')} {k}: transformers {a[k]!r}, raytrainer {b[k]!r}"
                   for a, b in zip(*values) for k in a if not _close(a[k], b[k])]
-    for (name, a), b in zip(theirs[0].model.state_dict().items(), ours[0].model.state_dict().values()):
+    for (name, a), b in zip(theirs.weights.items(), ours.weights.values()):
         if not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
             found.append(f"weight {name}: max difference {float((a - b).abs().max()):.3g}")
             break
-    for what, i in (("train metrics", 1), ("eval metrics", 2)):
-        a, b = ({k: v for k, v in side[i].items() if k not in UNCOMPARED} for side in (theirs, ours))
+    for what in ("train", "eval"):
+        a, b = ({k: v for k, v in getattr(side, what).items() if k not in UNCOMPARED}
+                for side in (theirs, ours))
         if sorted(a) != sorted(b):
-            found.append(f"{what} keys: transformers {sorted(a)}, raytrainer {sorted(b)}")
+            found.append(f"{what} metrics keys: transformers {sorted(a)}, raytrainer {sorted(b)}")
         elif "mem" not in " ".join(a):
-            found += [f"{what} {k}: transformers {a[k]}, raytrainer {b[k]}"
+            found += [f"{what} metrics {k}: transformers {a[k]}, raytrainer {b[k]}"
                       for k in a if not _close(a[k], b[k])]
-    if _shape(theirs[3].predictions) != _shape(ours[3].predictions):
-        found.append(f"prediction shapes: transformers {_shape(theirs[3].predictions)}, "
-                     f"raytrainer {_shape(ours[3].predictions)}")
+    if theirs.predictions != ours.predictions:
+        found.append(f"prediction shapes: transformers {theirs.predictions}, raytrainer {ours.predictions}")
     return found
 
 
-def main(names: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--rank-of"]:
+        rank_of(*argv[1:3])
+        return 0
+    workers = 0
+    if argv[:1] == ["--workers"]:
+        workers, argv = int(argv[1]), argv[2:]
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     failed = 0
     for name, setting in SETTINGS.items():
-        if names and name not in names:
+        if argv and name not in argv:
             continue
-        with_metrics = any(word in name for word in ("eval", "best", "label"))
         sides = []
         for trainer_cls, args_cls in ((transformers.Trainer, transformers.TrainingArguments),
                                       (raytrainer.Trainer, raytrainer.TrainingArguments)):
             with tempfile.TemporaryDirectory() as tmp:
                 try:
-                    sides.append(run(trainer_cls, args_cls, setting, tmp, with_metrics))
+                    if workers and trainer_cls is transformers.Trainer:
+                        sides.append(under_torchrun(name, workers))
+                    else:
+                        sides.append(run(trainer_cls, args_cls, setting, tmp, _with_metrics(name), workers))
                 except Exception as exc:  # a side that raises is a finding too
                     sides.append(exc)
         if any(isinstance(side, Exception) for side in sides):

@@ -77,6 +77,7 @@ class CommitCallback(TrainerCallback):
         self._kept: str | None = None  # the local copy kept for load_best_model_at_end (another storage)
         if saves is not None:  # transformers' next save may rotate the folder this thread reads: it waits
             saves.before_each.append(self.wait)  # whatever asked for it (a step, an epoch, a new best metric)
+            saves.driver_rotates = self.in_place  # the committed folders are the driver's to delete
 
     def on_save(self, args, state, control, **kwargs):
         self.wait()

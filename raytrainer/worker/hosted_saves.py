@@ -59,6 +59,9 @@ class BackgroundSaves:
         self._buffers: dict[str, torch.Tensor] = {}  # the last save's copies, by path in its state
         self._staged: dict[str, torch.Tensor] = {}  # this save's
         self.saving = False  # inside transformers' _save_checkpoint
+        #: the driver alone rotates the checkpoints (``save_total_limit``): they are committed in
+        #: ``output_dir`` itself, where the driver's registry may be keeping one a hub push still reads
+        self.driver_rotates = False
         #: called as each checkpoint save begins, before transformers writes or rotates anything (the last
         #: checkpoint's commit ends: CommitCallback.wait)
         self.before_each: list = []
@@ -122,6 +125,8 @@ def write_in_background(trainer) -> BackgroundSaves:
         saves.begin()
         try:
             with contextlib.ExitStack() as stack:
+                if saves.driver_rotates:
+                    stack.enter_context(_driver_rotates())
                 if trainer.is_fsdp_enabled:
                     stack.enter_context(_dcp_in_background(saves))
                     stack.enter_context(_no_frozen_aliases())
@@ -157,6 +162,24 @@ def write_in_background(trainer) -> BackgroundSaves:
     trainer._save_checkpoint, trainer._save, trainer.save_model = _save_checkpoint, _save, save_model_now
     trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     return saves
+
+
+@contextlib.contextmanager
+def _driver_rotates():
+    """Meanwhile transformers' ``_save_checkpoint`` deletes no checkpoint: its last step
+    (``rotate_checkpoints(output_dir=run_dir, save_total_limit=...)``, a function of ``transformers.trainer``)
+    would delete the oldest folders of ``output_dir`` whatever reads them, where the driver's registry
+    (driver/registry.py) rotates the same folders by the same rule once each is committed, keeping the ones
+    a hub push is still reading (``hub_strategy="all_checkpoints"``). tests/unit/test_hosted_saves.py pins
+    how transformers calls it."""
+    import transformers.trainer as hf_trainer
+
+    rotate = hf_trainer.rotate_checkpoints
+    hf_trainer.rotate_checkpoints = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        hf_trainer.rotate_checkpoints = rotate
 
 
 @contextlib.contextmanager

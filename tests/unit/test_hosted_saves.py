@@ -136,16 +136,19 @@ def test_a_snapshot_copies_what_a_step_may_change_and_keeps_frozen_and_tied_tens
     assert torch.equal(buffer, model.transformer.ln_f.weight.detach())  # ... holding this save's values
 
 
-def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_before_it_rotates(tmp_path, monkeypatch):
+def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_and_the_driver_rotates(tmp_path, monkeypatch):
     """``save_strategy="best"`` decides to save after the step's callbacks ran (transformers'
-    ``_maybe_log_save_evaluate``), and with ``save_total_limit=1`` its save deletes the last checkpoint: the
-    save first waits for that checkpoint's commit, still hashing its files on the commit thread (made slow
-    here), so every checkpoint saved is committed and the run ends without an error."""
+    ``_maybe_log_save_evaluate``), and with ``save_total_limit=1`` the last checkpoint is to go: the save
+    first waits for that checkpoint's commit, still hashing its files on the commit thread (made slow here),
+    and transformers' own rotation deletes nothing (the folders are committed in ``output_dir`` itself): the
+    driver's registry deletes each once the next is committed. Every checkpoint saved is committed, the run
+    ends without an error, and only the last is left."""
     import time
     import types
 
     from transformers import TrainerCallback
 
+    from raytrainer.driver.registry import CheckpointRegistry
     from raytrainer.rank_context import RankContext
     from raytrainer.worker import hosted_commit
     from raytrainer.worker.hosted_saves import write_in_background
@@ -157,12 +160,18 @@ def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_before_it_rotates
         return digest(folder, names)
 
     monkeypatch.setattr(hosted_commit, "digest_files", slow_digest)
+    run = types.SimpleNamespace(output_dir=str(tmp_path), storage_path=None, storage_filesystem=None,
+                                save_total_limit=1)
+    registry = CheckpointRegistry(run)
 
     class Driver:
         sent: list = []
+        left: list = []  # the checkpoint folders after each commit
 
         def send(self, kind, part, urgent=False):
             self.sent.append(part.name)
+            registry.add_part(part)
+            self.left.append(sorted(p.name for p in tmp_path.glob("checkpoint-*")))
 
     class Saved(TrainerCallback):
         names: list = []
@@ -172,11 +181,23 @@ def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_before_it_rotates
 
     trainer = _trainer(str(tmp_path), [Saved()], max_steps=5, eval_strategy="steps", eval_steps=1,
                        save_strategy="best", metric_for_best_model="loss", save_total_limit=1)
-    run = types.SimpleNamespace(output_dir=str(tmp_path), storage_path=None, storage_filesystem=None)
     commit = hosted_commit.CommitCallback(RankContext(), Driver(), run, write_in_background(trainer))
     trainer.add_callback(commit)
     trainer.train()
     commit.wait()
     assert len(Saved.names) >= 2, Saved.names  # a new best at least twice: the first save was rotated away
     assert Driver.sent == Saved.names
+    assert Driver.left[0] == [Saved.names[0]]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [Saved.names[-1]]
+
+
+def test_transformers_rotates_checkpoints_at_the_end_of_save_checkpoint_through_its_module_function():
+    """What ``hosted_saves._driver_rotates`` relies on: ``Trainer._save_checkpoint`` deletes old checkpoints
+    by calling ``transformers.trainer.rotate_checkpoints`` (a module function, looked up when called)."""
+    import inspect
+
+    import transformers.trainer as hf_trainer
+
+    source = inspect.getsource(hf_trainer.Trainer._save_checkpoint)
+    assert "rotate_checkpoints(" in source and "self._rotate_checkpoints(" not in source
+    assert callable(hf_trainer.rotate_checkpoints)

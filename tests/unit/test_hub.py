@@ -183,11 +183,33 @@ def test_checkpoint_strategy_keeps_a_resumable_last_checkpoint(tmp_path, make_ar
     weights.assert_same(weights.copy(resumed.model), weights.copy(straight.model))
 
 
-def test_all_checkpoints_on_a_revision(tmp_path, make_args, make_classifier, make_examples):
+def test_all_checkpoints_on_a_revision(tmp_path, make_args, make_classifier, make_examples, monkeypatch):
+    """checkpoint-4's push is held until checkpoint-8 is saved: rotation (``save_total_limit=1``) must not
+    delete the folder it reads meanwhile."""
+    from transformers import TrainerCallback
+
+    from raytrainer.hub import staging
+
+    saved_8 = threading.Event()
+    whole = staging.local_checkpoint
+
+    def held(storage, dest):
+        if os.path.basename(storage.root) == "checkpoint-4":
+            assert saved_8.wait(120)
+        return whole(storage, dest)
+
+    class Saved(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 8:
+                saved_8.set()
+
+    monkeypatch.setattr(staging, "local_checkpoint", held)
     repo = tmp_path / "hub" / "tiny"
     trainer = _trainer(make_args, make_classifier, make_examples, hub_model_id=f"file://{repo}",
                        hub_strategy="all_checkpoints", hub_revision="v1", save_total_limit=1)
+    trainer.add_callback(Saved())
     trainer.train()
+    assert saved_8.is_set()
     assert sorted(os.listdir(repo)) == ["commits.json", "v1"]
     assert {"checkpoint-4", "checkpoint-8", "model.safetensors"} <= set(os.listdir(repo / "v1"))
     for name in ("checkpoint-4", "checkpoint-8"):
