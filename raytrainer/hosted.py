@@ -276,7 +276,9 @@ class HostedTrainer:
         kwargs = dict(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
                       **kwargs)
         self._check_call("evaluate", kwargs)
-        return self._run("evaluate", kwargs).output
+        result = self._run("evaluate", kwargs)
+        self.state.log_history.extend(result.logged or ())  # transformers' evaluate logs its metrics
+        return result.output
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **kwargs):
         kwargs = dict(test_dataset=test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
@@ -428,7 +430,10 @@ class HostedTrainer:
 
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
         if method != "train" and vars(self).get("_weights_at"):  # ranks that build the trainer anew (a new
-            kwargs = {**kwargs, "trained_weights": self._weights_at}  # or restarted group) load them
+            from raytrainer.callbacks import state_to_dict  # or restarted group) load them, and the state
+
+            kwargs = {**kwargs, "trained_weights": self._weights_at,
+                      "trained_state": state_to_dict(self.state)}
         if method in ("evaluate", "predict"):  # a Ray Dataset to evaluate on: its rows, read here
             from raytrainer.data import ray_data_rows
 

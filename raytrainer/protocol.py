@@ -151,14 +151,16 @@ class Attempt:
 @dataclass
 class RankResult:
     """Rank -> driver at the end of a command. Every rank reports its ``global_step``; rank 0 also the
-    method's output, the final ``TrainerState`` (as a dict), where the trained weights were written, and the
-    attributes of its worker-side callbacks (``(class name, attributes)`` pairs)."""
+    method's output, the final ``TrainerState`` (as a dict), where the trained weights were written, the
+    attributes of its worker-side callbacks (``(class name, attributes)`` pairs), and the entries the
+    command added to ``state.log_history`` (an ``evaluate``'s metrics)."""
 
     global_step: int
     output: Any = None
     state: dict | None = None
     weights_at: str | None = None
     callbacks: list | None = None
+    logged: list | None = None
 
 
 @dataclass(frozen=True)

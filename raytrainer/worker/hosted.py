@@ -41,6 +41,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     ctx, channel = session.ctx, session.channel
     kwargs = dict(kwargs)
     trained = kwargs.pop("trained_weights", None)  # where the driver's trainer's last train() left them
+    trained_state = kwargs.pop("trained_state", None)  # and the driver's state after it
     for key in [key for key in _LIVE if key != recipe.key and key not in keep]:
         del _LIVE[key]
     trainer = _LIVE.get(recipe.key)
@@ -58,6 +59,10 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
 
                 final_weights.load_on_ranks(trainer.model, trained,
                                             getattr(given, "storage_filesystem", None))
+                if trained_state is not None:  # an evaluation logs at the trained step and epoch
+                    from raytrainer.callbacks import state_from_dict
+
+                    trainer.state = state_from_dict(trained_state)
         _LIVE[recipe.key] = trainer
     with rank_logging(trainer.args, ctx.rank, channel, session.transformers_log_level):
         kwargs = after_restart(trainer, session, method, kwargs)
@@ -77,6 +82,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             adapt_mean_losses(trainer)
         if method in ("train", "evaluate", "predict"):
             evaluate_as_one_process(trainer, ctx)
+        logged = len(trainer.state.log_history)
         if method == "call":
             found = functools.reduce(getattr, kwargs["name"].split("."), trainer)
             with _loaders_of_one_process(trainer, kwargs["name"]):
@@ -90,7 +96,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     from raytrainer.callbacks import state_to_dict
 
     return RankResult(trainer.state.global_step, output, state_to_dict(trainer.state), weights_at,
-                      callback_states(trainer.callback_handler.callbacks))
+                      callback_states(trainer.callback_handler.callbacks),
+                      None if method in ("train", "call") else trainer.state.log_history[logged:])
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -50,13 +51,16 @@ def evaluate_as_one_process(trainer, ctx) -> None:
             if last:
                 remainder = trainer.accelerator.gradient_state.remainder
                 real = _real_rows(ctx.rank // _replicas(trainer), remainder, _batch_rows(inputs))
+            generating = getattr(targs, "predict_with_generate", False) and not prediction_loss_only
             if real is None:  # every row is the data set's, or none is (cut after the gathering)
-                out = step(model, inputs, prediction_loss_only, *args, **kwargs)
+                with _root_gathered(trainer.model, generating):
+                    out = step(model, inputs, prediction_loss_only, *args, **kwargs)
             else:
                 # the data set's rows alone, the batch one process steps (its loss their mean, its generations
                 # made without the padding rows beside them); the padding rows back for the gathering's shapes
-                loss, logits, labels = step(model, _first_rows(inputs, real), prediction_loss_only, *args,
-                                            **kwargs)
+                with _root_gathered(trainer.model, generating):
+                    loss, logits, labels = step(model, _first_rows(inputs, real), prediction_loss_only, *args,
+                                                **kwargs)
                 rows = _batch_rows(inputs)
                 out = loss, _rows_again(logits, real, rows), _rows_again(labels, real, rows)
             # the loop's next gather is this loss's: the last round's, of batches of this many rows
@@ -105,6 +109,28 @@ def _gather_as_one_process(trainer, ctx, pending: dict, data):
         return gathered
     readers = -(-accelerator.gradient_state.remainder // rows)  # the ranks holding rows of the data set
     return gathered[: readers * data.shape[0]]
+
+
+@contextlib.contextmanager
+def _root_gathered(model, generating: bool):
+    """Under FSDP2, a generating step runs with the root unit's parameters gathered: ``generate()`` calls the
+    encoder of an encoder-decoder on its own (``get_encoder()``), outside the root's forward, whose hook
+    would gather them, and the encoder's embedding is the root's (T5's ``shared``, tied to the LM head).
+    The blocks gather their own in their forwards, as in training; the root is sharded again after. A model
+    that has not run forward yet (``predict`` before any training) is first made the root of its units, as
+    its first forward would (FSDP2 takes the first unit to run forward for the root -- the encoder's
+    embedding's, else -- and then refuses the real root's forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not (generating and isinstance(model, FSDPModule)):
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # a no-op once the root has run forward
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def _one() -> int:

@@ -77,6 +77,8 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
                 create()  # once more, on the FSDP state: transformers' FSDP flags and checks for this run
         if mesh is not None:
             hosted_mesh.install(trainer, mesh)
+        if getattr(trainer.accelerator, "is_fsdp2", False):
+            _tied_embeddings_as_one(trainer.accelerator)
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
     building = building_on_a_rank.set(True)
@@ -88,6 +90,43 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
         hosted_loading.load_sharded_model_init(trainer)
     trainer._raytrainer_save_whole = functools.partial(save_whole, trainer)  # the driver's trainer.model
     return trainer
+
+
+def _tied_embeddings_as_one(accelerator) -> None:
+    """Before accelerate's FSDP2 ``prepare`` shards a model, the embedding modules that hold its input
+    embedding's very weight become that one module (``share_tied_embedding``)."""
+    import torch
+
+    prepare = accelerator._prepare_fsdp2
+
+    def _prepare_fsdp2(*args):
+        for obj in args:
+            if isinstance(obj, torch.nn.Module):
+                share_tied_embedding(obj)
+        return prepare(*args)
+
+    accelerator._prepare_fsdp2 = _prepare_fsdp2
+
+
+def share_tied_embedding(model) -> None:
+    """Each other module of ``model`` that holds its input embedding's weight -- an encoder-decoder's
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``, tied to T5's ``shared`` by ``_tied_weights_keys``
+    -- is replaced by the input embedding module itself (same class, same settings), as T5 was built before
+    transformers 5. accelerate puts the input embedding in one FSDP2 unit with the LM head and the final
+    norm (``fsdp2_prepare_model``, the tied case), and the other two modules stayed in the root's: one weight
+    in two units, which torch refuses at the first forward ("shared with a parameter already managed by
+    another FSDP group"). As one module, the embedding's unit also gathers its weight for an encoder called
+    on its own (``generate()``'s first step). The state dict keeps every name."""
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if callable(get) else None
+    weight = getattr(embed, "weight", None)
+    if weight is None:
+        return
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if (module is not embed and type(module) is type(embed) and getattr(module, "weight", None) is weight
+                and module.extra_repr() == embed.extra_repr()):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, embed)
 
 
 def save_whole(trainer, folder: str) -> None:

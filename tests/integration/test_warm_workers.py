@@ -71,13 +71,20 @@ def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_pa
     expected = float(torch.nn.functional.cross_entropy(logits, y))
     assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
     np.testing.assert_allclose(predictions.predictions, logits.numpy(), rtol=1e-5, atol=1e-6)
+    # evaluate() logged its metrics in the driver's state, at the trained step and epoch, as in one process
+    logged = trainer.state.log_history[-1]
+    assert logged == {**metrics, "step": 6}
+    assert logged["epoch"] == trainer.state.epoch and trainer.state.global_step == 6
 
     trainer.close()
     assert run_actors() <= before_actors
     assert placement_groups() <= before_groups
-    # a call after close() starts a new group
-    assert trainer.evaluate()["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    # a call after close() starts a new group, whose ranks take the trained weights and state
+    again = trainer.evaluate()
+    assert again["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
     assert workers() and set(workers()).isdisjoint(after_train)
+    assert trainer.state.log_history[-2:] == [logged, {**again, "step": 6}]
+    assert again["epoch"] == logged["epoch"]
     with trainer:  # the with-block closes the group too
         pass
     assert run_actors() <= before_actors and placement_groups() <= before_groups

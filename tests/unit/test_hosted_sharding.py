@@ -103,3 +103,32 @@ def test_a_hosted_cpu_group_given_fsdp_shards_trains_the_same_and_resumes(tmp_pa
     for r in sharded:
         assert r["resumed_losses"] == sharded[0]["losses"]  # steps 1-2 from the checkpoint's state, 3-4 again
         assert r["resumed_equal"]
+
+
+def test_an_encoder_decoders_tied_embeddings_become_its_input_embedding_module():
+    """``share_tied_embedding``: T5's ``encoder.embed_tokens`` and ``decoder.embed_tokens`` (their own
+    modules in transformers 5, tied to ``shared`` by weight) become ``shared`` itself, so accelerate's FSDP2
+    unit of the input embedding holds every use of the weight; the outputs and the state dict's names stay.
+    A GPT-2's ``lm_head`` (a Linear tied to the embedding) is left as it is."""
+    import torch
+    import transformers
+
+    from raytrainer.worker.hosted_sharding import share_tied_embedding
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=24, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(config).eval()
+    assert t5.encoder.embed_tokens is not t5.shared and t5.encoder.embed_tokens.weight is t5.shared.weight
+    names, ids = list(t5.state_dict()), torch.randint(1, 24, (2, 5))
+    before = t5(input_ids=ids, decoder_input_ids=ids).logits
+    share_tied_embedding(t5)
+    assert t5.encoder.embed_tokens is t5.shared and t5.decoder.embed_tokens is t5.shared
+    assert list(t5.state_dict()) == names
+    assert torch.equal(t5(input_ids=ids, decoder_input_ids=ids).logits, before)
+
+    gpt2_config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=24)
+    gpt2 = transformers.GPT2LMHeadModel(gpt2_config)
+    head = gpt2.lm_head
+    share_tied_embedding(gpt2)
+    assert gpt2.lm_head is head and gpt2.lm_head.weight is gpt2.transformer.wte.weight
