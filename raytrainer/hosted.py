@@ -34,7 +34,7 @@ import os
 from typing import Any
 
 from raytrainer.args import RayArgumentsMixin
-from raytrainer.hosted_recipe import Recipe, _find_args, _replace_args, plain_config
+from raytrainer.hosted_recipe import Recipe, _find_args, _replace_args, constructor_signature, plain_config
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def on_ray(trainer_cls: type) -> type:
         return trainer_cls
     namespace = {"__module__": trainer_cls.__module__, "__qualname__": trainer_cls.__qualname__,
                  "__doc__": trainer_cls.__doc__, "_twin_of": trainer_cls,
-                 "__init__": _in_this_process(trainer_cls.__init__)}
+                 "__init__": _in_this_process(trainer_cls.__init__, constructor_signature(trainer_cls))}
     return type(trainer_cls.__name__, (OnRay, trainer_cls), namespace)
 
 
@@ -80,7 +80,7 @@ class OnRay:
     class); otherwise it is the trainer class's own object in this process (``_in_this_process``)."""
 
     def __new__(cls, *args, **kwargs):
-        signature = inspect.signature(cls.__init__)
+        signature = constructor_signature(cls)
         try:  # a call the constructor refuses is refused there, with its own message
             targs = _find_args(signature, signature.bind_partial(None, *args, **kwargs))
         except TypeError:
@@ -90,14 +90,13 @@ class OnRay:
         return object.__new__(cls)
 
 
-def _in_this_process(init):
+def _in_this_process(init, signature: inspect.Signature):
     """The trainer class's ``__init__`` given the arguments' original class (no Ray fields: transformers'
     own process view) for arguments with Ray fields: a twin with ``num_workers=0`` (or a rank building its
     trainer) is the trainer class's own object, transformers' loop with nothing of raytrainer in the way."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        signature = inspect.signature(init)
         targs = _find_args(signature, signature.bind(self, *args, **kwargs))
         if isinstance(targs, RayArgumentsMixin):
             args, kwargs = _replace_args(signature, args, kwargs, plain_config(targs))
@@ -157,7 +156,7 @@ class HostedTrainer:
         )
         from raytrainer.hosted_recipe import ship_dynamic_modules
 
-        signature = inspect.signature(self.hosted_class.__init__)
+        signature = constructor_signature(self.hosted_class)
         bound = signature.bind(None, *args, **kwargs)
         targs = _find_args(signature, bound)
         check(self.hosted_class, targs)
@@ -327,7 +326,7 @@ class HostedTrainer:
 
     def _given(self, name: str):
         """The constructor's argument ``name`` as the script gave it (None if absent)."""
-        signature = inspect.signature(self.hosted_class.__init__)
+        signature = constructor_signature(self.hosted_class)
         args, kwargs = self._constructor
         return _find_args(signature, signature.bind(None, *args, **kwargs), name)
 
@@ -354,7 +353,7 @@ class HostedTrainer:
         from raytrainer.callbacks import CallbackHandler, TrainerState
 
         trial = object.__new__(type(self))
-        signature = inspect.signature(self.hosted_class.__init__)
+        signature = constructor_signature(self.hosted_class)
         recipe_args, recipe_kwargs = _replace_args(signature, *self._constructor, args)
         vars(trial).update({k: v for k, v in vars(self).items()
                             if k not in ("_group", "_model", "_hub", "_init_model")})
@@ -493,7 +492,7 @@ class HostedTrainer:
         """``trainer.model = module``, as a script sets it on transformers' Trainer: the driver's model is
         ``module`` and from the next call the ranks build the trainer around it, as given ``model=module``
         (the driver keeps the run's state and callbacks; the ranks' previous trainer is freed)."""
-        signature = inspect.signature(self.hosted_class.__init__)
+        signature = constructor_signature(self.hosted_class)
         args, kwargs = _replace_args(signature, *self._constructor, module, name="model")
         vars(self).update(_constructor=(args, kwargs), _recipe=Recipe.make(self.hosted_class, args, kwargs),
                           _model=module, _trained=False)

@@ -59,7 +59,45 @@ def plain_config(args, **overrides):
     values.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them
-        return cls(**values)
+        plain = cls(**values)
+    for name in _own_fields(type(args)):  # a script's own fields (``class MyArgs(TrainingArguments)``)
+        object.__setattr__(plain, name, given.get(name, getattr(args, name)))
+    return plain
+
+
+def _own_fields(cls: type) -> list[str]:
+    """The dataclass fields the classes of a script add to raytrainer's arguments classes (read on the ranks
+    by the script's own trainer subclass, as ``self.args.<field>``)."""
+    return [name for klass in cls.__mro__
+            if issubclass(klass, RayArgumentsMixin) and not klass.__module__.startswith("raytrainer")
+            for name in vars(klass).get("__annotations__", {})
+            if name in {f.name for f in dataclasses.fields(cls)}]
+
+
+def constructor_signature(cls: type) -> inspect.Signature:
+    """The signature ``cls``'s constructor takes the trainer's arguments by. A constructor that passes its
+    positional arguments through (``def __init__(self, *args, scale=1.0, **kwargs): super().__init__(*args,
+    **kwargs)``, or a wrapper that counts or logs) takes them by the first constructor up its classes that
+    names them, with the keyword-only parameters of those on the way. Otherwise a subclass given
+    ``(model, args)`` by position had no ``args`` to find, and ran in this process whatever its
+    ``num_workers``."""
+    kinds = inspect.Parameter
+    extra: dict[str, inspect.Parameter] = {}  # the keyword-only parameters of the pass-through ones
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        signature = inspect.signature(init)
+        params = list(signature.parameters.values())
+        if not any(p.kind is kinds.VAR_POSITIONAL for p in params):
+            if not extra:
+                return signature
+            named = [p for p in params if p.kind is not kinds.VAR_KEYWORD and p.name not in extra]
+            rest = [p for p in params if p.kind is kinds.VAR_KEYWORD] or [
+                inspect.Parameter("kwargs", kinds.VAR_KEYWORD)]
+            return signature.replace(parameters=[*named, *extra.values(), *rest])
+        extra.update((p.name, p) for p in params if p.kind is kinds.KEYWORD_ONLY and p.name not in extra)
+    return inspect.signature(cls.__init__)
 
 
 def _find_args(signature: inspect.Signature, bound: inspect.BoundArguments, name: str = "args"):
@@ -90,8 +128,8 @@ class Recipe:
 
     @classmethod
     def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
-        targs = _find_args(inspect.signature(trainer_cls.__init__),
-                           inspect.signature(trainer_cls.__init__).bind(None, *args, **kwargs))
+        signature = constructor_signature(trainer_cls)
+        targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         with token_withheld(targs):  # the hub token stays on the driver, which pushes
             payload = _pickled(trainer_cls, args, kwargs)
         return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
@@ -120,7 +158,7 @@ class Recipe:
 
         with imports_in_own_folder():
             trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
-        signature = inspect.signature(trainer_cls.__init__)
+        signature = constructor_signature(trainer_cls)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
         if not self.use_gpu:

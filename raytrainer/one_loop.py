@@ -380,7 +380,9 @@ class _Additions:
         from raytrainer.saving import without_secrets
 
         args = self.args
-        self.args = without_secrets(args)
+        # a rank's arguments are its base class's; where that class cannot be named (a script replaced it
+        # in transformers' modules), the arguments as the script gave them
+        self.args = without_secrets(args, vars(self).get("_raytrainer_given"))
         try:
             super()._save(output_dir, state_dict)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -101,6 +102,53 @@ def test_a_subclass_of_a_twin_is_built_on_the_ranks_as_it_is(tmp_path):
     assert type(here) is _Mine and here.scale == 3.0 and type(here.args) is transformers.TrainingArguments
     here.train()
     assert here.seen == 2
+
+
+class _PassThrough(raytrainer.Trainer):
+    """The commonest subclass: a constructor that passes everything through."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+def test_a_subclass_whose_constructor_passes_its_arguments_through_runs_where_its_arguments_say(tmp_path):
+    """``Mine(model, args)`` by position, where ``Mine.__init__(self, *args, **kwargs)`` (or with keyword-only
+    parameters of its own): ``args`` is found by the first constructor up the classes that names it, so
+    ``num_workers=2`` makes the driver's side of a run on workers (it ran in this process before), and the
+    ranks' arguments are the plain ones, put where they were given."""
+    from raytrainer.hosted import HostedTrainer
+
+    Args = raytrainer.config_on_ray(transformers.TrainingArguments)
+    values = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    model = _tiny_gpt2()
+    for cls, extra in ((_PassThrough, {}), (_Mine, {"scale": 2.0})):
+        on_workers = cls(model, Args(num_workers=2, **values), None, _Rows(), **extra)
+        assert isinstance(on_workers, HostedTrainer) and type(on_workers).hosted_class is cls, cls
+        built_cls, args, kwargs, plain, given = on_workers._recipe.unpack()
+        assert plain is args[1]
+        assert built_cls is cls and args[0] is not None and type(args[1]) is transformers.TrainingArguments
+        assert given.num_workers == 2 and kwargs == extra
+    here = _PassThrough(model, raytrainer.TrainingArguments(num_workers=0, **values))
+    assert not isinstance(here, HostedTrainer) and here.model is model
+
+
+@dataclasses.dataclass
+class _MyArgs(raytrainer.TrainingArguments):
+    """A script's arguments class with a field of its own, as transformers users write them."""
+
+    scale_by: float = 1.0
+
+
+def test_a_scripts_own_arguments_fields_reach_the_ranks_plain_arguments(tmp_path):
+    """The ranks build the trainer with the arguments' base class (transformers' own process view); the
+    fields a script's subclass adds are on that object too, so its trainer subclass reads
+    ``self.args.scale_by`` on the workers as in one process."""
+    args = _MyArgs(output_dir=str(tmp_path), num_workers=2, report_to="none", use_cpu=True, scale_by=3.0)
+    trainer = raytrainer.Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Rows())
+    *_, plain, given = trainer._recipe.unpack()
+    assert type(plain) is transformers.TrainingArguments and plain.scale_by == 3.0
+    assert given.scale_by == 3.0 and plain_config(args).scale_by == 3.0
+    assert not hasattr(plain, "num_workers")  # raytrainer's fields stay on the driver's side
 
 
 def test_twins_of_trl_keep_trls_names_and_other_names_are_trls_own():
