@@ -650,6 +650,13 @@ class DriverAccelerator:
     def wait_for_everyone(self) -> None:
         """Nothing to wait for: each call on the workers has ended when it returns here."""
 
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """``model`` out of its DataParallel / DDP / ``torch.compile`` wrappers, as accelerate's own (the
+        driver's ``trainer.model`` is never wrapped: it is returned as it is)."""
+        from accelerate.utils import extract_model_from_parallel
+
+        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
+
     @contextlib.contextmanager
     def main_process_first(self):
         yield

@@ -65,6 +65,10 @@ def test_with_workers_the_twin_is_a_transformers_trainer_whose_methods_run_on_th
     for name in ("save_model", "compute_loss", "log", "get_train_dataloader"):
         assert isinstance(getattr(trainer, name), _RankMethod), name
     assert trainer.is_world_process_zero() is True and "model" not in vars(trainer)
+    # what scripts ask the driver's accelerator: a model out of its wrappers, as accelerate's own
+    module = torch.nn.Linear(2, 2)
+    assert trainer.accelerator.unwrap_model(torch.nn.DataParallel(module)) is module
+    assert trainer.accelerator.unwrap_model(module) is module
 
 
 class _Mine(raytrainer.on_ray(transformers.Trainer)):
