@@ -21,7 +21,8 @@ padded rows would move with the worker count. On the last round, whose batches a
 data set's first rows, a rank holding some of the data set's rows steps those alone, the batch one process
 steps: its loss their mean, its generations made without other rows beside them (a beam search pads a
 finished sequence by what else is in its batch), the rows given back for the gathering's shapes and cut
-there.
+there; and the last round's losses count each rank's rows of the data set once (``_gather_losses_per_row``:
+an ``IterableDataset``'s last rows are dealt out in equal slices, not in whole batches).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def evaluate_as_one_process(trainer, ctx) -> None:
             # transformers' Seq2SeqTrainer gathers its generations with accelerate's plain gather: every rank
             # gets every rank's rows, the last round's padding rows kept (13 rows on 2 ranks of 3 return 18)
             trainer.gather_function = functools.partial(_gather_as_one_process, trainer, ctx, pending)
-        accelerator.gather = lambda data: gather_on_rank_zero(data, ctx, replicas)
+        accelerator.gather = functools.partial(_gather_losses_per_row, trainer, ctx, pending, replicas)
         if compute is not None and not ctx.is_world_zero:
             trainer.compute_metrics = lambda *a, **k: {}
         try:
@@ -131,6 +132,26 @@ def _root_gathered(model, generating: bool):
         yield
     finally:
         model.reshard()
+
+
+def _gather_losses_per_row(trainer, ctx, pending: dict, replicas: int, data):
+    """``gather_on_rank_zero``; for the last round's loss (transformers' loop gathers each batch's loss
+    repeated ``eval_batch_size`` times, and ``gather_for_metrics`` keeps the first ``remainder`` of the
+    concatenation), rank 0 keeps each rank's copies for that rank's rows of the data set only. accelerate
+    deals the last rows of a map-style set in whole batches, padded (rank 0's batch first), and those of an
+    ``IterableDataset`` in equal slices (``dispatch_batches``: 2 rows left on 2 ranks are one row each):
+    there the cut kept rank 0's loss twice and never rank 1's (66 rows in batches of 8: eval_loss 0.4058
+    where one process gives 0.4185)."""
+    rows = pending.pop("last_loss", None)
+    gathered = gather_on_rank_zero(data, ctx, replicas)
+    if not rows or not ctx.is_world_zero or not isinstance(data, torch.Tensor) or data.ndim != 1:
+        return gathered
+    copies, remainder = data.shape[0], trainer.accelerator.gradient_state.remainder
+    kept = torch.cat([part[: min(max(remainder - reader * rows, 0), rows)]  # this reader's real rows
+                      for reader, part in enumerate(gathered.split(copies))])
+    if not len(kept):
+        return gathered
+    return torch.cat([kept, kept[-1:].expand(gathered.shape[0] - kept.shape[0])])  # the shape accelerate cuts
 
 
 def _one() -> int:

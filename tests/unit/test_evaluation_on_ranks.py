@@ -5,7 +5,8 @@ and builds raytrainer's Trainer from the recipe the driver's trainer (``num_work
 worker's rank does; the rank's evaluation layer is installed as ``run_hosted`` installs it. Rank 0 gets one
 process's predictions, in dataset order, and both ranks one process's metrics -- with
 ``eval_accumulation_steps``, with ``batch_eval_metrics``, whose ``compute_metrics`` runs on rank 0 only,
-over each batch of every rank's rows, and with the plain gather transformers' Seq2SeqTrainer uses.
+over each batch of every rank's rows, and with the plain gather transformers' Seq2SeqTrainer uses; and an
+``IterableDataset``, whose last rows accelerate deals out one to each rank.
 """
 
 from __future__ import annotations
@@ -175,3 +176,53 @@ def test_a_plain_gather_s_short_last_batch_weighs_as_in_one_process(ranks, tmp_p
     batch_weighted = _trainer(str(tmp_path), 0, "plain_gather").evaluate()["eval_loss"]
     assert abs(rows_weighted - batch_weighted) > 1e-3
     assert ranks[0]["plain_gather"]["evaluate"]["eval_loss"] == pytest.approx(batch_weighted, rel=1e-6)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The examples as an ``IterableDataset``: accelerate deals its batches out in equal slices
+    (``dispatch_batches``), so the last round's 2 rows are one on each rank."""
+
+    def __init__(self, rows: int):
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(rows, 4, generator=generator)
+
+    def __iter__(self):
+        return iter({"x": x, "labels": i % 3} for i, x in enumerate(self.x))
+
+
+def _evaluate_a_stream(recipe, rank: int, port: str, results) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
+    from raytrainer.worker.hosted_sharding import build_trainer
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method="env://", rank=rank, world_size=2)
+    trainer_cls, args, kwargs, targs, _given = recipe.unpack(2)
+    trainer = build_trainer(trainer_cls, args, kwargs, targs)
+    ctx = RankContext(world_size=2, rank=rank, local_rank=rank, local_world_size=2)
+    evaluate_as_one_process(trainer, ctx)
+    predicted = trainer.predict(trainer.eval_dataset)
+    results.put({"rank": rank, "metrics": predicted.metrics, "labels": np.asarray(predicted.label_ids)})
+
+
+def test_an_iterable_data_sets_last_rows_dealt_one_to_each_rank_weigh_as_in_one_process(tmp_path):
+    """14 rows in batches of 3 on 2 ranks: the last round's 2 rows are one on each rank, each batch's loss
+    repeated 3 times by transformers' loop; ``gather_for_metrics`` keeps the first 2 of the 6 copies, rank
+    0's twice. raytrainer's rank 0 keeps one copy of each rank's: one process's ``test_loss``."""
+
+    def trainer(num_workers: int) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), num_workers=num_workers, report_to="none",
+                                 per_device_eval_batch_size=BATCH, disable_tqdm=True)
+        return Trainer(model=_Scorer(), args=args, eval_dataset=_Stream(14), compute_metrics=Accuracy())
+
+    one = trainer(0).predict(_Stream(14))
+    seen = run_two_ranks(functools.partial(_evaluate_a_stream, trainer(2)._recipe), _free_port(), timeout=240)
+    zero = next(r for r in seen if r["rank"] == 0)
+    np.testing.assert_array_equal(zero["labels"], one.label_ids)
+    assert zero["metrics"]["test_rows"] == one.metrics["test_rows"] == 14
+    assert zero["metrics"]["test_accuracy"] == pytest.approx(one.metrics["test_accuracy"])
+    assert zero["metrics"]["test_loss"] == pytest.approx(one.metrics["test_loss"], rel=1e-6)
