@@ -68,10 +68,10 @@ def plain_config(args, **overrides):
 def _own_fields(cls: type) -> list[str]:
     """The dataclass fields the classes of a script add to raytrainer's arguments classes (read on the ranks
     by the script's own trainer subclass, as ``self.args.<field>``)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     return [name for klass in cls.__mro__
             if issubclass(klass, RayArgumentsMixin) and not klass.__module__.startswith("raytrainer")
-            for name in vars(klass).get("__annotations__", {})
-            if name in {f.name for f in dataclasses.fields(cls)}]
+            for name in vars(klass).get("__annotations__", {}) if name in fields]
 
 
 def constructor_signature(cls: type) -> inspect.Signature:
