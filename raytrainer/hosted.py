@@ -146,14 +146,8 @@ class HostedTrainer:
     user_class: type  # the class the script instantiated
 
     def __init__(self, *args, **kwargs):
-        from raytrainer.callbacks import (
-            CallbackHandler,
-            PrinterCallback,
-            ProgressCallback,
-            TrainerControl,
-            TrainerState,
-            explicitly_on_driver,
-        )
+        from raytrainer.callbacks import PrinterCallback, ProgressCallback, TrainerControl, TrainerState
+        from raytrainer.hosted_callbacks import DriverCallbacks
         from raytrainer.hosted_recipe import ship_dynamic_modules
 
         signature = constructor_signature(self.hosted_class)
@@ -164,15 +158,15 @@ class HostedTrainer:
         bound = signature.bind(None, *args, **kwargs)
         ship_dynamic_modules()  # a trust_remote_code model's classes travel by value
         display = PrinterCallback() if targs.disable_tqdm else ProgressCallback()
-        # the script's callbacks that ask to run here (``on_driver = True``: a search's reporter, one that
-        # may stop the run from the driver) see rank 0's events, replayed; the ranks leave them out
-        on_driver = [cb for cb in bound.arguments.get("callbacks") or () if explicitly_on_driver(cb)]
         vars(self).update(
             args=targs,
             state=TrainerState(),
             control=TrainerControl(),
-            # the driver's display (progress bar or printer): rank 0's callback events are replayed into it
-            callback_handler=CallbackHandler([display, *on_driver], flow=False),
+            # the mirror of each rank's list (raytrainer/hosted_callbacks.py): the script's callbacks take on
+            # rank 0's state after each call; the display (progress bar or printer) and the callbacks that
+            # ask to run here (``on_driver = True``) see rank 0's events, and the ranks leave them out
+            callback_handler=DriverCallbacks.for_run(targs, bound.arguments.get("callbacks"), display),
+            _callback_edits=(),  # add_callback, pop_callback, remove_callback: made on every rank too
             # on the driver: one process; print() and the main-process checks are the driver's
             accelerator=DriverAccelerator(targs.num_workers),
             _recipe=Recipe.make(self.hosted_class, args, kwargs),
@@ -241,6 +235,43 @@ class HostedTrainer:
         """The repository pushes go to (transformers' attribute, set once the driver's pusher exists)."""
         target = self._hub.target if self._hub is not None else None
         return getattr(target, "repo_id", None) or self.args.hub_model_id
+
+    def add_callback(self, callback) -> None:
+        """transformers' ``add_callback``: to the driver's list and, from the next call, every rank's
+        (a callback with ``on_driver = True``: the driver's only)."""
+        from raytrainer.hosted_callbacks import Edit
+
+        self._edit_callbacks(Edit(added=callback))  # first: one that cannot reach the ranks is refused
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """transformers' ``pop_callback``: the driver's instance, removed here and on every rank."""
+        from raytrainer.hosted_callbacks import removal
+
+        edit = removal(self.callback_handler, callback)
+        popped = self.callback_handler.pop_callback(callback)
+        if popped is not None:
+            self._edit_callbacks(edit)
+        return popped
+
+    def remove_callback(self, callback) -> None:
+        """transformers' ``remove_callback``, here and on every rank."""
+        from raytrainer.hosted_callbacks import removal
+
+        edit = removal(self.callback_handler, callback)
+        self.callback_handler.remove_callback(callback)  # an instance not listed: transformers' ValueError
+        self._edit_callbacks(edit)
+
+    def _edit_callbacks(self, edit) -> None:
+        """``edit`` made on every rank from the next call: each rank builds the trainer anew, from the same
+        payload, and edits its list as the driver's was (the trained weights and state go along, as to a
+        group built anew)."""
+        from raytrainer.hosted_callbacks import for_ranks
+
+        if for_ranks(edit):
+            edits = (*self._callback_edits, edit)
+            self._recipe = self._recipe.with_edits(edits)
+            self._callback_edits = edits
 
     def _resume_target(self, resume_from_checkpoint):
         return resume_target(self.args, resume_from_checkpoint)
@@ -350,7 +381,8 @@ class HostedTrainer:
     def for_trial(self, args, callbacks: list):
         """A copy of this trainer for one search trial: the trial's arguments (and its own output_dir), the
         driver's callbacks plus ``callbacks``, a state of its own; no worker group (the search lends one)."""
-        from raytrainer.callbacks import CallbackHandler, TrainerState
+        from raytrainer.callbacks import TrainerState
+        from raytrainer.hosted_callbacks import DriverCallbacks
 
         trial = object.__new__(type(self))
         signature = constructor_signature(self.hosted_class)
@@ -359,8 +391,8 @@ class HostedTrainer:
                             if k not in ("_group", "_model", "_hub", "_init_model")})
         vars(trial).update(
             args=args, state=TrainerState(), _hub=None,
-            callback_handler=CallbackHandler([*self.callback_handler.callbacks, *callbacks], flow=False),
-            _recipe=Recipe.make(self.hosted_class, recipe_args, recipe_kwargs))
+            callback_handler=DriverCallbacks([*self.callback_handler.callbacks, *callbacks]),
+            _recipe=Recipe.make(self.hosted_class, recipe_args, recipe_kwargs, self._callback_edits))
         return trial
 
     def is_world_process_zero(self) -> bool:
@@ -425,9 +457,12 @@ class HostedTrainer:
         from raytrainer.protocol import Spec
         from raytrainer.worker.logs import driver_transformers_level
         from raytrainer.worker.place import driver_place
-        from raytrainer.worker.rank import absorb_callback_states
+        from raytrainer.worker.rank import absorb_callback_states, callback_states
 
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
+        # a rank that builds the trainer (first call, new group, edited list) starts from the state of the
+        # script's callbacks here, which took on rank 0's after each call; a warm rank keeps its own
+        kwargs = {**kwargs, "callback_states": callback_states(self.callback_handler.callbacks)}
         if method != "train" and vars(self).get("_weights_at"):  # ranks that build the trainer anew (a new
             from raytrainer.callbacks import state_to_dict  # or restarted group) load them, and the state
 
@@ -442,7 +477,7 @@ class HostedTrainer:
         spec = Spec(recipe, kwargs, driver_transformers_level(), *driver_place(), payload=payload)
         result = launch(self, spec, method, registry or CheckpointRegistry(self.args))
         # what the script's callbacks recorded on rank 0, in the script's own instances (as in one process)
-        absorb_callback_states(self._given("callbacks") or (), result.callbacks)
+        absorb_callback_states(self.callback_handler.callbacks, result.callbacks)
         return result
 
     @property
@@ -494,8 +529,8 @@ class HostedTrainer:
         (the driver keeps the run's state and callbacks; the ranks' previous trainer is freed)."""
         signature = constructor_signature(self.hosted_class)
         args, kwargs = _replace_args(signature, *self._constructor, module, name="model")
-        vars(self).update(_constructor=(args, kwargs), _recipe=Recipe.make(self.hosted_class, args, kwargs),
-                          _model=module, _trained=False)
+        vars(self).update(_constructor=(args, kwargs), _model=module, _trained=False,
+                          _recipe=Recipe.make(self.hosted_class, args, kwargs, self._callback_edits))
         vars(self).pop("_weights_at", None)
 
     def _untrained_model(self):

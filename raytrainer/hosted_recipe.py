@@ -123,16 +123,41 @@ class Recipe:
     payload: bytes | None
     use_gpu: bool
     ref: list | None = dataclasses.field(default=None, repr=False)  # [ObjectRef] of the payload
+    #: the driver's edits of the trainer's callback list (raytrainer/hosted_callbacks.py), pickled
+    edits: bytes | None = None
 
     _numbers = itertools.count()
 
     @classmethod
-    def make(cls, trainer_cls: type, args: tuple, kwargs: dict) -> Recipe:
+    def make(cls, trainer_cls: type, args: tuple, kwargs: dict, edits: tuple = ()) -> Recipe:
         signature = constructor_signature(trainer_cls)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         with token_withheld(targs):  # the hub token stays on the driver, which pushes
             payload = _pickled(trainer_cls, args, kwargs)
-        return cls(f"{uuid.uuid4().hex[:8]}-{next(cls._numbers)}", payload, bool(targs.use_gpu))
+        return cls(_new_key(), payload, bool(targs.use_gpu)).with_edits(edits, key=None)
+
+    def with_edits(self, edits: tuple, key: str | None = "new") -> Recipe:
+        """This recipe, its trainer's callback list edited by ``edits`` (``hosted_callbacks.Edit``) after
+        it is built; a new trainer (new ``key``), from the same payload in the object store."""
+        try:
+            pickled = cloudpickle.dumps(tuple(edits)) if edits else None
+        except Exception as exc:
+            culprit = next((e.added for e in edits if not _picklable(e.added)), edits)
+            raise ValueError(
+                f"add_callback({culprit!r}): the callback cannot be pickled to send it to the Ray workers "
+                f"({type(exc).__name__}: {exc}). Define callback classes at module level and keep locks, "
+                "open files and generators out of them, or give it `on_driver = True` to run it in this "
+                "process on rank 0's events.") from exc
+        return dataclasses.replace(self, edits=pickled, key=self.key if key is None else _new_key())
+
+    def callback_edits(self) -> tuple:
+        """The driver's edits of the callback list, for a rank that has just built the trainer."""
+        from raytrainer.import_scratch import imports_in_own_folder
+
+        if self.edits is None:
+            return ()
+        with imports_in_own_folder():
+            return cloudpickle.loads(self.edits)
 
     def for_command(self) -> tuple[bytes, list]:
         """This recipe without its payload, pickled, and ``[reference]`` of the payload, put into the object
@@ -179,6 +204,10 @@ class Recipe:
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain, targs
+
+
+def _new_key() -> str:
+    return f"{uuid.uuid4().hex[:8]}-{next(Recipe._numbers)}"
 
 
 def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new,

@@ -11,8 +11,9 @@ import re
 import threading
 import time
 
-from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState, runs_on_driver
+from raytrainer.callbacks import CallbackHandler, TrainerControl, TrainerState
 from raytrainer.driver.pace import StragglerWatch
+from raytrainer.hosted_callbacks import shown_on_driver
 from raytrainer.logging_utils import emit_worker_record, say
 from raytrainer.protocol import Attempt, CallbackEvent, Event, Kind
 
@@ -28,11 +29,11 @@ class _Sized:
 
 
 class DriverDisplay:
-    """The driver's callbacks (progress bar, printer, transformers' trackers, any with ``on_driver = True``),
-    fed by rank 0."""
+    """The driver's callbacks (progress bar or printer, any with ``on_driver = True``: ``shown_on_driver``),
+    fed by rank 0; transformers' trackers run on rank 0."""
 
     def __init__(self, trainer):
-        callbacks = [cb for cb in trainer.callback_handler.callbacks if runs_on_driver(cb)]
+        callbacks = [cb for cb in trainer.callback_handler.callbacks if shown_on_driver(cb)]
         model = trainer._display_model if hasattr(type(trainer), "_display_model") else trainer.model
         self.handler = CallbackHandler(callbacks, model, trainer.processing_class, None, None, flow=False)
         self.args = trainer.args

@@ -18,13 +18,14 @@ import logging
 
 from transformers import TrainerCallback
 
+from raytrainer.hosted_callbacks import apply_edits
 from raytrainer.protocol import RankResult
 from raytrainer.worker.hosted_evaluation import evaluate_as_one_process
 from raytrainer.worker.hosted_resume import LoaderSeedOffTheStream, Resume, localize, new_hyperparameters
 from raytrainer.worker.hosted_sharding import build_trainer
 from raytrainer.worker.logs import rank_logging
 from raytrainer.worker.loss import adapt_mean_losses
-from raytrainer.worker.rank import after_restart, callback_states
+from raytrainer.worker.rank import absorb_callback_states, after_restart, callback_states
 from raytrainer.worker.session import RankSession
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
     kwargs = dict(kwargs)
     trained = kwargs.pop("trained_weights", None)  # where the driver's trainer's last train() left them
     trained_state = kwargs.pop("trained_state", None)  # and the driver's state after it
+    driver_callbacks = kwargs.pop("callback_states", None)  # the state of the driver's callbacks
     for key in [key for key in _LIVE if key != recipe.key and key not in keep]:
         del _LIVE[key]
     trainer = _LIVE.get(recipe.key)
@@ -53,6 +55,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
                                     again=lambda: fetched.unpack(ctx.world_size)[1:3])
             trainer._raytrainer_elastic = getattr(given, "elastic", False)
             trainer._raytrainer_given = given  # the arguments with their Ray fields (the run's storage)
+            apply_edits(trainer, fetched.callback_edits())  # the driver's add_callback, remove_callback...
+            absorb_callback_states(trainer.callback_handler.callbacks, driver_callbacks)
             _split_callbacks(trainer, session, given)
             if trained is not None:  # built anew after a train(): a new group's, a restarted group's
                 from raytrainer import final_weights

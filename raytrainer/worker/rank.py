@@ -49,15 +49,16 @@ def callback_states(callbacks) -> list[tuple[str, dict]]:
                 attributes[name] = value
                 tensors += held
             else:
-                logger.info("%s.%s (%d bytes pickled) stays on the workers: the driver's copy keeps its "
-                            "value from before the call", type(callback).__name__, name, size)
+                logger.info("%s.%s (%d bytes pickled) does not travel between the driver and the workers: "
+                            "each side keeps its own value", type(callback).__name__, name, size)
         states.append((type(callback).__qualname__, attributes))
     return states
 
 
 def absorb_callback_states(callbacks, states: list[tuple[str, dict]] | None) -> None:
-    """Update the driver's worker-side callbacks in place from rank 0's (``callback_states``); several
-    instances of one class are matched in order, as transformers matches saved callback states."""
+    """Update the driver's worker-side callbacks in place from rank 0's (``callback_states``), or a rank's
+    just built from the driver's; several instances of one class are matched in order, as transformers
+    matches saved callback states."""
     if not states:
         return
     mine: dict[str, list] = {}

@@ -11,7 +11,15 @@ import numpy as np
 import optuna
 import pytest
 import torch
-from models import DieOnceInEvaluation, DropoutRegressor, Journal, RecordPid, Regressor, make_data
+from models import (
+    DieOnceInEvaluation,
+    DropoutRegressor,
+    Journal,
+    RecordPid,
+    Regressor,
+    StopAtStepOnRank,
+    make_data,
+)
 from safetensors.torch import load_file
 
 import raytrainer
@@ -85,6 +93,25 @@ def test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing(tmp_pa
     assert workers() and set(workers()).isdisjoint(after_train)
     assert trainer.state.log_history[-2:] == [logged, {**again, "step": 6}]
     assert again["epoch"] == logged["epoch"]
+    # the new ranks' callbacks started from the driver's, which had taken on the first group's rank 0's
+    assert journal.events[7:] == ["evaluate", "predict", "evaluate"]
+    second_group = workers()
+
+    # the driver's list is each rank's, as transformers' Trainer lists it; an edit of it on the driver is
+    # an edit on every rank: the journal removed, a second one and a stop (asked on rank 1 only) added
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    assert names == ["DefaultFlowCallback", "Journal", "PrinterCallback"]
+    trainer.remove_callback(journal)
+    second = Journal()
+    trainer.add_callback(second)
+    trainer.add_callback(StopAtStepOnRank(2, rank=1))
+    assert trainer.pop_callback(StopAtStepOnRank).step == 2
+    trainer.add_callback(StopAtStepOnRank(3, rank=1))
+    assert trainer.train().global_step == 3
+    assert workers() == second_group  # the same processes built the edited trainer
+    assert second.events == ["train_begin", "step_end 1", "step_end 2", "step_end 3"]
+    assert journal.events[7:] == ["evaluate", "predict", "evaluate"]  # removed: it ran on no rank
+
     with trainer:  # the with-block closes the group too
         pass
     assert run_actors() <= before_actors and placement_groups() <= before_groups
