@@ -16,7 +16,7 @@ LAYERS = (
     ("arguments", {"arg_types", "args", "accelerate_config", "hf_argparser", "hosted_recipe", "elastic",
                    "parallelism"}),
     ("engine", {"strategies", "checkpoint", "data", "optim", "final_weights", "consolidate",
-                "integrations"}),
+                "integrations", "hosted_callbacks"}),
     ("worker", {"worker"}),
     ("driver", {"driver", "hub"}),
     ("search", {"search"}),
