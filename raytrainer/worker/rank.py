@@ -8,6 +8,7 @@ import io
 import logging
 
 import torch
+import transformers
 
 from raytrainer.callbacks import runs_on_driver
 from raytrainer.worker.session import RankSession
@@ -15,7 +16,10 @@ from raytrainer.worker.session import RankSession
 logger = logging.getLogger(__name__)
 
 
-_STAYS = (torch.nn.Module, torch.optim.Optimizer, io.IOBase)
+#: Never travels with a callback's state: weights, optimizers, open files, and a trainer (a callback that
+#: keeps its trainer, as transformers' JIT callback does; on the driver, pickling one would pickle the
+#: recipe's payload, the model with it, at every call)
+_STAYS = (torch.nn.Module, torch.optim.Optimizer, io.IOBase, transformers.Trainer)
 
 #: A callback attribute bigger than this (pickled) stays on the workers: the channel carries small results.
 MAX_CALLBACK_ATTRIBUTE_BYTES = 1 << 20

@@ -122,3 +122,22 @@ def test_a_callback_added_that_cannot_be_pickled_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"add_callback\(.*Local.*\): the callback cannot be pickled"):
         ours.add_callback(Local())
     assert _names(ours) == ["DefaultFlowCallback", "ProgressCallback"] and not ours._callback_edits
+
+
+class KeepsItsTrainer(TrainerCallback):
+    def __init__(self):
+        self.trainer, self.seen = None, [1, 2]
+
+
+def test_a_callback_that_keeps_its_trainer_sends_its_state_without_it(tmp_path):
+    """The driver sends its callbacks' states with each call (a rank that builds the trainer starts from
+    them): a trainer kept by a callback stays behind, wherever it is (here: the driver's, whose pickle
+    would hold the model)."""
+    from raytrainer.worker.rank import callback_states
+
+    keeper = KeepsItsTrainer()
+    _, ours = _pair(tmp_path, [keeper])
+    keeper.trainer = ours
+    states = dict(callback_states(ours.callback_handler.callbacks))
+    assert states["KeepsItsTrainer"] == {"seen": [1, 2]}
+    assert "ProgressCallback" not in states  # the display runs here, never on a rank
