@@ -134,21 +134,12 @@ class Recipe:
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         with token_withheld(targs):  # the hub token stays on the driver, which pushes
             payload = _pickled(trainer_cls, args, kwargs)
-        return cls(_new_key(), payload, bool(targs.use_gpu)).with_edits(edits, key=None)
+        return cls(_new_key(), payload, bool(targs.use_gpu), edits=_pickled_edits(edits))
 
-    def with_edits(self, edits: tuple, key: str | None = "new") -> Recipe:
+    def with_edits(self, edits: tuple) -> Recipe:
         """This recipe, its trainer's callback list edited by ``edits`` (``hosted_callbacks.Edit``) after
         it is built; a new trainer (new ``key``), from the same payload in the object store."""
-        try:
-            pickled = cloudpickle.dumps(tuple(edits)) if edits else None
-        except Exception as exc:
-            culprit = next((e.added for e in edits if not _picklable(e.added)), edits)
-            raise ValueError(
-                f"add_callback({culprit!r}): the callback cannot be pickled to send it to the Ray workers "
-                f"({type(exc).__name__}: {exc}). Define callback classes at module level and keep locks, "
-                "open files and generators out of them, or give it `on_driver = True` to run it in this "
-                "process on rank 0's events.") from exc
-        return dataclasses.replace(self, edits=pickled, key=self.key if key is None else _new_key())
+        return dataclasses.replace(self, key=_new_key(), edits=_pickled_edits(edits))
 
     def callback_edits(self) -> tuple:
         """The driver's edits of the callback list, for a rank that has just built the trainer."""
@@ -208,6 +199,19 @@ class Recipe:
 
 def _new_key() -> str:
     return f"{uuid.uuid4().hex[:8]}-{next(Recipe._numbers)}"
+
+
+def _pickled_edits(edits: tuple) -> bytes | None:
+    """The driver's edits of the callback list for the workers; on failure, the error names the callback."""
+    try:
+        return cloudpickle.dumps(tuple(edits)) if edits else None
+    except Exception as exc:
+        culprit = next((e.added for e in edits if not _picklable(e.added)), edits)
+        raise ValueError(
+            f"add_callback({culprit!r}): the callback cannot be pickled to send it to the Ray workers "
+            f"({type(exc).__name__}: {exc}). Define callback classes at module level and keep locks, "
+            "open files and generators out of them, or give it `on_driver = True` to run it in this "
+            "process on rank 0's events.") from exc
 
 
 def _replace_args(signature: inspect.Signature, args: tuple, kwargs: dict, new,
