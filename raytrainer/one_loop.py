@@ -161,16 +161,37 @@ class _Additions:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """transformers' ``save_model``; with raytrainer's default sharded FSDP checkpoints, the model it
         writes is still the whole one (``model.safetensors``, gathered as transformers' ``FULL_STATE_DICT``
-        does), which ``from_pretrained`` loads."""
+        does), which ``from_pretrained`` loads. A PEFT model's is PEFT's adapter files, its adapters alone
+        gathered (a few MB; the frozen base, the size of the model, never), and a sharded checkpoint of it
+        holds them too, for ``PeftModel.from_pretrained`` and a hub push: transformers writes none under
+        ``SHARDED_STATE_DICT``."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if (not self.__dict__.get("_raytrainer_sharded_by_default") or plugin is None
-                or self.__dict__.get("_raytrainer_checkpointing")):  # a checkpoint: each rank's shard
+        if self.__dict__.get("_raytrainer_checkpointing") and plugin is not None:  # each rank's shard
+            super().save_model(output_dir, _internal_call)
+            if "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
+                self._save_adapter(output_dir)
+            return None
+        if not self.__dict__.get("_raytrainer_sharded_by_default") or plugin is None:
             return super().save_model(output_dir, _internal_call)
+        if self._save_adapter(output_dir):
+            if self.args.push_to_hub and not _internal_call:  # as transformers' save_model ends
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return None
         _state_dict_type(plugin, "FULL_STATE_DICT")
         try:
             return super().save_model(output_dir, _internal_call)
         finally:
             _state_dict_type(plugin, "SHARDED_STATE_DICT")
+
+    def _save_adapter(self, output_dir: str | None) -> bool:
+        """A PEFT model's adapter files written (its adapters gathered: a collective); False for another
+        model."""
+        from raytrainer.saving import peft_state_gathered
+
+        adapter = peft_state_gathered(self.accelerator.unwrap_model(self.model))
+        if adapter is not None and self.args.should_save:
+            self._save(output_dir, state_dict=adapter)
+        return adapter is not None
 
     @classmethod
     def _ray_arguments(cls, args) -> RayArgumentsMixin:

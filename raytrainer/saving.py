@@ -55,6 +55,23 @@ def peft_saved_keys(model, state_dict: dict) -> list[str] | None:
     return [k for k in state_dict if k in kept]
 
 
+def peft_state_gathered(model) -> dict[str, torch.Tensor] | None:
+    """What ``model.save_pretrained`` saves of a PEFT model whose weights are sharded (FSDP2's DTensors):
+    its adapters alone gathered to a CPU copy on every rank (a collective; a few MB), the frozen base, the
+    size of the model, never. None for a model that is not PEFT's, or where PEFT's selection needs the
+    whole state (``peft_saved_keys``)."""
+    if not hasattr(model, "peft_config"):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    sharded = model.state_dict()  # DTensors: nothing gathered
+    keys = peft_saved_keys(model, sharded)
+    if keys is None:
+        return None
+    return {k: (sharded[k].full_tensor() if isinstance(sharded[k], DTensor) else sharded[k]).detach().cpu()
+            for k in keys}
+
+
 def without_secrets(args, fallback=None):
     """A shallow copy of ``args`` without its tokens and storage filesystem object (set back to None), of
     a class ``pickle`` can name: the arguments' own, else the nearest base class that is (an arguments

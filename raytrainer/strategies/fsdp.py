@@ -330,15 +330,10 @@ class FSDPStrategy(Strategy):
         (its adapters, a few MB): the frozen base, the size of the model, is never gathered."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        module = self.unwrap(model)
-        if hasattr(module, "peft_config"):
-            from raytrainer.saving import peft_saved_keys
+        from raytrainer.saving import peft_state_gathered
 
-            sharded = module.state_dict()  # DTensors: nothing gathered
-            keys = peft_saved_keys(module, sharded)
-            if keys is not None:
-                return {k: _gathered(sharded[k]) for k in keys}
-        return get_model_state_dict(model, options=_full_options())
+        adapter = peft_state_gathered(self.unwrap(model))
+        return adapter if adapter is not None else get_model_state_dict(model, options=_full_options())
 
     def save_final_weights(self, model: torch.nn.Module, folder: str) -> None:
         """Each rank writes its own shard of the weights (DCP); nothing is gathered."""
@@ -377,15 +372,6 @@ def _quiet_redistribute_warning() -> None:
     """A norm over a 2-D mesh is reduced one dimension after the other, and DTensor warns at every step that
     one flattened collective would be faster -- for a scalar, which costs nothing either way."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-def _gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of the whole tensor on every rank (a collective for a DTensor shard)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
 
 
 @contextlib.contextmanager

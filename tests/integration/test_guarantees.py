@@ -609,11 +609,16 @@ def test_lora_under_a_sharded_strategy_checkpoints_the_adapter_only_and_resumes_
         trainer = make_trainer(host, str(workdir / name), **common)
         try:
             trainer.train(resume_from_checkpoint=resume)
+            if resume is None:  # the model saved at the end: the adapter alone, as in each checkpoint
+                trainer.save_model(str(workdir / "final"))
             return losses(trainer), {k: v.clone() for k, v in trainer.model.state_dict().items()}
         finally:
             end(trainer)
 
     full_losses, full = run("full")
+    final = {p.name for p in (workdir / "final").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= final, final
+    assert not final & {"model.safetensors", "pytorch_model.bin"}, final
     assert sorted(full_losses) == [1, 2, 3, 4, 5, 6]
     checkpoint = workdir / "full" / "checkpoint-4"
     files = {p.name for p in checkpoint.iterdir()}
