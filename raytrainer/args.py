@@ -3,7 +3,7 @@
 `raytrainer.TrainingArguments` is a subclass of `transformers.TrainingArguments`: every field, default, help
 text and derived value is transformers' (a script, a config file or a `transformers.TrainingArguments` keeps
 working), and `RayArgumentsMixin` adds raytrainer's fields (`num_workers`, `use_gpu`, `resources_per_worker`,
-`placement_strategy`, `ray_address`, `storage_path`, `storage_filesystem`, `max_failures`,
+`placement_strategy`, `ray_address`, `storage_path`, `storage_filesystem`, `max_failures`, `keep_workers_s`,
 `accelerate_config`, `nonfinite_loss`). The mixin is a plain dataclass, so any other subclass of transformers'
 arguments (TRL's configs, a user's own) gains the same fields the same way::
 
@@ -139,6 +139,13 @@ class RayArgumentsMixin:
     )
     max_failures: int = field(
         default=0, metadata={"help": "Times to restart the workers after a failure; -1 retries forever."}
+    )
+    keep_workers_s: float = field(
+        default=300.0,
+        metadata={"help": "On a running Ray cluster (ray_address, RAY_ADDRESS): seconds the workers stay up, "
+                          "idle, after the script ends, for the next run of a script of the same shape "
+                          "(workers, resources, strategy, Python environment, working directory); 0 ends "
+                          "them with the script."},
     )
 
     # -- construction ------------------------------------------------------------------------------------
@@ -349,6 +356,9 @@ class RayArgumentsMixin:
             from raytrainer import elastic
 
             elastic.check(self)
+        if not (_is_number(self.keep_workers_s) and self.keep_workers_s >= 0):
+            raise _error("keep_workers_s", self.keep_workers_s, "must be a number of seconds >= 0",
+                         "pass e.g. --keep_workers_s 300, or 0 to end the workers with the script")
         if not (_is_int(self.max_failures) and self.max_failures >= -1):
             raise _error("max_failures", self.max_failures, "must be an integer >= 0, or -1 to retry forever",
                          "pass e.g. --max_failures 3")

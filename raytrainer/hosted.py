@@ -454,7 +454,7 @@ class HostedTrainer:
         from raytrainer.driver.launch import launch
         from raytrainer.driver.ray_runtime import ensure_ray
         from raytrainer.driver.registry import CheckpointRegistry
-        from raytrainer.protocol import Spec
+        from raytrainer.protocol import THIS_DRIVER, Spec
         from raytrainer.worker.logs import driver_transformers_level
         from raytrainer.worker.place import driver_place
         from raytrainer.worker.rank import absorb_callback_states, callback_states
@@ -474,7 +474,8 @@ class HostedTrainer:
             kwargs = {k: ray_data_rows(v) if k in ("eval_dataset", "test_dataset") else v
                       for k, v in kwargs.items()}
         recipe, payload = self._recipe.for_command()
-        spec = Spec(recipe, kwargs, driver_transformers_level(), *driver_place(), payload=payload)
+        spec = Spec(recipe, kwargs, driver_transformers_level(), *driver_place(), payload=payload,
+                    driver=THIS_DRIVER)
         result = launch(self, spec, method, registry or CheckpointRegistry(self.args))
         # what the script's callbacks recorded on rank 0, in the script's own instances (as in one process)
         absorb_callback_states(self.callback_handler.callbacks, result.callbacks)

@@ -14,6 +14,7 @@ against it (tests/unit/test_protocol.py). Both sides import this module; it impo
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,6 +50,10 @@ class Command:
     spec: list
 
 
+#: this process's id as a driver, in every command's spec
+THIS_DRIVER = uuid.uuid4().hex
+
+
 @dataclass(frozen=True)
 class Spec:
     """What a command runs (raytrainer/hosted.py builds it): the trainer's ``Recipe`` pickled without its
@@ -68,6 +73,8 @@ class Spec:
     #: the recipe keys of the hosted trainers of the driver that still may call this group again (alive,
     #: having run on it): their ranks' trainers are kept, every other one is freed (worker/hosted.py)
     keep: tuple = ()
+    #: the driver process that sent it (a kept group serves one script's run after another's)
+    driver: str = ""
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,12 @@ class Channel:
             return None
         return self._command
 
+    async def command_state(self) -> tuple[int, bool]:
+        """The latest command's id (0: none yet), and whether its ranks are still running it."""
+        if self._command is None:
+            return 0, False
+        return self._command.id, len(self._results) < self._expected and self._fatal is None
+
     async def wait_results(self, command_id: int, timeout: float) -> dict[int, bytes] | None:
         """Every rank's result for ``command_id`` once all are in (pickled); None if not within ``timeout``
         seconds."""
@@ -219,6 +225,13 @@ class RayChannel:
 
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.actor = Channel.options(scheduling_strategy=here).remote()
+
+    @classmethod
+    def of(cls, actor) -> RayChannel:
+        """The driver's end of a channel actor made elsewhere (a kept group's: driver/keeper.py)."""
+        channel = cls.__new__(cls)
+        channel.actor = actor
+        return channel
 
     def submit(self, command_id: int, method: Method, spec: Spec, expected: int) -> int:
         """Post a command; its spec goes to the object store once (the command carries its reference).

@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 
+from raytrainer.driver.resources import group_key
 from raytrainer.logging_utils import say
 from raytrainer.protocol import Method, RankResult, Spec
 
@@ -44,16 +45,6 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # the groups of this process that ar
 
 #: How long a group no Trainer holds stays up for the next Trainer of the same shape.
 IDLE_TIMEOUT_S = 600.0
-
-
-def group_key(args) -> tuple:
-    """What a worker group is made with: a call that needs other values needs another group."""
-    from raytrainer.strategies import strategy_class
-
-    resources = tuple(sorted((args.resources_per_worker or {}).items()))
-    return (args.num_workers, args.min_workers, bool(args.use_gpu), resources, args.placement_strategy,
-            args.ddp_backend, args.ddp_timeout, args.max_failures,
-            strategy_class(args, args.num_workers).__name__)
 
 
 class GroupFailed(Exception):
@@ -101,7 +92,7 @@ class WorkerGroup:
         return (not self.started or self.alive) and self.key == group_key(args)
 
     def start(self, datasets: dict | None = None) -> None:
-        self.backend.prepare(self.args, datasets)
+        kept = self.backend.prepare(self.args, datasets)  # a kept group's channel (driver/keeper.py)
         _close_unreachable_groups()
         # Ray Train keeps a snapshot of its run in the run folder, rewritten while the run lives: two live
         # runs in one folder corrupt each other's. One whose folder another live group has (a Trainer of the
@@ -109,7 +100,8 @@ class WorkerGroup:
         if any(other is not self and other.ray_folder == self.ray_folder for other in _LIVE):
             self.ray_folder = f"{self.ray_folder}-{self.name}"
         _make_room(self.args, self.backend, exclude=self)
-        self.channel = self.backend.channel()
+        self.channel = kept if kept is not None else self.backend.channel()
+        self._commands = itertools.count(getattr(self.channel, "first_command", 1))
         self.started_at = time.time()
         self._thread = threading.Thread(target=self._run, args=(self.channel, datasets), daemon=True,
                                         name=f"raytrainer-{self.name}")
@@ -119,7 +111,8 @@ class WorkerGroup:
         args, strategy = self.args, self.key[-1].removesuffix("Strategy")
         workers = args.num_workers if args.min_workers in (None, args.num_workers) else \
             f"{args.min_workers} to {args.num_workers}"
-        say(f"starting {workers} worker(s) on Ray Train ({strategy})")
+        if not getattr(kept, "warm", False):
+            say(f"starting {workers} worker(s) on Ray Train ({strategy})")
 
     def _run(self, channel, datasets: dict | None) -> None:
         try:

@@ -149,9 +149,33 @@ def ensure_ray(args) -> None:
     with _without_secrets(), _environment(instance_env):  # only the driver pushes to the Hub
         context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=_DASHBOARD,
                            log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
+    _mark_as_a_scripts_own()
     logs = os.path.join(getattr(context, "address_info", {}).get("session_dir") or "", "logs")
     say(f"started a local Ray instance on this machine's {cores} CPU core(s) (Ray schedules {num_cpus} CPUs: "
         f"{needed:g} for the workers, the rest spare); Ray's own output: {logs}")
+
+
+_OWN_KEY = b"raytrainer:a-scripts-own-instance"
+
+
+def _mark_as_a_scripts_own() -> None:
+    """Say in the instance's key-value store that a script started it: it ends with that script."""
+    import ray.experimental.internal_kv as kv
+
+    kv._internal_kv_put(_OWN_KEY, b"1", namespace="raytrainer")
+
+
+def a_scripts_own_instance() -> bool:
+    """Whether the Ray instance this process is connected to is one a raytrainer script started for itself
+    (this process or another connected to it): it ends with that script, and is sized for its workers."""
+    if _STARTED_HERE:
+        return True
+    import ray.experimental.internal_kv as kv
+
+    try:
+        return bool(kv._internal_kv_get(_OWN_KEY, namespace="raytrainer"))
+    except Exception:
+        return False
 
 
 _SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")

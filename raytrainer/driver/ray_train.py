@@ -26,15 +26,28 @@ class RayBackend:
     def __hash__(self) -> int:
         return hash(type(self))
 
-    def prepare(self, args, datasets: dict | None) -> None:
-        """Before a group starts: Ray up, and the cluster able to hold the group (refused or waited for)."""
-        from raytrainer.driver import ray_runtime, resources
+    def prepare(self, args, datasets: dict | None):
+        """Before a group starts: Ray up, and the cluster able to hold the group (refused or waited for).
+        On a cluster the script connected to, the group is a kept one (driver/keeper.py): its channel is
+        returned -- a warm group's, whose workers already hold what it needs, or a new one's."""
+        from raytrainer.driver import keeper, ray_runtime, resources
 
         ray_runtime.check_gpus_before_start(args)
         ray_runtime.ensure_ray(args)
-        resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
+        kept = keeper.claim(args) if keeper.applies(args, datasets) else None
+        if kept is not None and kept.warm:
+            return kept
+        if not ray_runtime.a_scripts_own_instance() and self.short_of_resources(args):
+            keeper.end_idle(exclude=kept.name if kept is not None else None)  # groups of other shapes
+        try:
+            resources.check(args, started_here=ray_runtime.started_here())  # refuse, or wait (bounded)
+        except BaseException:
+            if kept is not None:
+                kept.kill()
+            raise
         if datasets:
             _check_cpus_for_ray_data(args)
+        return kept
 
     def short_of_resources(self, args) -> bool:
         """Whether the cluster lacks, free now, the CPUs or GPUs a group for ``args`` needs."""
@@ -51,7 +64,12 @@ class RayBackend:
         return RayChannel()
 
     def launch(self, args, channel, ray_folder: str, datasets: dict | None) -> None:
-        """Run the group as a Ray Train run in ``ray_folder`` (blocks until it ends)."""
+        """Run the group as a Ray Train run in ``ray_folder`` (blocks until it ends, or for a kept group
+        until this driver gives it back)."""
+        from raytrainer.driver.keeper import KeptChannel
+
+        if isinstance(channel, KeptChannel):
+            return channel.follow(self, args, ray_folder, datasets)
         _forget_previous_ray_run(args, ray_folder)
         config = {"channel": channel.actor, "use_gpu": bool(args.use_gpu), "ray_run_root": ray_folder}
         try:

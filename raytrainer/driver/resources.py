@@ -37,6 +37,16 @@ class ResourcesUnavailableError(RuntimeError):
     """The cluster did not get the nodes the worker group needs within the bounded wait."""
 
 
+def group_key(args) -> tuple:
+    """What a worker group is made with: a call that needs other values needs another group."""
+    from raytrainer.strategies import strategy_class
+
+    resources = tuple(sorted((args.resources_per_worker or {}).items()))
+    return (args.num_workers, args.min_workers, bool(args.use_gpu), resources, args.placement_strategy,
+            args.ddp_backend, args.ddp_timeout, args.max_failures,
+            strategy_class(args, args.num_workers).__name__)
+
+
 def worker_bundle(args) -> dict[str, float]:
     """One worker's resources, as Ray Train asks for them (its ScalingConfig's defaults: 1 CPU, or 1 GPU
     with ``use_gpu``)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import sys
 import time
 
 import cloudpickle
@@ -41,11 +42,14 @@ def worker_main(config: dict) -> None:
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)
     fresh = ProcessState()
-    done = 0
+    done, driver = 0, None
     while (command := client.next_command(done)) is not None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
+        if driver is not None and spec.driver != driver:  # another script's run (driver/keeper.py)
+            fresh.forget_scripts_modules()
+        driver = spec.driver
         session = RankSession(ctx, client, transformers_log_level=spec.transformers_log_level)
         try:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
@@ -79,6 +83,20 @@ class ProcessState:
         self.dtype = torch.get_default_dtype()
         self.threads = torch.get_num_threads()
         self.environ = dict(os.environ)
+        self.modules = set(sys.modules)
+
+    def forget_scripts_modules(self) -> None:
+        """Another script's commands come next (a kept group, driver/keeper.py): the modules imported since
+        the worker started from outside the Python installation -- the last script's own, beside it or on
+        its path -- are imported again, as the new script has them, when its trainer unpickles."""
+        prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+        installed = tuple(os.path.realpath(p) + os.sep for p in prefixes)
+        for name in set(sys.modules) - self.modules:
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None)
+            if (path and not name.startswith("raytrainer")
+                    and not os.path.realpath(path).startswith(installed)):
+                del sys.modules[name]
 
     def restore(self) -> None:
         py, np_state, cpu, cuda = self.rng

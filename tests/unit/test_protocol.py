@@ -27,6 +27,8 @@ CHANNEL_METHODS = {
     # not worker messages: the driver's handles on Ray Train's controller, to abort a run, and on the worker
     # group's placement group, to remove it if the controller dies first
     "set_controller": None, "controller": None, "set_placement_group": None, "placement_group": None,
+    # nor this: a kept group's keeper asks where the command board stands (driver/keeper.py)
+    "command_state": None,
 }
 
 
