@@ -201,3 +201,9 @@ class Storage:
         from raytrainer.storage_check import check_writable
 
         check_writable(self, what)
+
+
+def ray_run_folder(args) -> str:
+    """Ray Train's run folder for a Trainer's group: ``<storage root>/.raytrainer/ray`` -- beside the
+    checkpoints, not among them (Ray's run record and storage marker are not the user's files)."""
+    return Storage.for_run(args).state("ray").root

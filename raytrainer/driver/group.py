@@ -58,6 +58,7 @@ class WorkerGroup:
 
     def __init__(self, args, backend=None, ray_folder: str | None = None):
         from raytrainer.driver.ray_train import RayBackend
+        from raytrainer.storage import ray_run_folder
 
         self.args = args  # the run's settings (its storage's filesystem serves Ray Train's run folder)
         # Ray Train's run folder, a path on that filesystem: <storage root>/.raytrainer/ray by default
@@ -111,7 +112,7 @@ class WorkerGroup:
         args, strategy = self.args, self.key[-1].removesuffix("Strategy")
         workers = args.num_workers if args.min_workers in (None, args.num_workers) else \
             f"{args.min_workers} to {args.num_workers}"
-        if not getattr(kept, "warm", False):
+        if not getattr(kept, "running", False):
             say(f"starting {workers} worker(s) on Ray Train ({strategy})")
 
     def _run(self, channel, datasets: dict | None) -> None:
@@ -211,14 +212,6 @@ class WorkerGroup:
         if fatal:
             return failures.unpickled(fatal.error)
         return self.backend.failure(ended) or GroupFailed("the worker group's run ended during a command")
-
-
-def ray_run_folder(args) -> str:
-    """Ray Train's run folder for a Trainer's group: ``<storage root>/.raytrainer/ray`` -- beside the
-    checkpoints, not among them (Ray's run record and storage marker are not the user's files)."""
-    from raytrainer.storage import Storage
-
-    return Storage.for_run(args).state("ray").root
 
 
 def _make_room(args, backend, exclude: WorkerGroup) -> None:

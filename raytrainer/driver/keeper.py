@@ -129,6 +129,13 @@ class Keeper:
                                                 daemon=True, name="raytrainer-keeper-run")
                 self._thread.start()
 
+    def claim_and_run(self, job: str, idle_s: float, backend, args, ray_folder: str) -> tuple | None:
+        """``claim``, and for a group not yet running its run started at once (``start_early``)."""
+        held = self.claim(job, idle_s)
+        if held is not None:
+            self.run(backend, args, ray_folder)
+        return held
+
     def _fit(self, args, ray_folder: str, datasets) -> None:
         try:
             self._backend.launch(args, self._channel, ray_folder, datasets)
@@ -172,10 +179,12 @@ class Keeper:
         in the middle of a command, the run is aborted and the keeper ends."""
         while True:
             time.sleep(1.0)
-            with self._lock:
+            with self._lock:  # a claim and the decision to end are one or the other
                 holder, idle_for = self._holder, time.monotonic() - self._idle_since
                 run_over = self._thread is not None and not self._thread.is_alive()
-            if holder is None and (idle_for > self._idle_s or run_over):
+                ending = holder is None and (idle_for > self._idle_s or run_over)
+                self._closing = self._closing or ending
+            if ending:
                 if not run_over:
                     logger.info("closing a kept worker group: idle for %.0fs", idle_for)
                 self.end()
@@ -203,10 +212,11 @@ class KeptChannel:
     results), its life through the keeper: ``close`` gives the group back to the keeper (the ranks wait for
     the next driver), ``kill`` ends it (a failed or aborted run)."""
 
-    def __init__(self, keeper, name: str, actor, first_command: int, warm: bool):
+    def __init__(self, keeper, name: str, actor, first_command: int, warm: bool, running: bool = False):
         from raytrainer.driver.channel import RayChannel
 
         self.keeper, self.name, self.first_command, self.warm = keeper, name, first_command, warm
+        self.running = warm or running  # its Ray Train run started (by a script before, or early)
         self._channel = RayChannel.of(actor)
         self.actor = actor
         self.released = threading.Event()
@@ -225,18 +235,25 @@ class KeptChannel:
             logger.debug("release: %s", exc)
 
     def kill(self) -> None:
-        if not self.released.is_set() and ray.is_initialized():
-            try:
-                ray.kill(self.keeper)  # its run, channel and workers end with it
-            except Exception as exc:
-                logger.debug("keeper: %s", exc)
+        """The group is over (a failure, an abort): its run is aborted, so Ray Train's controller removes
+        the placement group, and the keeper ends with its channel and workers."""
+        if self.released.is_set() or not ray.is_initialized():
+            return
+        try:
+            ray.get(self.keeper.end.remote(abort=True), timeout=120)
+        except Exception as exc:  # it exits in the call: the usual answer
+            logger.debug("keeper: %s", exc)
+        try:
+            ray.kill(self.keeper)
+        except Exception as exc:  # gone already
+            logger.debug("keeper: %s", exc)
 
     def follow(self, backend, args, ray_folder: str, datasets: dict | None) -> None:
         """Block while the group serves this driver: until it is given back (``close``), or its run ends
         (raised as the run's error). A new group's run is started in the keeper, through ``backend``."""
-        if not self.warm:  # Ray Train's run folder of its own: a group of this script may run beside it
-            folder = f"{ray_folder}-{self.name.removeprefix(PREFIX)}"
-            ray.get(self.keeper.run.remote(backend, args, folder, datasets))
+        if not self.running:
+            ray.get(self.keeper.run.remote(backend, _run_settings(args), kept_folder(ray_folder, self.name),
+                                           datasets))
         while not self.released.is_set():
             ended, error = ray.get(self.keeper.wait.remote(1.0))
             if ended:
@@ -245,28 +262,101 @@ class KeptChannel:
                 return
 
 
-def claim(args) -> KeptChannel | None:
-    """This script's shape's kept group (started now when there is none), held for this driver; None when
-    another driver holds it."""
+#: what of the arguments the keeper's Ray Train run reads (driver/ray_train.py: the scaling, the process
+#: group, restarts, the storage of its run folder)
+_RUN_FIELDS = ("output_dir", "storage_path", "storage_filesystem", "num_workers", "min_workers",
+               "max_workers", "use_gpu", "resources_per_worker", "placement_strategy", "ddp_backend",
+               "ddp_timeout", "max_failures")
+
+
+def _run_settings(args):
+    """The arguments the keeper needs, as plain values: the arguments themselves would import transformers
+    (and torch) into the keeper's process to unpickle them, seconds of a first run's start."""
+    import types
+
+    return types.SimpleNamespace(**{f: getattr(args, f) for f in _RUN_FIELDS}, elastic=args.elastic)
+
+
+def kept_folder(ray_folder: str, name: str) -> str:
+    """Ray Train's run folder of a kept group: one of its own, beside the script's (a group of this script
+    of another shape may run beside it, and two live runs must not share one)."""
+    return f"{ray_folder}-{name.removeprefix(PREFIX)}"
+
+
+def _keeper(name: str, idle_s: float):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    idle_s = float(args.keep_workers_s)
-    name = keeper_name(args)
-    keeper = Keeper.options(name=name, namespace=NAMESPACE, lifetime="detached",
-                            get_if_exists=True, scheduling_strategy=here).remote(idle_s)
+    return Keeper.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                          scheduling_strategy=here).remote(idle_s)
+
+
+def _held(keeper, name: str, ref, running: bool = False) -> KeptChannel | None:
     try:
-        held = ray.get(keeper.claim.remote(ray.get_runtime_context().get_job_id(), idle_s), timeout=60)
-    except ray.exceptions.RayActorError:  # it was ending as we asked
+        held = ray.get(ref, timeout=60)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # it was ending as we asked
         return None
     if held is None:
         return None
     actor, first, warm = held
-    if warm:
+    return KeptChannel(keeper, name, actor, first, warm, running)
+
+
+def claim(args) -> KeptChannel | None:
+    """This script's shape's kept group: the one ``start_early`` claimed for it, else the one the last
+    script left, else a new one (its run started by the driver's group); held for this driver. None when
+    another driver holds it."""
+    name = keeper_name(args)
+    early = _EARLY.pop(name, None)
+    if early is not None:
+        kept = _held(*early, running=True)
+    else:
+        idle_s = float(args.keep_workers_s)
+        keeper = _keeper(name, idle_s)
+        kept = _held(keeper, name, keeper.claim.remote(ray.get_runtime_context().get_job_id(), idle_s))
+    if kept is not None and kept.warm:
         from raytrainer.logging_utils import say
 
         say("taking the warm workers the last run of this script left (keep_workers_s)")
-    return KeptChannel(keeper, name, actor, first, warm)
+    return kept
+
+
+#: keeper name -> (keeper, name, reference of its claim) of the groups the arguments started (start_early)
+_EARLY: dict[str, tuple] = {}
+_STARTED_EARLY: set[str] = set()  # once per shape and process: a later copy of the arguments starts none
+
+
+def start_early(args, backend) -> bool:
+    """Claim this shape's kept group and start its run through ``backend`` now, without waiting: the
+    workers start while the script goes on preparing its model and data, and ``claim`` hands the group to
+    the script's first distributed call. Whether it started one. A group never taken ends with the script
+    (``_end_unclaimed``): a run the driver's checks refuse leaves nothing behind."""
+    name = keeper_name(args)
+    if name in _STARTED_EARLY:
+        return False
+    _STARTED_EARLY.add(name)
+    from raytrainer.storage import ray_run_folder
+
+    idle_s = float(args.keep_workers_s)
+    keeper = _keeper(name, idle_s)
+    folder = kept_folder(ray_run_folder(args).rstrip("/"), name)
+    ref = keeper.claim_and_run.remote(ray.get_runtime_context().get_job_id(), idle_s, backend,
+                                      _run_settings(args), folder)
+    _EARLY[name] = (keeper, name, ref)
+    import atexit
+
+    atexit.unregister(_end_unclaimed)
+    atexit.register(_end_unclaimed)  # after Ray's own exit handler was registered: runs before it
+    return True
+
+
+def _end_unclaimed() -> None:
+    """At exit: the groups started early that no call took end (the script stopped before training)."""
+    while _EARLY:
+        _, early = _EARLY.popitem()
+        kept = _held(*early, running=True)
+        if kept is not None:
+            kept.kill()
 
 
 def kept_groups() -> list[dict]:

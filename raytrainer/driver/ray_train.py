@@ -35,7 +35,7 @@ class RayBackend:
         ray_runtime.check_gpus_before_start(args)
         ray_runtime.ensure_ray(args)
         kept = keeper.claim(args) if keeper.applies(args, datasets) else None
-        if kept is not None and kept.warm:
+        if kept is not None and kept.running:  # its workers hold what it needs already
             return kept
         if not ray_runtime.a_scripts_own_instance() and self.short_of_resources(args):
             keeper.end_idle(exclude=kept.name if kept is not None else None)  # groups of other shapes
@@ -101,6 +101,41 @@ class RayBackend:
                            "say which; its workers ended with it and raytrainer removed its placement group. "
                            "The Trainer's next call starts a new worker group.)")
         return ended
+
+
+def start_early(args) -> None:
+    """The arguments commit the script to Ray workers (``num_workers > 0``) on a running cluster
+    (``ray_address``, ``RAY_ADDRESS``) with ``keep_workers_s > 0``: connect now and start the group's kept run
+    (driver/keeper.py), while the script goes on loading its model and data; the first distributed call
+    takes it. Only where the cluster has the room free now (after idle kept groups of other shapes end);
+    otherwise, or on any error, nothing starts here and that call starts the group and says what is
+    wrong. Not on a Ray worker (a rank, a Tune trial's actor)."""
+    import ray
+
+    from raytrainer.driver import keeper, ray_runtime
+
+    if not (args.num_workers and float(args.keep_workers_s or 0) > 0
+            and (args.ray_address or os.environ.get("RAY_ADDRESS"))):
+        return
+    if ray.is_initialized() and ray._private.worker.global_worker.mode != ray.SCRIPT_MODE:
+        return
+    try:
+        ray_runtime.ensure_ray(args)
+        if not keeper.applies(args, None):
+            return
+        backend = RayBackend()
+        if backend.short_of_resources(args):
+            keeper.end_idle(exclude=keeper.keeper_name(args))
+            if backend.short_of_resources(args):
+                return
+        if keeper.start_early(args, backend):
+            from raytrainer.driver.resources import group_key
+            from raytrainer.logging_utils import say
+
+            strategy = group_key(args)[-1].removesuffix("Strategy")
+            say(f"starting {args.num_workers} worker(s) on Ray Train ({strategy}) while the script prepares")
+    except Exception as exc:  # the first distributed call starts the group, and raises what is wrong
+        logger.debug("early start: %s", exc)
 
 
 def _remove_placement_group(channel) -> None:

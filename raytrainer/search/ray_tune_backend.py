@@ -170,8 +170,8 @@ def _trainable_class():
             self._resume = os.path.join(checkpoint_dir, names[0]) if names else None
             # Ray Train v2 refuses a run folder whose own run record names a checkpoint that rotation has
             # deleted; raytrainer resumes from its manifests (``_resume``), never from that record.
-            from raytrainer.driver.group import ray_run_folder
             from raytrainer.search.common import trial_args
+            from raytrainer.storage import ray_run_folder
 
             args = trial_args(self._trainer.args, {}, self._run_id)
             run = Storage.for_run(args)

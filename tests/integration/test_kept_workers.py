@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent('''
     from torch import nn
     from raytrainer import Trainer, TrainerCallback, TrainingArguments
 
-    out, keep, pace = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    out, keep, pace, workers = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    prepare, refuse = float(sys.argv[5]), sys.argv[6] == "1"
 
     class Net(nn.Module):
         def __init__(self):
@@ -38,8 +39,10 @@ SCRIPT = textwrap.dedent('''
     class Pids(TrainerCallback):
         """On each rank: its process id in a file, then (pace) a slow step."""
         def on_train_begin(self, args, state, control, **kwargs):
+            import psutil
+
             with open(os.path.join(out, f"pid-{args.process_index}"), "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {psutil.Process().create_time()}")
 
         def on_step_end(self, args, state, control, **kwargs):
             time.sleep(pace)
@@ -47,10 +50,13 @@ SCRIPT = textwrap.dedent('''
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 6, generator=g)
     data = [{"x": x[i], "labels": int((x[i, 0] > 0) + (x[i, 1] > 0))} for i in range(64)]
-    args = TrainingArguments(output_dir=out, num_workers=2, max_steps=6, per_device_train_batch_size=4,
+    args = TrainingArguments(output_dir=out, num_workers=workers, max_steps=6, per_device_train_batch_size=4,
                              learning_rate=0.05, save_strategy="no", logging_steps=1, report_to="none",
-                             disable_tqdm=True, keep_workers_s=keep)
-    trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=[Pids()])
+                             disable_tqdm=True, keep_workers_s=keep,
+                             **({"eval_strategy": "steps", "eval_steps": 2} if refuse else {}))
+    time.sleep(prepare)  # the script loads its model and data: the workers start meanwhile
+    print("TRAINER", time.time(), flush=True)
+    trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=[Pids()])  # refuse: no eval set
     print("JOB", ray.get_runtime_context().get_job_id() if ray.is_initialized() else "", flush=True)
     trainer.train()
     weights = b"".join(t.detach().numpy().tobytes() for t in trainer.model.state_dict().values())
@@ -72,18 +78,20 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def _run(folder, address: str, name: str, keep: float = 60, pace: float = 0.0, wait: bool = True):
+def _run(folder, address: str, name: str, keep: float = 60, pace: float = 0.0, wait: bool = True,
+         workers: int = 2, refused: bool = False, prepare: float = 0.0, refuse: bool = False):
     """The script, run from ``folder`` (its working directory) with ``output_dir`` ``folder/name``."""
     os.makedirs(folder, exist_ok=True)
     (folder / "train.py").write_text(SCRIPT)
     os.makedirs(folder / name, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": address}
-    command = [sys.executable, "train.py", name, str(keep), str(pace)]
+    command = [sys.executable, "train.py", name, str(keep), str(pace), str(workers), str(prepare),
+               "1" if refuse else "0"]
     if not wait:
         return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert (done.returncode != 0) == (refused or refuse), done.stdout[-2000:] + done.stderr[-4000:]
     return done
 
 
@@ -92,7 +100,12 @@ def _result(done) -> dict:
 
 
 def _pids(folder) -> list[int]:
-    return [int((folder / f"pid-{rank}").read_text()) for rank in range(2)]
+    return [int((folder / f"pid-{rank}").read_text().split()[0]) for rank in range(2)]
+
+
+def _created(folder) -> list[float]:
+    """When each rank's process was made (``time.time()``)."""
+    return [float((folder / f"pid-{rank}").read_text().split()[1]) for rank in range(2)]
 
 
 def _alive(pid: int) -> bool:
@@ -155,7 +168,8 @@ def test_the_next_script_of_the_same_shape_trains_on_the_workers_the_last_one_le
 def test_a_driver_killed_mid_run_leaves_nothing_and_the_next_script_trains(tmp_path, cluster):
     """A driver killed (SIGKILL) in the middle of ``train()`` on a kept group: the keeper notices its job
     died and aborts the run -- a run no driver follows would go on -- leaving no actor, placement group or
-    worker process; the same script then trains from scratch as a first run does."""
+    worker process; the same script then trains from scratch as a first run does. A run the driver refuses
+    (4 workers on 3 CPUs, no autoscaler) leaves no keeper behind."""
     shutil.rmtree(tmp_path / "here", ignore_errors=True)
     driver = _run(tmp_path / "here", cluster, "killed", pace=2.0, wait=False)
     assert _until(lambda: (tmp_path / "here" / "killed" / "pid-1").exists(), 240), driver.poll()
@@ -169,3 +183,27 @@ def test_a_driver_killed_mid_run_leaves_nothing_and_the_next_script_trains(tmp_p
     again = _run(tmp_path / "here", cluster, "again", keep=0)
     assert len(_result(again)["losses"]) == 6
     assert _cluster_state(cluster) == EMPTY  # keep_workers_s=0: ended with it
+
+    refused = _run(tmp_path / "here", cluster, "refused", workers=4, refused=True)
+    assert "No autoscaler can add a node" in refused.stderr, refused.stderr[-3000:]
+    assert _cluster_state(cluster) == EMPTY
+
+
+@pytest.mark.timeout(900)
+def test_the_workers_start_while_the_script_prepares_and_a_refused_run_leaves_nothing(tmp_path, cluster):
+    """``TrainingArguments(num_workers=2)`` on a running cluster starts the group: a script that then spends
+    8 s preparing trains on worker processes made before it built its Trainer, and its first step comes
+    soon after. A script whose Trainer the driver refuses (an evaluation asked without an evaluation set)
+    after its arguments started the group leaves no actor, placement group or process."""
+    assert _cluster_state(cluster) == EMPTY
+    done = _run(tmp_path / "here", cluster, "early", keep=0.5, prepare=8.0)
+    trainer_built = float(done.stdout.split("TRAINER ", 1)[1].split()[0])
+    assert "while the script prepares" in done.stderr, done.stderr[-3000:]
+    assert max(_created(tmp_path / "here" / "early")) < trainer_built
+    assert len(_result(done)["losses"]) == 6
+    assert _until(lambda: _cluster_state(cluster) == EMPTY, 60), _cluster_state(cluster)
+
+    refused = _run(tmp_path / "there", cluster, "refused", prepare=2.0, refuse=True)
+    assert "while the script prepares" in refused.stderr and "eval_dataset" in refused.stderr, \
+        refused.stderr[-3000:]
+    assert _cluster_state(cluster) == EMPTY
