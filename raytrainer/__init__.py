@@ -51,6 +51,14 @@ def __getattr__(name: str):
     return value
 
 
+def start_workers_early(args) -> None:
+    """Called by the arguments (``RayArgumentsMixin.__post_init__``) when they commit the script to Ray
+    workers: on a running cluster the workers start now, while the script prepares
+    (driver/ray_train.start_early). Wired here, in the package, so that the arguments never import the
+    driver that runs them (tests/unit/test_layers.py)."""
+    importlib.import_module("raytrainer.driver.ray_train").start_early(args)
+
+
 def __dir__():
     return sorted(list(globals()) + __all__)
 

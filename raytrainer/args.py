@@ -187,9 +187,7 @@ class RayArgumentsMixin:
         self._check_combinations()
         self.__dict__["_derived"] = _snapshot(self)
         if self.num_workers > 0:  # the script commits to Ray workers: on a running cluster they start now
-            from raytrainer.driver.ray_train import start_early
-
-            start_early(self)
+            sys.modules["raytrainer"].start_workers_early(self)  # the package's hook (raytrainer/__init__.py)
 
     def _parse_num_workers(self) -> None:
         """``num_workers`` as an int (the most workers) and ``min_workers`` / ``max_workers`` beside it;

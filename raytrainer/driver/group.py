@@ -122,15 +122,17 @@ class WorkerGroup:
         except BaseException as exc:  # kept for the driver's thread, which raises the user-facing error
             self._ended = exc
 
-    def close(self, timeout: float = 60.0) -> None:
+    def close(self, timeout: float = 60.0, keep: bool = True) -> None:
         """End the run: every rank's loop returns and Ray Train releases the workers and their placement
-        group. Waits for a command in flight to end for ``timeout`` seconds, then aborts the run."""
+        group. Waits for a command in flight to end for ``timeout`` seconds, then aborts the run. A kept
+        group (driver/keeper.py) is given back to its keeper for the next script instead, unless ``keep`` is
+        False (its workers hold what another group needs)."""
         _LIVE.discard(self)
         self.stop_idle_timer()
         if self.channel is None:
             return
         channel, self.channel = self.channel, None
-        channel.close()
+        channel.close() if keep else getattr(channel, "end", channel.close)()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("%s: the workers did not stop within %.0fs; aborting the run", self.name, timeout)
@@ -224,7 +226,7 @@ def _make_room(args, backend, exclude: WorkerGroup) -> None:
         group = idle.pop(0)
         logger.info("closing the idle %s (%d workers) to make room for %d workers", group.name,
                     group.args.num_workers, args.num_workers)
-        group.close()
+        group.close(keep=False)
         for _ in range(50):  # Ray releases the placement group's resources asynchronously
             if not backend.short_of_resources(args):
                 break
@@ -357,7 +359,7 @@ class GroupPool:
             unfit = [g for g in self._idle if not g.usable_for(args)]
             self._idle = [g for g in self._idle if g not in unfit]
         for g in unfit:  # their workers hold what the new group needs
-            g.close()
+            g.close(keep=False)
         if group is None:
             from raytrainer.driver.ray_train import RayBackend
 

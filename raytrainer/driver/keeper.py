@@ -234,6 +234,17 @@ class KeptChannel:
         except Exception as exc:  # the keeper is gone: so is the group
             logger.debug("release: %s", exc)
 
+    def end(self) -> None:
+        """The group ends now rather than wait for the next script (its workers hold what another group
+        needs): its run closes, and the keeper ends."""
+        if self.released.is_set() or not ray.is_initialized():
+            return
+        self.released.set()
+        try:
+            ray.get(self.keeper.end.remote(), timeout=120)
+        except Exception as exc:  # it exits in the call: the usual answer
+            logger.debug("keeper: %s", exc)
+
     def kill(self) -> None:
         """The group is over (a failure, an abort): its run is aborted, so Ray Train's controller removes
         the placement group, and the keeper ends with its channel and workers."""

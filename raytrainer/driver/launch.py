@@ -23,7 +23,7 @@ def launch(trainer, spec: Spec, method: str, registry) -> RankResult:
     group = trainer.__dict__.get("_group")
     backend = group.backend if group is not None else None  # a replacement runs where the last one ran
     if group is not None and (datasets or not group.usable_for(args)):
-        group.close()  # its workers hold the resources the next group needs
+        group.close(keep=False)  # its workers hold the resources the next group needs
         group = None
     if group is None and not datasets:
         group = idle_group_for(trainer, backend or RayBackend())  # a warm group of this process

@@ -110,13 +110,13 @@ def start_early(args) -> None:
     takes it. Only where the cluster has the room free now (after idle kept groups of other shapes end);
     otherwise, or on any error, nothing starts here and that call starts the group and says what is
     wrong. Not on a Ray worker (a rank, a Tune trial's actor)."""
+    if not (args.num_workers and float(args.keep_workers_s or 0) > 0
+            and (args.ray_address or os.environ.get("RAY_ADDRESS"))):
+        return  # (before importing Ray: arguments are made everywhere)
     import ray
 
     from raytrainer.driver import keeper, ray_runtime
 
-    if not (args.num_workers and float(args.keep_workers_s or 0) > 0
-            and (args.ray_address or os.environ.get("RAY_ADDRESS"))):
-        return
     if ray.is_initialized() and ray._private.worker.global_worker.mode != ray.SCRIPT_MODE:
         return
     try:
