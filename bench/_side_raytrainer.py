@@ -14,7 +14,8 @@ class BenchCallback(Recorder, TrainerCallback):
 def main() -> None:
     cfg = load_config(sys.argv)
     args = TrainingArguments(output_dir=cfg["output_dir"], report_to="none", num_workers=cfg["num_workers"],
-                             ray_address=cfg.get("ray_address"), **trainer_kwargs(cfg))
+                             ray_address=cfg.get("ray_address"),
+                             keep_workers_s=cfg.get("keep_workers_s", 300.0), **trainer_kwargs(cfg))
     recorder = BenchCallback()
     trainer = Trainer(model=build_model(cfg), args=args, train_dataset=build_dataset(cfg),
                       data_collator=collate, callbacks=[recorder])

@@ -9,6 +9,7 @@ synthetic data). Sides:
     c       raytrainer num_workers=1 (Ray started by the script)
     d       raytrainer num_workers=2 (Ray started by the script)
     d_warm  raytrainer num_workers=2 on a Ray instance that is already running (started by this driver)
+    d_warm_nokeep  d_warm with keep_workers_s=0: the group the driver's own (no keeper, no early start)
     d_second  d_warm's script run a second time on that instance: the workers the first run left
             (``keep_workers_s``, driver/keeper.py); the first run is not measured
     e       transformers.Trainer, 1 process
@@ -58,11 +59,12 @@ SIDES = {
     "d": "raytrainer, num_workers=2",
     "d_warm": "raytrainer, num_workers=2, Ray already running",
     "d_second": "raytrainer, num_workers=2, the second run on a running Ray",
+    "d_warm_nokeep": "raytrainer, num_workers=2, Ray already running, keep_workers_s=0",
     "e": "transformers.Trainer, 1 process",
     "f": "transformers.Trainer, torchrun 2 processes",
 }
 HF_SIDES = ("e", "f")
-WORLD = {"a": 1, "b": 1, "c": 1, "d": 2, "d_warm": 2, "d_second": 2, "e": 1, "f": 2}
+WORLD = {"a": 1, "b": 1, "c": 1, "d": 2, "d_warm": 2, "d_second": 2, "d_warm_nokeep": 2, "e": 1, "f": 2}
 
 # The performance lines of the issue: (workloads, side, reference, metric, bar, higher_is_better).
 BARS = [
@@ -399,11 +401,12 @@ def run_side(workload: str, cfg: dict, side: str, repeat: int, opts, workdir: st
     out_path = os.path.join(workdir, f"{tag}.json")
     log_path = os.path.join(workdir, "logs", f"{tag}.log")
     cfg = {**cfg, "output_dir": os.path.join(workdir, "out", tag),
-           "num_workers": {"b": 0, "c": 1, "d": 2, "d_warm": 2, "d_second": 2}.get(side, 0)}
+           "num_workers": 0 if side in ("a", "b", "e", "f") else WORLD[side],
+           **({"keep_workers_s": 0} if side == "d_warm_nokeep" else {})}
     head = None
     result: dict = {"workload": workload, "side": label, "repeat": repeat, "log": log_path}
     try:
-        if side in ("d_warm", "d_second"):
+        if side in ("d_warm", "d_second", "d_warm_nokeep"):
             head = RayHead(workdir, opts.warm_settle, opts.trees.get(tree))
             head.start()
             cfg["ray_address"] = head.address
@@ -641,7 +644,7 @@ def parse_args(argv=None):
     opts.trees = parse_trees(opts.tree, p.error)
     for s in opts.sides:
         base, at, tree = s.partition("@")
-        raytrainer_side = base in ("b", "c", "d", "d_warm", "d_second")
+        raytrainer_side = base in ("b", "c", "d", "d_warm", "d_second", "d_warm_nokeep")
         if base not in SIDES or (at and (not raytrainer_side or tree not in opts.trees)):
             p.error(f"unknown side {s!r} (a raytrainer side @ a --tree name: d@before)")
     return opts

@@ -3,12 +3,13 @@ shape trains on the workers the last one left, without their start.
 
 Ray ends an actor when the process that made it ends, so a group the driver starts dies with the script.
 On a cluster the script only connects to (``ray_address``, ``RAY_ADDRESS``, a ``ray.init(address=...)`` of
-its own), the group's Ray Train run is made instead by a *keeper*: a detached actor, named after the
-group's shape, that runs Ray Train's ``fit()`` in a thread, owns the group's channel (driver/channel.py),
-and outlives the driver. The driver follows the run as it follows its own (``KeptChannel``: the same
-command board); when its group closes -- ``Trainer.close()``, the script's end -- the keeper keeps the
-group, idle, for ``keep_workers_s`` seconds (``TrainingArguments``, default 300; 0 turns it off), then
-closes the run and ends itself: Ray Train's controller removes the placement group and the workers end.
+its own; not through Ray Client, ``ray://``), the group's Ray Train run is made instead by a *keeper*: a
+detached actor, named after the group's shape, that runs Ray Train's ``fit()`` in a thread, owns the
+group's channel (driver/channel.py), and outlives the driver. The driver follows the run as it follows its
+own (``KeptChannel``: the same command board); when its group closes -- ``Trainer.close()``, the script's
+end -- the keeper keeps the group, idle, for ``keep_workers_s`` seconds (``TrainingArguments``, default
+300; 0 turns it off), then closes the run and ends itself: Ray Train's controller removes the placement
+group and the workers end.
 
 The name is the shape: ``group_key`` (world size, resources, strategy's process-group needs, backend and
 timeout, restarts), the user, the Python environment (interpreter, its packages folder's last change,
@@ -51,7 +52,16 @@ def applies(args, datasets: dict | None) -> bool:
     from raytrainer.driver.ray_runtime import a_scripts_own_instance
 
     return (float(getattr(args, "keep_workers_s", 0) or 0) > 0 and ray.is_initialized() and not datasets
-            and not a_scripts_own_instance())
+            and not _through_ray_client() and not a_scripts_own_instance())
+
+
+def _through_ray_client() -> bool:
+    """A driver connected through Ray Client (``ray://``): not kept (the keeper's lookups and the job
+    table it reads are not tested through the client's proxy)."""
+    try:
+        return ray.util.client.ray.is_connected()
+    except Exception:
+        return False
 
 
 def shape(args) -> dict:
