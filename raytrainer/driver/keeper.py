@@ -182,7 +182,12 @@ class Keeper:
                     self._backend.abort(self._channel)
                     self._thread.join(30)
             self._channel.kill()
-        os._exit(0)  # a detached actor ends only when it is killed or exits; its children go with it
+        # a detached actor ends only when it is killed or exits; its children go with it. Killed through
+        # Ray, as intended (an exit of the process would be "a worker died unexpectedly" on the console of
+        # the job that made it)
+        ray.kill(ray.get_runtime_context().current_actor)
+        time.sleep(30)
+        os._exit(0)
 
     def _watch(self) -> None:
         """Every second: an idle group past its time ends; a holder whose job died is let go (idle) or,
