@@ -110,9 +110,11 @@ def start_early(args) -> None:
     takes it. Only where the cluster has the room free now (after idle kept groups of other shapes end);
     otherwise, or on any error, nothing starts here and that call starts the group and says what is
     wrong. Not on a Ray worker (a rank, a Tune trial's actor)."""
-    if not (args.num_workers and float(args.keep_workers_s or 0) > 0
-            and (args.ray_address or os.environ.get("RAY_ADDRESS"))):
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if not (args.num_workers and float(args.keep_workers_s or 0) > 0 and address):
         return  # (before importing Ray: arguments are made everywhere)
+    if "://" in address or not _answers(address):  # Ray Client, or nothing there: the call says so later
+        return
     import ray
 
     from raytrainer.driver import keeper, ray_runtime
@@ -136,6 +138,21 @@ def start_early(args) -> None:
             say(f"starting {args.num_workers} worker(s) on Ray Train ({strategy}) while the script prepares")
     except Exception as exc:  # the first distributed call starts the group, and raises what is wrong
         logger.debug("early start: %s", exc)
+
+
+def _answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something listens at ``address`` (``host:port``; ``auto`` is Ray's own lookup): a bad
+    address costs the arguments a second, not Ray's connection timeout."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if address == "auto" or not port.isdigit():
+        return address == "auto"
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def _remove_placement_group(channel) -> None:

@@ -60,3 +60,32 @@ def test_a_warm_worker_forgets_the_last_scripts_own_modules(tmp_path, monkeypatc
 
     assert again.VALUE == 2
     sys.modules.pop("user_module_of_a_script", None)
+
+
+def test_the_arguments_start_nothing_without_an_address_that_answers(tmp_path, monkeypatch):
+    """The early start (driver/ray_train.start_early) asks nothing of Ray unless an address is given and
+    something listens there: arguments are made everywhere, and a bad address is the first call's error."""
+    import socket
+
+    from raytrainer.driver import ray_train
+
+    calls = []
+    monkeypatch.setattr("raytrainer.driver.ray_runtime.ensure_ray", lambda args: calls.append(args))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _args(tmp_path)  # no address
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    _args(tmp_path, ray_address=f"127.0.0.1:{port}")
+    _args(tmp_path, ray_address="ray://127.0.0.1:10001")  # Ray Client: never kept
+    _args(tmp_path, ray_address="auto", keep_workers_s=0)
+    assert calls == []
+    assert not ray_train._answers(f"127.0.0.1:{port}") and not ray_train._answers("no-port")
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    try:
+        assert ray_train._answers(f"127.0.0.1:{listening.getsockname()[1]}")
+    finally:
+        listening.close()
