@@ -454,6 +454,7 @@ class HostedTrainer:
         from raytrainer.driver.launch import launch
         from raytrainer.driver.ray_runtime import ensure_ray
         from raytrainer.driver.registry import CheckpointRegistry
+        from raytrainer.integrations import tracker_environment
         from raytrainer.protocol import THIS_DRIVER, Spec
         from raytrainer.worker.logs import driver_transformers_level
         from raytrainer.worker.place import driver_place
@@ -475,7 +476,7 @@ class HostedTrainer:
                       for k, v in kwargs.items()}
         recipe, payload = self._recipe.for_command()
         spec = Spec(recipe, kwargs, driver_transformers_level(), *driver_place(), payload=payload,
-                    driver=THIS_DRIVER)
+                    driver=THIS_DRIVER, environ=tracker_environment())
         result = launch(self, spec, method, registry or CheckpointRegistry(self.args))
         # what the script's callbacks recorded on rank 0, in the script's own instances (as in one process)
         absorb_callback_states(self.callback_handler.callbacks, result.callbacks)

@@ -57,6 +57,10 @@ def plain_config(args, **overrides):
     if "parallelism_config" in values:  # as given it may be a dict or JSON: accelerate takes the object
         values["parallelism_config"] = getattr(args, "parallelism_config", None)
     values.update(overrides)
+    if values.get("deepspeed"):
+        from raytrainer.strategies.deepspeed_config import with_precision_sections
+
+        values["deepspeed"] = with_precision_sections(values["deepspeed"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers warned when the user made them
         plain = cls(**values)

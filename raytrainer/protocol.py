@@ -75,6 +75,9 @@ class Spec:
     keep: tuple = ()
     #: the driver process that sent it (a kept group serves one script's run after another's)
     driver: str = ""
+    #: the trackers' settings in the driver's environment (integrations.TRACKER_ENV): set on each rank for
+    #: the command, where transformers' trackers run
+    environ: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ transformers' environment variables. What raytrainer decides is where they run:
 - on Ray workers they run where transformers runs them under ``accelerate launch``: on world rank 0 (each
   rank builds the trainer from the constructor's arguments, its trackers anew from ``report_to``; the other
   ranks' ``state.is_world_process_zero`` is False, so each value is logged once), so a worker needs the
-  tracker's package and its credentials, as a node under ``torchrun`` does (decided: what a TRL user sees
-  under ``accelerate launch``);
+  tracker's package, as a node under ``torchrun`` does (decided: what a TRL user sees under ``accelerate
+  launch``); the trackers' settings in the driver's environment (``TRACKER_ENV``: ``WANDB_PROJECT``,
+  ``MLFLOW_TRACKING_URI``, ``TENSORBOARD_LOGGING_DIR``, a tracker's API key, ...) are set on every rank for
+  each call, as torchrun's ranks inherit its shell's (a running cluster's workers do not inherit the
+  script's environment; a local instance's only what was set before it started);
 - in a hyperparameter search each trial gets new instances (``for_trial``): one tracker run per trial, with
   ``state.is_hyper_param_search``, ``trial_name`` and ``trial_params`` set as transformers sets them.
 
@@ -27,10 +30,23 @@ import sys
 
 from raytrainer.callbacks import TrainerCallback, runs_on_driver  # runs_on_driver: re-exported
 
-__all__ = ["PACKAGES", "for_trial", "get_available_reporting_integrations",
+__all__ = ["PACKAGES", "TRACKER_ENV", "for_trial", "get_available_reporting_integrations",
            "get_reporting_integration_callbacks", "is_tracker", "reporting_callbacks", "runs_on_driver"]
 
 _HF = "transformers.integrations.integration_utils"
+
+#: The prefixes of the environment variables transformers' trackers read when their callbacks start
+#: (integration_utils: ``WANDB_PROJECT``, ``MLFLOW_TRACKING_URI``, ``HF_MLFLOW_LOG_ARTIFACTS``,
+#: ``TENSORBOARD_LOGGING_DIR``, ``COMET_PROJECT_NAME``, ...), each tracker's own library's included (its API
+#: key). Never the Hub's token: only the driver pushes (driver/ray_runtime._SECRETS).
+TRACKER_ENV = ("TENSORBOARD_", "WANDB_", "MLFLOW_", "HF_MLFLOW_", "COMET_", "NEPTUNE_", "CLEARML_",
+               "DVCLIVE_", "HF_DVCLIVE_", "SWANLAB_", "TRACKIO_", "HF_DAGSHUB_", "DAGSHUB_", "CODECARBON_",
+               "AZUREML_")
+
+
+def tracker_environment() -> tuple[tuple[str, str], ...]:
+    """The trackers' settings in this process's environment (``TRACKER_ENV``), for the ranks."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(TRACKER_ENV)))
 
 #: What each of transformers' ``report_to`` names imports ("a|b": either) and what to ``pip install``.
 #: A name transformers adds later and this table lacks is still accepted: its callback's own check applies.

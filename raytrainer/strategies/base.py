@@ -182,18 +182,6 @@ class Strategy:
         half-written."""
         return False
 
-    def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
-        """Load the training state ``save_sharded`` wrote, from a committed checkpoint (``reader``, a
-        CheckpointReader), as a collective. The base loads an ``optimizer_0/`` folder written with
-        torch.distributed.checkpoint (FSDP's sharded optimizer state), resharded to this run's world size
-        and layout; each rank reads the bytes of its own shards, in place."""
-        from raytrainer.strategies.dcp import load_optimizer
-
-        load_optimizer(model, optimizer, reader, self.ctx)
-
-    def before_resume(self, files: list[str], step: int) -> None:
-        """Told, before the optimizer exists, which committed checkpoint files this run resumes from."""
-
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
         """On the driver: refuse a checkpoint this strategy cannot resume on ``world_size`` workers -- here,

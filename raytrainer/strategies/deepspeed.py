@@ -19,8 +19,9 @@ arguments (``deepspeed_config``). How the per-rank loop maps onto the engine:
   as ZeRO-0/1/2 always do); ``raytrainer consolidate`` makes safetensors of the partitions. For a PEFT
   model, its adapter files and the engine's state of the adapter only, no frozen base weight. A ZeRO
   checkpoint resumes on the same number of workers as written; on another number rank 0 first converts it
-  with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder.
-  DeepSpeed's loaders run under ``deepspeed_load.weights_only_loads``: nothing in the files is executed.
+  with DeepSpeed's ``ds_to_universal`` and every rank loads its new partition from the universal folder
+  (``resuming_on_any_world_size``, around transformers' ``deepspeed_load_checkpoint``). DeepSpeed's
+  loaders run under ``deepspeed_load.weights_only_loads``: nothing in the files is executed.
 """
 
 from __future__ import annotations
@@ -253,78 +254,6 @@ class DeepSpeedStrategy(Strategy):
     def names_its_writes(self) -> bool:
         return self.engine is not None and in_background(self.engine)
 
-    def before_resume(self, files: list[str], step: int) -> None:
-        saved = _partitions(files, step)
-        universal = (self.config.get("checkpoint") or {}).get("load_universal")
-        self._to_universal = bool(saved) and len(saved) != self.ctx.world_size and not universal
-
-    def load_sharded(self, model, optimizer, scheduler, reader, step: int) -> None:
-        """DeepSpeed's loader reads files by path: from a bucket, each rank downloads (verified) only the
-        files it opens -- its own ZeRO partition and the shared model states -- not every rank's."""
-        names = sorted(n for n in reader.files if n.startswith(f"{tag_of(step)}/"))
-        if self._to_universal:
-            self._load_resharded(model, reader, names, step)
-            return
-        elastic = (self.config.get("zero_optimization") or {}).get("elastic_checkpoint")
-        mine = names if elastic else [n for n in names if _partition_rank(n) in (None, self.ctx.rank)]
-        with reader.local_copy(names, self.ctx, mine) as folder:
-            self._load_engine_checkpoint(model, folder, step)
-
-    def _load_resharded(self, model, reader, names: list[str], step: int) -> None:
-        """A ZeRO checkpoint of another number of ranks: rank 0 reads every partition and converts them
-        into DeepSpeed's universal checkpoint (one folder per parameter, cut by no rank count) in the run's
-        storage (``.raytrainer-universal-<step>/``); every rank then loads its new partition from it, and
-        rank 0 removes it. At full size that is the whole optimizer state read and written once by one
-        process: minutes, paid only when the number of workers changed."""
-        from raytrainer.storage import Storage
-
-        ctx, tag = self.ctx, tag_of(step)
-        storage = Storage.for_run(self.args)
-        dest = storage.path(f".raytrainer-universal-{step}")
-        error = None
-        if ctx.is_world_zero:
-            try:
-                with reader.local_copy(names, _alone(ctx)) as folder, \
-                        tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as out:
-                    _convert_to_universal(os.path.join(folder, tag), os.path.join(out, f"{tag}_universal"))
-                    if storage.exists(dest):
-                        storage.delete_dir(dest)
-                    storage.upload_dir(out, dest)
-            except Exception as exc:  # shared below: no rank waits for a conversion that failed
-                error = exc
-        if ctx.any_flags([error is not None])[0]:
-            raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
-        if self.stage != 3:  # ZeRO-1/2, bf16: a rank holding no parameter of a group (deepspeed_universal)
-            from raytrainer.strategies.deepspeed_universal import repair
-
-            repair(model.optimizer)
-        with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
-            storage.download_dir(dest, local)
-            with weights_only_loads():
-                path, _ = model.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
-                                                load_lr_scheduler_states=True,
-                                                load_module_strict=not _is_peft(model))
-            if path is not None and self.stage == 3:
-                _repair_zero3_load(model.optimizer, os.path.join(local, f"{tag}_universal"))
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {reader.uri}")
-        ctx.barrier()
-        if ctx.is_world_zero:
-            storage.delete_dir(dest)
-
-    def _load_engine_checkpoint(self, model, folder: str, step: int) -> None:
-        tag = tag_of(step)
-        if (self.config.get("checkpoint") or {}).get("load_universal"):
-            tag += "_universal"  # made by the conversion check_resume names; outside the manifest
-            logger.warning("loading DeepSpeed's universal checkpoint %s (not covered by the manifest)",
-                           os.path.join(folder, tag))
-        with weights_only_loads():
-            path, _ = model.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True,
-                                            load_module_strict=not _is_peft(model))
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load {os.path.join(folder, tag)}")
-
     @classmethod
     def check_resume(cls, args, files: list[str], step: int, world_size: int) -> None:
         """A ZeRO checkpoint holds one optimizer partition per rank: resuming on another number of ranks
@@ -336,6 +265,93 @@ class DeepSpeedStrategy(Strategy):
             logger.warning("resume_from_checkpoint: this DeepSpeed ZeRO checkpoint was saved by %d workers "
                            "and this run has %d: rank 0 converts it to DeepSpeed's universal format first "
                            "(reads every partition once)", len(saved), world_size)
+
+
+@contextlib.contextmanager
+def resuming_on_any_world_size(args, ctx):
+    """Meanwhile transformers' DeepSpeed resume (``deepspeed_load_checkpoint``, called by its
+    ``_inner_training_loop``) also takes a ZeRO checkpoint written by another number of ranks, which
+    DeepSpeed's own loader refuses ("Automatic adjustment of ZeRO's optimizer state partitioning with a new
+    world size is not currently supported"): rank 0 converts it with DeepSpeed's ``ds_to_universal`` and
+    every rank loads its new partition from the universal folder (``_load_resharded``). A checkpoint of as
+    many ranks loads as transformers loads it. ``args``: the run's arguments (its storage)."""
+    from transformers import trainer as hf_trainer
+
+    own = hf_trainer.deepspeed_load_checkpoint
+
+    def load(engine, checkpoint_path, load_module_strict=True):
+        tag = _latest_tag(checkpoint_path)
+        saved = [n for n in os.listdir(os.path.join(checkpoint_path, tag)) if n.endswith(_PARTITION)] if tag \
+            else []
+        if not saved or len(saved) == ctx.world_size:
+            return own(engine, checkpoint_path, load_module_strict=load_module_strict)
+        logger.info("a ZeRO checkpoint of %d ranks on %d: converting it to DeepSpeed's universal format",
+                    len(saved), ctx.world_size)
+        return _load_resharded(engine, checkpoint_path, tag, args, ctx, load_module_strict)
+
+    hf_trainer.deepspeed_load_checkpoint = load
+    try:
+        yield
+    finally:
+        hf_trainer.deepspeed_load_checkpoint = own
+
+
+def _latest_tag(folder: str) -> str | None:
+    """The tag DeepSpeed's ``load_checkpoint`` reads in ``folder`` (its ``latest`` file, else the one
+    ``global_step*`` folder)."""
+    latest = os.path.join(folder, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return f.read().strip()
+    tags = sorted(n for n in os.listdir(folder) if re.fullmatch(r"global_step\d+", n))
+    return tags[-1] if tags else None
+
+
+def _load_resharded(engine, folder: str, tag: str, args, ctx, strict: bool) -> tuple:
+    """A ZeRO checkpoint (``folder/tag``) of another number of ranks into ``engine``: rank 0 reads every
+    partition (the resume copied them all to its node, verified) and converts them into DeepSpeed's universal
+    checkpoint (one folder per parameter, cut by no rank count) in the run's storage
+    (``.raytrainer-universal-<step>/``); every rank then loads its new partition from it, and rank 0 removes
+    it. At full size that is the whole optimizer state read and written once by one process: minutes, paid
+    only when the number of workers changed."""
+    from raytrainer.storage import Storage
+
+    storage = Storage.for_run(args)
+    dest = storage.path(f".raytrainer-universal-{tag.removeprefix('global_step')}")
+    error = None
+    if ctx.is_world_zero:
+        try:
+            with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as out:
+                _convert_to_universal(os.path.join(folder, tag), os.path.join(out, f"{tag}_universal"))
+                if storage.exists(dest):
+                    storage.delete_dir(dest)
+                storage.upload_dir(out, dest)
+        except Exception as exc:  # shared below: no rank waits for a conversion that failed
+            error = exc
+    if ctx.any_flags([error is not None])[0]:
+        raise error or RuntimeError("rank 0 could not convert the DeepSpeed checkpoint (see its log)")
+    stage3 = engine.zero_optimization_partition_weights()
+    if not stage3:  # ZeRO-1/2, bf16: a rank holding no parameter of a group (deepspeed_universal)
+        from raytrainer.strategies.deepspeed_universal import repair
+
+        repair(engine.optimizer)
+    engine._config.load_universal_checkpoint = True  # read by its loads only (engine.py)
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrainer-universal-") as local:
+            storage.download_dir(dest, local)
+            with weights_only_loads():
+                loaded = engine.load_checkpoint(local, tag=f"{tag}_universal", load_optimizer_states=True,
+                                                load_lr_scheduler_states=True, load_module_strict=strict)
+            if loaded[0] is not None and stage3:
+                _repair_zero3_load(engine.optimizer, os.path.join(local, f"{tag}_universal"))
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if loaded[0] is None:
+        raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {folder}")
+    ctx.barrier()
+    if ctx.is_world_zero:
+        storage.delete_dir(dest)
+    return loaded
 
 
 def _is_peft(engine) -> bool:
@@ -366,13 +382,6 @@ def _partitions(files, step: int) -> list[str]:
     """The ZeRO optimizer partition files of a checkpoint's ``global_step<step>/`` (one per rank)."""
     prefix = f"{tag_of(step)}/"
     return [f for f in files if f.startswith(prefix) and f.endswith(_PARTITION)]
-
-
-def _alone(ctx):
-    """Rank 0's context seen as a one-rank world (it reads every file, verifying each, by itself)."""
-    from raytrainer.rank_context import RankContext
-
-    return RankContext(device=ctx.device)
 
 
 def _repair_zero3_load(optimizer, folder: str) -> None:

@@ -55,6 +55,19 @@ def load_config(value) -> dict:
     return config
 
 
+def with_precision_sections(value) -> dict:
+    """The config (a path or a dict) with its ``bf16`` and ``fp16`` sections, each ``{"enabled": "auto"}``
+    where the config has none, so transformers fills them from ``--bf16`` / ``--fp16``. Without them
+    transformers takes the engine's dtype for float32 (``HfTrainerDeepSpeedConfig.dtype()``, what its
+    ``_prepare_input`` casts floating inputs to), while accelerate then enables bf16 in the engine from the
+    mixed precision: a model with floating inputs (a regressor, audio, vision) met bf16 weights with float32
+    inputs and failed at its first matmul."""
+    config = load_config(value)
+    for section in ("bf16", "fp16"):
+        config.setdefault(section, {"enabled": "auto"})
+    return config
+
+
 def zero_stage(config: dict) -> int:
     return int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
 

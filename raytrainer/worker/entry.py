@@ -54,7 +54,7 @@ def worker_main(config: dict) -> None:
         try:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
             # driver's did (a folder the script put on sys.path, which Ray does not pass on)
-            with as_on_the_driver(spec.cwd, spec.paths):
+            with as_on_the_driver(spec.cwd, spec.paths, spec.environ):
                 with imports_in_own_folder():  # wandb's folders, when TRL imports it (import_scratch.py)
                     recipe = cloudpickle.loads(spec.trainer)  # a Recipe (raytrainer/hosted_recipe.py)
                 TIMES["spec"] = time.time()

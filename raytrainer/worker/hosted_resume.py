@@ -54,20 +54,24 @@ class Resume:
     folder: str | None
     saved_on: int | None = None
     ranged: dict = dataclasses.field(default_factory=dict)
+    ctx: object = None  # the rank's context (rank_context.RankContext)
 
     @contextlib.contextmanager
     def reading(self, trainer):
-        """Meanwhile ``trainer``'s loads read its DCP folders through the storage (``ranged``)."""
-        if not self.ranged:
+        """Meanwhile ``trainer``'s loads read its DCP folders through the storage (``ranged``), and under
+        DeepSpeed a ZeRO checkpoint of another number of ranks is converted and resharded
+        (strategies/deepspeed.resuming_on_any_world_size)."""
+        with contextlib.ExitStack() as stack:
+            if self.folder is not None and getattr(trainer, "is_deepspeed_enabled", False):
+                from raytrainer.strategies.deepspeed import resuming_on_any_world_size
+
+                given = getattr(trainer, "_raytrainer_given", trainer.args)  # with the run's storage
+                stack.enter_context(resuming_on_any_world_size(given, self.ctx))
+            for name in _LOADS if self.ranged else ():
+                load = getattr(trainer, name)
+                setattr(trainer, name, functools.partial(_through_storage, load, self.ranged))
+                stack.callback(trainer.__dict__.pop, name, None)
             yield
-            return
-        for name in _LOADS:
-            setattr(trainer, name, functools.partial(_through_storage, getattr(trainer, name), self.ranged))
-        try:
-            yield
-        finally:
-            for name in _LOADS:
-                trainer.__dict__.pop(name, None)
 
 
 def localize(uri: str | None, args, ctx) -> Resume:
@@ -78,13 +82,13 @@ def localize(uri: str | None, args, ctx) -> Resume:
         reader = CheckpointReader(uri, getattr(args, "storage_filesystem", None))
     except CheckpointError:
         if "://" not in uri and os.path.isdir(uri):  # not a checkpoint raytrainer knows: transformers
-            return Resume(uri, world_size_of(os.listdir(uri)))  # says what is wrong with it
+            return Resume(uri, world_size_of(os.listdir(uri)), ctx=ctx)  # says what is wrong with it
         raise
     names = sorted(reader.files)
     saved_on = world_size_of(names)
     if reader.storage.is_local and os.path.isdir(reader.storage.root):
         reader.verify_share(names, ctx)
-        return Resume(reader.storage.root, saved_on)
+        return Resume(reader.storage.root, saved_on, ctx=ctx)
     dest = os.path.join(os.path.abspath(args.output_dir), ".raytrainer", "resume", uri_basename(uri))
     if ctx.is_local_zero:
         shutil.rmtree(dest, ignore_errors=True)  # what an earlier attempt left
@@ -93,7 +97,7 @@ def localize(uri: str | None, args, ctx) -> Resume:
     reader.download_all(mine, dest, ctx)
     logger.info("copied %d of the %d files of %s to %s to resume from it", len(mine), len(names), uri, dest)
     ranged = {os.path.join(dest, d): (reader, d) for d in dcp_folders(names)}
-    return Resume(dest, saved_on, ranged)
+    return Resume(dest, saved_on, ranged, ctx)
 
 
 def files_to_copy(names: list[str], rank: int, world_size: int, saved_on: int | None,

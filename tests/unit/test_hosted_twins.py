@@ -255,6 +255,30 @@ def test_the_recipe_carries_the_constructor_and_each_spec_the_drivers_place(tmp_
     assert os.getcwd() == str(elsewhere) and str(tmp_path / "mine") not in sys.path
 
 
+def test_the_drivers_tracker_settings_are_set_on_the_rank_for_the_command_only(tmp_path, monkeypatch):
+    """A running cluster's workers do not inherit the script's environment: the trackers' settings in it
+    (TENSORBOARD_LOGGING_DIR, MLFLOW_*, WANDB_* ...) travel in the spec, never the Hub's token."""
+    import os
+
+    from raytrainer.integrations import tracker_environment
+    from raytrainer.worker.place import as_on_the_driver
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")
+    monkeypatch.setenv("WANDB_PROJECT", "p")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    sent = tracker_environment()
+    assert dict(sent) == {"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb"),
+                          "MLFLOW_TRACKING_URI": "sqlite:///x.db", "WANDB_PROJECT": "p"}
+    # on the rank: its own value of one is replaced for the command, and put back after
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
+    monkeypatch.setenv("WANDB_PROJECT", "the worker's")
+    with as_on_the_driver(None, (), sent):
+        assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "tb")
+        assert os.environ["WANDB_PROJECT"] == "p"
+    assert "TENSORBOARD_LOGGING_DIR" not in os.environ and os.environ["WANDB_PROJECT"] == "the worker's"
+
+
 def _model():
     return None
 
@@ -335,3 +359,24 @@ def test_a_trainer_that_builds_its_own_train_loader_is_not_asked_for_a_train_dat
     trainer._check_call("train", {})  # its get_train_dataloader needs none
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset: pass it to _OwnLoader"):
         trainer._check_call("evaluate", {"eval_dataset": None})
+
+
+def test_a_deepspeed_config_without_precision_sections_casts_inputs_to_the_engines_dtype():
+    """transformers casts floating inputs to ``hf_deepspeed_config.dtype()``, float32 for a config without a
+    ``bf16`` section, while accelerate enables bf16 in the engine from ``--bf16``: the ranks' arguments get
+    the missing sections as "auto", filled from the arguments."""
+    import torch
+
+    from raytrainer.hosted_recipe import plain_config
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
+    args = raytrainer.TrainingArguments(output_dir="out", num_workers=2, bf16=True, use_cpu=True,
+                                        report_to="none", deepspeed=config)
+    plain = plain_config(args)
+    assert plain.hf_deepspeed_config.dtype() == torch.bfloat16
+    assert plain.hf_deepspeed_config.config["bf16"] == {"enabled": True}
+    assert plain.hf_deepspeed_config.config["fp16"] == {"enabled": False}
+    assert "bf16" not in config  # the script's own dict is left as it was
+    fp32 = plain_config(raytrainer.TrainingArguments(output_dir="out", num_workers=2, use_cpu=True,
+                                                     report_to="none", deepspeed=config))
+    assert fp32.hf_deepspeed_config.dtype() == torch.float32
