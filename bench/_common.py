@@ -85,6 +85,17 @@ def build_model(cfg: dict) -> nn.Module:
     return BertForSequenceClassification(config)
 
 
+def prepare(cfg: dict) -> None:
+    """The script's own preparation before it builds its model and Trainer (``--prepare-s``): Python work on
+    one core for that long, as tokenising a data set is (under torchrun every rank does it)."""
+    import time
+
+    end = time.perf_counter() + float(cfg.get("prepare_s", 0) or 0)
+    n = 0
+    while time.perf_counter() < end:
+        n += sum(i * i for i in range(1000))
+
+
 def trainer_kwargs(cfg: dict) -> dict:
     """TrainingArguments fields that are the same for raytrainer and transformers."""
     return dict(

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from _common import Recorder, build_dataset, build_model, collate, load_config, trainer_kwargs
+from _common import Recorder, build_dataset, build_model, collate, load_config, prepare, trainer_kwargs
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
@@ -16,6 +16,7 @@ def main() -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     args = TrainingArguments(output_dir=cfg["output_dir"], report_to=[],
                              ddp_backend="gloo" if distributed else None, **trainer_kwargs(cfg))
+    prepare(cfg)  # after the arguments: on a running cluster the workers start meanwhile
     recorder = BenchCallback()
     trainer = Trainer(model=build_model(cfg), args=args, train_dataset=build_dataset(cfg),
                       data_collator=collate, callbacks=[recorder])

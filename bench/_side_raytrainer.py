@@ -2,7 +2,7 @@
 
 import sys
 
-from _common import Recorder, build_dataset, build_model, collate, load_config, trainer_kwargs
+from _common import Recorder, build_dataset, build_model, collate, load_config, prepare, trainer_kwargs
 
 from raytrainer import Trainer, TrainerCallback, TrainingArguments
 
@@ -16,6 +16,7 @@ def main() -> None:
     args = TrainingArguments(output_dir=cfg["output_dir"], report_to="none", num_workers=cfg["num_workers"],
                              ray_address=cfg.get("ray_address"),
                              keep_workers_s=cfg.get("keep_workers_s", 300.0), **trainer_kwargs(cfg))
+    prepare(cfg)  # after the arguments: on a running cluster the workers start meanwhile
     recorder = BenchCallback()
     trainer = Trainer(model=build_model(cfg), args=args, train_dataset=build_dataset(cfg),
                       data_collator=collate, callbacks=[recorder])

@@ -81,7 +81,7 @@ BARS = [
 
 # -- configuration ---------------------------------------------------------------------------------
 def workload_configs(opts, workdir: str) -> dict[str, dict]:
-    common = {"batch_size": 32, "lr": 1e-3}
+    common = {"batch_size": 32, "lr": 1e-3, "prepare_s": opts.prepare_s}
     mlp = {**common, "workload": "mlp", "epochs": opts.mlp_epochs,
            "digits_path": os.path.join(workdir, "digits.npz")}
     bert = {**common, "workload": "bert", "epochs": opts.bert_epochs, "examples": opts.bert_examples,
@@ -616,6 +616,9 @@ def parse_args(argv=None):
     p.add_argument("--md", default=None, help="also write the Markdown table to this file")
     p.add_argument("--workdir", default=None, help="where configs, records and logs go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs) after a successful run")
+    p.add_argument("--prepare-s", type=float, default=0.0,
+                   help="seconds of Python work each script does after its TrainingArguments, before its "
+                        "model and Trainer (data preparation; every rank under torchrun)")
     p.add_argument("--mlp-epochs", type=int, default=3)
     p.add_argument("--bert-examples", type=int, default=4096)
     p.add_argument("--bert-epochs", type=int, default=1)
