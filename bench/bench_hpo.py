@@ -11,6 +11,9 @@ Sides, each in its own fresh process:
   rt        raytrainer, backend="optuna", 2 Ray workers (DDP) per trial, n_jobs=2 (2 trials at a time,
             on 2 pooled worker groups)
   rt1       raytrainer, backend="optuna", 2 Ray workers per trial, n_jobs=1: every trial on one warm group
+  rt1_warm  rt1 on a running Ray head (``ray start --head``, started before the side): the first run there
+  rt1_second  rt1's script run twice on a running head, the second measured: its trials take the group the
+            first run left (``keep_workers_s``, driver/keeper.py), as a script's second run does
   rt_asha   raytrainer, backend="ray", 2 workers per trial, 2 trials at a time, ASHA on 8 evaluations
             per trial (every quarter epoch; grace 1, reduction factor 3 by default); trials on warm groups
   rt_asha_fresh  the same with reuse_actors=False: every trial's actor starts a worker group of its own
@@ -156,11 +159,11 @@ def side_rt(cfg, n_jobs: int = 2) -> dict:
     from raytrainer import Trainer, TrainingArguments
 
     train, test = _data(cfg)
-    args = TrainingArguments(eval_strategy="epoch", num_workers=2,
+    args = TrainingArguments(eval_strategy="epoch", num_workers=2, ray_address=cfg.get("ray_address"),
                              **_common_args(cfg, cfg["workdir"] + f"/rt{n_jobs}", workers=2))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=train, eval_dataset=test,
                       data_collator=collate, compute_metrics=accuracy)
-    kw = _study(cfg, f"rt{n_jobs}")
+    kw = _study(cfg, cfg.get("study", f"rt{n_jobs}"))
     start = time.perf_counter()
     best = trainer.hyperparameter_search(hp_space=space_optuna, compute_objective=objective,
                                          n_trials=N_TRIALS, direction="maximize", backend="optuna",
@@ -210,14 +213,34 @@ def run_side(side: str, cfg: dict, timeout: float, trees: dict[str, str]) -> dic
         cfg = {**cfg, "workdir": os.path.join(cfg["workdir"], tree)}
         os.makedirs(cfg["workdir"], exist_ok=True)
     out = os.path.join(cfg["workdir"], f"{name}.json")
-    start = time.time()
-    command = [sys.executable, os.path.abspath(__file__), "--side", name, "--cfg", json.dumps(cfg),
-               "--side-out", out]
-    # run in the work dir: Ray's workers start in the driver's working directory and import from it first,
-    # so a checkout's own folder there would shadow a --tree side's raytrainer
-    proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True,
-                          cwd=cfg["workdir"])
-    wall = time.time() - start
+    head = None
+    if name in ("rt1_warm", "rt1_second"):  # a running head, started (and settled) before the side
+        from bench_core import RayHead
+
+        os.makedirs(os.path.join(cfg["workdir"], "logs"), exist_ok=True)
+        head = RayHead(cfg["workdir"], 5.0, trees.get(tree))
+        head.start()
+        cfg = {**cfg, "ray_address": head.address, "study": name}  # a study of its own
+    command = [sys.executable, os.path.abspath(__file__), "--side", "rt1" if head else name, "--cfg",
+               json.dumps(cfg), "--side-out", out]
+    try:
+        if name == "rt1_second":  # the first run, not measured: it leaves its group for the second
+            first_cfg = {**cfg, "study": "rt1_first"}  # a study of its own
+            first_command = [*command[:4], "--cfg", json.dumps(first_cfg), *command[6:]]
+            first = subprocess.run(first_command, env=env, timeout=timeout, capture_output=True, text=True,
+                                   cwd=cfg["workdir"])
+            if first.returncode != 0:
+                sys.stderr.write(first.stdout[-3000:] + first.stderr[-5000:])
+                return {"side": side, "error": first.returncode, "first_run": True}
+        start = time.time()
+        # run in the work dir: Ray's workers start in the driver's working directory and import from it
+        # first, so a checkout's own folder there would shadow a --tree side's raytrainer
+        proc = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True,
+                              cwd=cfg["workdir"])
+        wall = time.time() - start
+    finally:
+        if head is not None:
+            head.stop()
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
         return {"side": side, "error": proc.returncode, "wall_s": wall}
