@@ -28,6 +28,8 @@ LAYERS = (
 UPWARD = {
     ("raytrainer.arg_types", "raytrainer.strategies.deepspeed_config"):
         "the arguments' DeepSpeed check fills the config exactly as the engine will (one source of truth)",
+    ("raytrainer.hosted_recipe", "raytrainer.strategies.deepspeed_config"):
+        "the ranks' arguments get the DeepSpeed config's missing precision sections (that module's job)",
 }
 
 
