@@ -49,12 +49,6 @@ def tag_of(step: int) -> str:
     return f"global_step{step}"
 
 
-def _partition_rank(name: str) -> int | None:
-    """The data-parallel rank a ZeRO file belongs to (``zero_pp_rank_<r>_...``); None for shared files."""
-    match = re.search(r"zero_pp_rank_(\d+)_", os.path.basename(name))
-    return int(match.group(1)) if match else None
-
-
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     sharded_state_dir = "global_step"  # + the step: DeepSpeed's tag
@@ -71,7 +65,6 @@ class DeepSpeedStrategy(Strategy):
             dtype = torch.float16
         self.precision = CastPrecision(dtype)  # the engine casts the module; inputs follow
         self.engine = None
-        self._to_universal = False  # resuming a ZeRO checkpoint written by another number of ranks
 
     # -- setup -------------------------------------------------------------------------------------------
     def model_init_context(self):
@@ -159,8 +152,6 @@ class DeepSpeedStrategy(Strategy):
         # filled again: auto_find_batch_size may have changed the batch size since __init__
         config = fill_from_args(load_config(self.args.deepspeed), self.args, self.ctx.world_size)
         config = fill_for_run(config, self.args, optimizers.num_training_steps, hidden)
-        if self._to_universal:
-            config.setdefault("checkpoint", {})["load_universal"] = True
         optimizer = scheduler = None
         if "optimizer" not in config:
             optimizer = optimizers.optimizer()
@@ -281,8 +272,9 @@ def resuming_on_any_world_size(args, ctx):
 
     def load(engine, checkpoint_path, load_module_strict=True):
         tag = _latest_tag(checkpoint_path)
-        saved = [n for n in os.listdir(os.path.join(checkpoint_path, tag)) if n.endswith(_PARTITION)] if tag \
-            else []
+        if tag is None:  # transformers names what is missing
+            return own(engine, checkpoint_path, load_module_strict=load_module_strict)
+        saved = [n for n in os.listdir(os.path.join(checkpoint_path, tag)) if n.endswith(_PARTITION)]
         if not saved or len(saved) == ctx.world_size:
             return own(engine, checkpoint_path, load_module_strict=load_module_strict)
         logger.info("a ZeRO checkpoint of %d ranks on %d: converting it to DeepSpeed's universal format",
