@@ -166,11 +166,8 @@ class _Additions:
         holds them too, for ``PeftModel.from_pretrained`` and a hub push: transformers writes none under
         ``SHARDED_STATE_DICT``."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if self.__dict__.get("_raytrainer_checkpointing") and plugin is not None:  # each rank's shard
-            super().save_model(output_dir, _internal_call)
-            if "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
-                self._save_adapter(output_dir)
-            return None
+        if self.__dict__.get("_raytrainer_checkpointing") and plugin is not None:  # each rank's shard; a
+            return super().save_model(output_dir, _internal_call)  # PEFT model's: worker/hosted_adapter.py
         if not self.__dict__.get("_raytrainer_sharded_by_default") or plugin is None:
             return super().save_model(output_dir, _internal_call)
         if self._save_adapter(output_dir):

@@ -38,21 +38,31 @@ def peft_saved_keys(model, state_dict: dict) -> list[str] | None:
     its ``modules_to_save``), found by PEFT's own selection without reading a value: a sharded state's base
     need not be gathered to save an adapter. None where PEFT's selection makes tensors of its own (then it
     needs the whole state)."""
+    kept = set()
+    for adapter in model.peft_config:
+        names = peft_saved_names(model, state_dict, adapter)
+        if names is None:
+            return None
+        kept.update(names.values())
+    return [k for k in state_dict if k in kept]
+
+
+def peft_saved_names(model, state_dict: dict, adapter: str | None = None) -> dict[str, str] | None:
+    """The name each tensor of ``adapter`` (the first when None) has in the file PEFT saves
+    (``adapter_model.safetensors``) -> its key in ``state_dict``, by PEFT's own selection without reading a
+    value; None where that selection makes tensors of its own."""
     import warnings
 
     from peft import get_peft_model_state_dict
 
     key_of = {id(v): k for k, v in state_dict.items()}
-    kept = set()
     with warnings.catch_warnings():  # PEFT warns again when it saves
         warnings.simplefilter("ignore")
-        for adapter in model.peft_config:
-            for tensor in get_peft_model_state_dict(model, state_dict=state_dict,
-                                                    adapter_name=adapter).values():
-                if id(tensor) not in key_of:
-                    return None
-                kept.add(key_of[id(tensor)])
-    return [k for k in state_dict if k in kept]
+        selected = get_peft_model_state_dict(model, state_dict=state_dict,
+                                             adapter_name=adapter or next(iter(model.peft_config)))
+    if any(id(tensor) not in key_of for tensor in selected.values()):
+        return None
+    return {name: key_of[id(tensor)] for name, tensor in selected.items()}
 
 
 def peft_state_gathered(model) -> dict[str, torch.Tensor] | None:

@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 from raytrainer.checkpoint import CheckpointError, CheckpointReader, damage_named
 from raytrainer.dcp_storage import owned_files
 from raytrainer.storage import uri_basename
+from raytrainer.worker.hosted_adapter import reading_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,17 @@ class Resume:
 
     @contextlib.contextmanager
     def reading(self, trainer):
-        """Meanwhile ``trainer``'s loads read its DCP folders through the storage (``ranged``), and under
+        """Meanwhile ``trainer``'s loads read its DCP folders through the storage (``ranged``), under
         DeepSpeed a ZeRO checkpoint of another number of ranks is converted and resharded
-        (strategies/deepspeed.resuming_on_any_world_size)."""
+        (strategies/deepspeed.resuming_on_any_world_size), and under FSDP a PEFT model's checkpoint is read
+        from its adapter file (worker/hosted_adapter.py)."""
         with contextlib.ExitStack() as stack:
             if self.folder is not None and getattr(trainer, "is_deepspeed_enabled", False):
                 from raytrainer.strategies.deepspeed import resuming_on_any_world_size
 
                 given = getattr(trainer, "_raytrainer_given", trainer.args)  # with the run's storage
                 stack.enter_context(resuming_on_any_world_size(given, self.ctx))
+            stack.enter_context(reading_adapters(trainer))
             for name in _LOADS if self.ranged else ():
                 load = getattr(trainer, name)
                 setattr(trainer, name, functools.partial(_through_storage, load, self.ranged))

@@ -44,6 +44,8 @@ import os
 
 import torch
 
+from raytrainer.worker.hosted_adapter import adapter_once
+
 
 class BackgroundSaves:
     """The writes a hosted trainer's checkpoint saves have started (futures, in order), and the host
@@ -130,6 +132,7 @@ def write_in_background(trainer) -> BackgroundSaves:
                 if trainer.is_fsdp_enabled:
                     stack.enter_context(_dcp_in_background(saves))
                     stack.enter_context(_no_frozen_aliases())
+                    stack.enter_context(adapter_once(trainer))
                 save_checkpoint(model, trial)
         finally:
             saves.end()

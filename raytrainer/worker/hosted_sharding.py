@@ -18,6 +18,7 @@ and the driver's ``trainer.model`` is consolidated from the partitions (``save_w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -94,7 +95,8 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
 
 def _tied_embeddings_as_one(accelerator) -> None:
     """Before accelerate's FSDP2 ``prepare`` shards a model, the embedding modules that hold its input
-    embedding's very weight become that one module (``share_tied_embedding``)."""
+    embedding's very weight become that one module (``share_tied_embedding``); while it shards, a module
+    already inside a unit stays there (``_not_twice``)."""
     import torch
 
     prepare = accelerator._prepare_fsdp2
@@ -103,9 +105,40 @@ def _tied_embeddings_as_one(accelerator) -> None:
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 share_tied_embedding(obj)
-        return prepare(*args)
+        with _not_twice():
+            return prepare(*args)
 
     accelerator._prepare_fsdp2 = _prepare_fsdp2
+
+
+@contextlib.contextmanager
+def _not_twice():
+    """Meanwhile ``fully_shard`` of a module whose parameters a unit already holds leaves it in that unit.
+    accelerate 1.16 shards each ``_no_split_modules`` block, then carves the input embedding into a unit of
+    its own unless the embedding itself is one: BERT's and RoBERTa's blocks include ``BertEmbeddings``, so
+    ``fully_shard(word_embeddings)`` met parameters that were DTensors already and torch raised "Invariant
+    encountered: value was None" (on GPUs as here). tests/unit/test_hosted_sharding.py pins it."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.tensor import DTensor
+
+    shard = fsdp.fully_shard
+
+    def held_above(module) -> bool:  # a parameter sharded by no unit at or below ``module``: by one above
+        below = {id(p) for m in module.modules() if isinstance(m, fsdp.FSDPModule) for p in m.parameters()}
+        return any(isinstance(p, DTensor) and id(p) not in below for p in module.parameters())
+
+    def fully_shard(module, *args, **kwargs):
+        if isinstance(module, torch.nn.Module):
+            return module if held_above(module) else shard(module, *args, **kwargs)
+        left = [m for m in module if not held_above(m)]
+        return shard(left, *args, **kwargs) if left else None
+
+    fsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = shard
 
 
 def share_tied_embedding(model) -> None:

@@ -132,3 +132,50 @@ def test_an_encoder_decoders_tied_embeddings_become_its_input_embedding_module()
     head = gpt2.lm_head
     share_tied_embedding(gpt2)
     assert gpt2.lm_head is head and gpt2.lm_head.weight is gpt2.transformer.wte.weight
+
+
+def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(gloo_group):
+    """accelerate 1.16's ``fsdp2_prepare_model`` shards each ``_no_split_modules`` block (BERT's include
+    ``BertEmbeddings``) and then ``fully_shard``s the input embedding, which torch refuses inside a unit.
+    Under ``_not_twice`` the embedding stays in its block's unit, the root (every parameter in a unit below
+    it) is still sharded, and the model computes what the unsharded one does."""
+    import inspect
+
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    import torch
+    import transformers
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from raytrainer.worker.hosted_sharding import _not_twice
+
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "from torch.distributed.fsdp import" in prepare and "fully_shard(input_embed" in prepare
+
+    def bert():
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64, num_labels=3,
+                                         max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        return transformers.BertForSequenceClassification(config)
+
+    ids = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = bert()(input_ids=ids).logits
+    refused = bert()
+    fully_shard(refused.bert.embeddings)
+    with pytest.raises(TypeError, match="Invariant encountered"):  # torch's own, without raytrainer's guard
+        fully_shard(refused.get_input_embeddings())
+
+    model = bert()
+    with _not_twice():
+        import torch.distributed.fsdp as fsdp
+
+        blocks = [model.bert.embeddings, *model.bert.encoder.layer]
+        for block in blocks:
+            fsdp.fully_shard(block)
+        assert fsdp.fully_shard(model.get_input_embeddings()) is model.get_input_embeddings()
+        assert fsdp.fully_shard([model.get_input_embeddings()]) is None
+        fsdp.fully_shard(model)
+    assert not isinstance(model.get_input_embeddings(), FSDPModule)
+    assert all(isinstance(m, FSDPModule) for m in (*blocks, model))
+    assert torch.allclose(model(input_ids=ids).logits, expected, atol=1e-6)
