@@ -169,7 +169,9 @@ class WorkerGroup:
         self.busy = True
         try:
             size = self.channel.submit(command, Method(method), spec, self.args.num_workers)
-            logger.debug("run spec: %d bytes in the object store; command: %d bytes", len(spec.trainer), size)
+            payload = getattr(getattr(trainer, "_recipe", None), "payload", None) or b""
+            logger.debug("run spec: %d bytes, its payload %d bytes in the object store; command: %d bytes",
+                         len(spec.trainer), len(payload), size)
             results = self._wait(command)
         except KeyboardInterrupt:
             logger.warning("interrupted: aborting %s on the workers", method)

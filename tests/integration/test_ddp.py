@@ -100,8 +100,8 @@ def test_override_stop_and_log_levels_on_two_workers(tmp_path, capfd):
 
 def test_predict_two_workers_every_example_once_in_order(tmp_path, caplog):
     """33 examples (odd), eval batch 4 on 2 workers: 33 rows, in dataset order, equal to a local forward.
-    Ray Train's train_loop_config (kept by the controller and every worker for the run) holds a reference
-    to the spec, not the spec."""
+    The command (kept by the channel for every worker) holds the trainer's recipe and a reference to its
+    payload (the model and the datasets, in the object store), not the payload."""
     import logging
 
     caplog.set_level(logging.DEBUG, logger="raytrainer.driver.group")
@@ -118,8 +118,9 @@ def test_predict_two_workers_every_example_once_in_order(tmp_path, caplog):
     assert out.metrics["test_loss"] > 0
     assert set(k.split("_")[0] for k in out.metrics) == {"test"}
     sizes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run spec: ")]
-    spec_bytes, config_bytes = (int(w) for w in sizes[0].replace(";", " ").split() if w.isdigit())
-    assert spec_bytes > 5000 > config_bytes  # the datasets and model go by reference
+    spec_bytes, payload_bytes, command_bytes = (int(w) for w in sizes[0].replace(";", " ").split()
+                                                if w.isdigit())
+    assert payload_bytes > 5000 > max(spec_bytes, command_bytes)  # the datasets and model go by reference
 
 
 def test_bad_input_fails_on_the_driver_before_any_worker(tmp_path, ray_session):
@@ -363,10 +364,10 @@ def test_a_skeleton_on_the_driver_evaluates_and_trains_as_a_real_model(tmp_path,
 
     ddp = Trainer(model_init=lambda: Regressor(), train_dataset=data, eval_dataset=held_out,
                   args=_args(tmp_path, "ddp", num_workers=2, per_device_train_batch_size=8, **same))
-    skeleton = ddp.__dict__["_model"]
+    skeleton = ddp.model  # before train(): the driver's model, as transformers' constructor builds it
     assert meta_model.is_skeleton(skeleton)
     assert ddp.evaluate()["eval_loss"] == pytest.approx(before_ref, rel=1e-6)
-    assert meta_model.is_skeleton(ddp.__dict__["_model"])  # evaluate's workers built their own
+    assert ddp.model is skeleton and meta_model.is_skeleton(skeleton)  # evaluate's workers built their own
     ddp.train()
     assert ddp.model is skeleton and not meta_model.is_skeleton(ddp.model)
     for name, ref_param in ref.model.state_dict().items():
