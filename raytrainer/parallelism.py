@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import types
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,17 @@ def apply_tensor_parallel(model, mesh) -> None:
         raise ValueError(f"parallelism_config: the tensor-parallel plan of {type(model).__name__} names no "
                          f"module or parameter of it ({sorted(plan)[:3]}...). Fix: name its modules as "
                          "model.named_modules() gives them, with * for a layer number.")
-    apply_tensor_parallelism(model, mesh["tp"], expanded)
+    # transformers reads the model's text config and mesh manager, which only the head-wise styles use: a
+    # plain torch module (colwise / rowwise layers) lends it none for the call
+    lent = {name: value for name, value in (("config", types.SimpleNamespace(get_text_config=lambda: None)),
+                                             ("_mesh_manager", None)) if not hasattr(model, name)}
+    for name, value in lent.items():
+        setattr(model, name, value)
+    try:
+        apply_tensor_parallelism(model, mesh["tp"], expanded)
+    finally:
+        for name in lent:
+            delattr(model, name)
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and callable(getattr(model, "tie_weights", None)):
         model.tie_weights()  # the head shares the embedding's (now sharded) weight again

@@ -109,7 +109,7 @@ class WorkerGroup:
         self._thread.start()
         _LIVE.add(self)
         _close_before_ray_exits()
-        args, strategy = self.args, self.key[-1].removesuffix("Strategy")
+        args, strategy = self.args, self.key[-1]
         workers = args.num_workers if args.min_workers in (None, args.num_workers) else \
             f"{args.min_workers} to {args.num_workers}"
         if not getattr(kept, "running", False):

@@ -186,13 +186,13 @@ def check_resume_target(trainer, resume: str) -> None:
     """Can this run's strategy resume the committed checkpoint ``resume`` on this many workers, into this
     model? Read from its manifest, state and weight headers only."""
     from raytrainer.checkpoint import CheckpointReader, step_of
-    from raytrainer.strategies import strategy_class
+    from raytrainer.strategies import check_resume
 
     args = trainer.args
     reader = CheckpointReader(resume, args.storage_filesystem)
     world = max(args.num_workers, 1)
     step = reader.json("trainer_state.json").get("global_step", step_of(resume) or 0)
-    strategy_class(args, world).check_resume(args, sorted(reader.files), step, world)
+    check_resume(args, sorted(reader.files), step, world)
     _check_weights_fit(trainer, reader)
     saved = sum(1 for name in reader.files if name.startswith("rng_state_") and name.endswith(".safetensors"))
     if saved and saved != world:

@@ -134,7 +134,7 @@ def start_early(args) -> None:
             from raytrainer.driver.resources import group_key
             from raytrainer.logging_utils import say
 
-            strategy = group_key(args)[-1].removesuffix("Strategy")
+            strategy = group_key(args)[-1]
             say(f"starting {args.num_workers} worker(s) on Ray Train ({strategy}) while the script prepares")
     except Exception as exc:  # the first distributed call starts the group, and raises what is wrong
         logger.debug("early start: %s", exc)

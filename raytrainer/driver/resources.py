@@ -39,12 +39,12 @@ class ResourcesUnavailableError(RuntimeError):
 
 def group_key(args) -> tuple:
     """What a worker group is made with: a call that needs other values needs another group."""
-    from raytrainer.strategies import strategy_class
+    from raytrainer.strategies import strategy_name
 
     resources = tuple(sorted((args.resources_per_worker or {}).items()))
     return (args.num_workers, args.min_workers, bool(args.use_gpu), resources, args.placement_strategy,
             args.ddp_backend, args.ddp_timeout, args.max_failures,
-            strategy_class(args, args.num_workers).__name__)
+            strategy_name(args, args.num_workers))
 
 
 def worker_bundle(args) -> dict[str, float]:

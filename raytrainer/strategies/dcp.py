@@ -1,7 +1,8 @@
 """Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP), in the folder layout
 accelerate uses for FSDP (``pytorch_model_fsdp_0/`` for the model, ``optimizer_0/`` for the optimizer): every
 rank writes its own shards, and loading reshards them onto any number of ranks and any layout (FSDP on 2
-workers -> FSDP or DDP on 1, or a plain module on the driver).
+workers -> FSDP or DDP on 1, or a plain module on the driver: raytrainer/one_loop.py). accelerate's saves in
+a checkpoint go through ``save_state`` (worker/hosted_saves.py).
 
 Saves are asynchronous where a process group is up (``pending`` given): DCP's ``async_save`` copies this
 rank's shards into CPU memory on the calling (training) thread -- the snapshot, the one part a step waits
@@ -65,39 +66,3 @@ def _small_last():
             return dataclasses.replace(plan, items=sorted(plan.items, key=size, reverse=True))
 
     return SmallLast()
-
-
-def save_model(model, folder: str, pending: list | None = None) -> str:
-    """This rank's shard of the model into ``folder/pytorch_model_fsdp_0`` (a collective), under the key
-    ``model`` as accelerate writes it; nothing is gathered. With ``pending``, written in the background (the
-    future appended to it)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    save_state({"model": get_model_state_dict(model)}, folder, MODEL_DIR, pending)
-    return MODEL_DIR
-
-
-def save_optimizer(model, optimizer, folder: str, pending: list | None = None) -> str:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (DTensors under FSDP)
-    save_state({"optimizer": state}, folder, OPTIMIZER_DIR, pending)
-    return OPTIMIZER_DIR
-
-
-def load_optimizer(model, optimizer, reader, ctx) -> None:
-    """Load the optimizer state through ``reader``, a CheckpointReader of a committed checkpoint: each rank
-    reads (verified) only the shards its plan needs, from a local folder or straight from a bucket."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    if not any(name.startswith(f"{OPTIMIZER_DIR}/") for name in reader.files):
-        raise ValueError(
-            f"{reader.uri} holds no {OPTIMIZER_DIR}/ (sharded optimizer state): it was saved by another "
-            "strategy (e.g. DeepSpeed, whose engine alone reads its format). Resume it with the strategy "
-            "that saved it, or set save_only_model/load only the weights.")
-    state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (state initialised by torch)
-    loaded = {"optimizer": state}
-    with reader.dcp_reader(OPTIMIZER_DIR, ctx) as storage_reader:
-        dcp.load(loaded, storage_reader=storage_reader)
-    set_optimizer_state_dict(model, optimizer, loaded["optimizer"])

@@ -1,22 +1,15 @@
-"""The DeepSpeed config of ``TrainingArguments(deepspeed=...)``: read, checked, "auto" values filled.
+"""The DeepSpeed config of ``TrainingArguments(deepspeed=...)``: read and checked on the driver.
 
-The filling is transformers' own ``HfTrainerDeepSpeedConfig``: ``trainer_config_process`` (batch sizes,
-clipping, optimizer and scheduler learning rates, fp16/bf16, ``save_on_each_node``) and
-``trainer_config_finalize`` (the run's length, warmup, the ZeRO buckets from the model's hidden size). A value
-that is set but differs from the argument is a mismatch. What raytrainer does differently, and why:
+transformers fills its "auto" values on each rank (``HfTrainerDeepSpeedConfig``: ``trainer_config_process``,
+then ``trainer_config_finalize`` once the model exists) and raises a value that is set but differs from the
+argument there. raytrainer checks first, on the driver, before any worker starts (``check_config``):
 
-- **The driver checks first.** transformers raises its mismatches in ``trainer_config_finalize``, once the
-  model exists; raytrainer runs ``trainer_config_process`` on the driver, where the arguments are, and raises
-  every mismatch it found there before any worker starts (``check_config``).
-- **The world size** is the number of Ray workers, which the driver knows but its own process group does
-  not (it has none): ``train_batch_size`` is micro x accumulation x ``num_workers``.
-- **A missing hidden size** (a model without a ``config.hidden_size``, a plain ``nn.Module``) leaves the
-  ZeRO bucket sizes to DeepSpeed's defaults instead of failing, as do the stage3_ buckets below ZeRO-3; any
-  other "auto" left unfilled is an error naming the key (DeepSpeed would fail later on the string).
-- **``--bf16`` / ``--fp16`` with no such section** in the config turns it on, as accelerate's DeepSpeed plugin
-  does for transformers' Trainer.
-- The config object is not made the process's global one (transformers' constructor registers it for
-  ``from_pretrained``'s ZeRO-3 path); the DeepSpeed strategy registers its own on the workers.
+- every mismatch ``trainer_config_process`` finds is raised at once, naming each value;
+- the world size is the number of Ray workers, which the driver knows but its own process group does not
+  (it has none): ``train_batch_size`` is micro x accumulation x ``num_workers``;
+- ``--bf16`` / ``--fp16`` with no such section turns it on, as accelerate's DeepSpeed plugin does for
+  transformers' Trainer; the ranks' config gets ``"auto"`` sections for both (``with_precision_sections``);
+- the process's global config (``is_deepspeed_zero3_enabled()``) is left as it was.
 """
 
 from __future__ import annotations
@@ -24,11 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import types
-from typing import Any
-
-_BUCKET_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.stage3_param_persistence_threshold")
 
 
 def load_config(value) -> dict:
@@ -113,43 +101,6 @@ def fill_from_args(config: dict, args, world_size: int) -> dict:
         if getattr(args, name) and name not in config:
             config[name] = {"enabled": True}
     return config
-
-
-def fill_for_run(config: dict, args, num_training_steps: int, hidden_size: int | None) -> dict:
-    """Fill the values that need the run's length and the model (on the workers)."""
-    config = copy.deepcopy(config)
-    # Without a hidden size every bucket "auto" is left to DeepSpeed's default; below ZeRO-3 the stage3_ ones
-    # are (transformers fills them at stage 3 only, and DeepSpeed does not read them below it).
-    unfilled = _BUCKET_KEYS if not hidden_size else _BUCKET_KEYS[1:] if zero_stage(config) < 3 else ()
-    for key in unfilled:
-        *parents, last = key.split(".")
-        node = _node(config, parents)
-        if isinstance(node, dict) and node.get(last) == "auto":
-            del node[last]
-    filled = _transformers_config(config)
-    model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden_size))
-    try:
-        filled.trainer_config_finalize(args, model, num_training_steps)
-    except ValueError:
-        _raise_mismatches(filled.mismatches)
-        raise
-    leftover = _autos(filled.config)
-    if leftover:
-        raise ValueError(f"deepspeed: raytrainer cannot fill the \"auto\" value of {', '.join(leftover)}; "
-                         "set it in the DeepSpeed config")
-    return filled.config
-
-
-def _node(config: dict, path: list[str]) -> Any:
-    for key in path:
-        config = config.get(key) if isinstance(config, dict) else None
-    return config
-
-
-def _autos(node: Any, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]
-    return [prefix.rstrip(".")] if node == "auto" else []
 
 
 def check_config(args) -> dict:

@@ -28,14 +28,15 @@ def files_initialiser(model: torch.nn.Module, files: dict, initialiser: Callable
     missing = [name for name, _ in model.named_parameters() if name not in files]
     adapters, missing = _lora_adapters(model, missing)
     if missing:
-        logger.info("FSDP: %d parameters of %s are not in the pretrained files as they are (%s); rank 0 "
-                    "builds the model and broadcasts it", len(missing), type(model).__name__,
+        logger.info("FSDP: %d parameters of %s are not in the pretrained files as they are (%s); every "
+                    "rank builds the whole model, then FSDP shards it", len(missing), type(model).__name__,
                     ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""))
         return None
     unloaded = [name for name, _ in model.named_buffers() if name not in files]
     if unloaded and initialiser is None:
-        logger.info("FSDP: %s has buffers that neither the files nor an initialiser give (%s); rank 0 builds "
-                    "the model and broadcasts it", type(model).__name__, ", ".join(unloaded[:5]))
+        logger.info("FSDP: %s has buffers that neither the files nor an initialiser give (%s); every rank "
+                    "builds the whole model, then FSDP shards it", type(model).__name__,
+                    ", ".join(unloaded[:5]))
         return None
 
     def initialise():
@@ -53,7 +54,7 @@ def _lora_adapters(model: torch.nn.Module, missing: list[str]) -> tuple[list, li
     """PEFT's LoRA adapters among the ``missing`` parameters, where PEFT initialises them without the base
     weights (``init_lora_weights`` True or "gaussian": A drawn, B zero): (layer, adapter, init) for each,
     and the parameters still missing. Inits that derive the adapters from the base weights (PiSSA, OLoRA,
-    LoftQ, EVA) and DoRA's magnitudes stay missing: rank 0's way builds those for real."""
+    LoftQ, EVA) and DoRA's magnitudes stay missing: those are built whole on every rank."""
     configs = getattr(model, "peft_config", None)
     if not missing or not isinstance(configs, dict):
         return [], missing

@@ -8,8 +8,8 @@ gradients, activations); after the first frees they all come from the heaps, whi
 fragmentation. Measured on 2 CPU workers (bench/bench_fsdp_peak.py, docs/benchmarks.md): a 267M-parameter
 causal LM under FSDP peaked at 4,177 MiB per worker, 3,336 MiB with the threshold fixed, steps no slower
 (12.9 s against 13.5 s). Under DDP the same setting saved 6% of the peak but cost 7% of the step time (each
-mmapped block's pages are faulted in anew), so it is FSDP's alone: ``FSDPStrategy.setup_model`` and a
-hosted trainer's FSDP (worker/hosted_sharding.py) set it, once per process. A process whose allocator is
+mmapped block's pages are faulted in anew), so it is FSDP's alone: a rank whose group shards with FSDP
+(worker/hosted_sharding.py) sets it, once per process. A process whose allocator is
 not glibc's (macOS, jemalloc or tcmalloc preloaded) or whose environment sets ``MALLOC_MMAP_THRESHOLD_``
 itself is left as it is.
 """

@@ -29,6 +29,7 @@ weightless model).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 
@@ -40,9 +41,16 @@ logger = logging.getLogger(__name__)
 def wanted(targs, world_size: int) -> bool:
     """Whether ``targs`` (the rank's TrainingArguments) shard with FSDP2 where per-shard loading applies."""
     plugin = getattr(targs, "fsdp_plugin_args", None) or {}
+    return plain_wanted(targs, world_size) and not plugin.get("cpu_ram_efficient_loading")
+
+
+def plain_wanted(targs, world_size: int) -> bool:
+    """Whether a ``model_init`` that builds a plain module is built without a whole copy on each rank
+    (``plain_build``): FSDP2 on several ranks, as for the files, and with ``cpu_ram_efficient_loading``."""
+    plugin = getattr(targs, "fsdp_plugin_args", None) or {}
     return (world_size > 1 and bool(plugin) and plugin.get("fsdp_version", 1) == 2
-            and not plugin.get("cpu_ram_efficient_loading") and not plugin.get("cpu_offload")
-            and not plugin.get("activation_checkpointing") and not getattr(targs, "torch_compile", False)
+            and not plugin.get("cpu_offload") and not plugin.get("activation_checkpointing")
+            and not getattr(targs, "torch_compile", False)
             and getattr(targs, "parallelism_config", None) is None)
 
 
@@ -112,38 +120,119 @@ def shard_from_files(trainer, loaded: FirstLoad, model) -> str:
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
+    from raytrainer.worker.hosted_sharding import not_twice
 
-    fsdp2_prepare_model(accelerator, model)  # in place, on the meta device: no weight is materialised
+    with not_twice():  # in place, on the meta device: no weight is materialised
+        fsdp2_prepare_model(accelerator, model)
     fill_shards(model, initialise, dist.get_rank(), accelerator.device)
     agree_on_replicas(model)
     return SHARDED
 
 
-def load_sharded_model_init(trainer) -> None:
-    """``trainer.call_model_init`` (``train()`` calls it again for each run) builds its model sharded from
-    the files where it can, else whole as before."""
-    call = trainer.call_model_init
+def load_sharded_model_init(trainer, files: bool = True) -> None:
+    """``trainer.call_model_init`` (``train()`` calls it again for each run) builds a plain module without a
+    whole copy on any rank (``plain_build``), and with ``files`` a ``from_pretrained`` model sharded from the
+    files where it can; else whole as before. Installed before the constructor runs too (its own
+    ``model_init`` call, after it made the accelerator), the callbacks not made yet."""
+    call = functools.partial(type(trainer).call_model_init, trainer)  # the class's own, once
 
     def call_model_init(trial=None):
-        handler = trainer.callback_handler
-        if not any(m is trainer.model for m in trainer.accelerator._models):
+        handler = getattr(trainer, "callback_handler", None)
+        if not any(m is getattr(trainer, "model", None) for m in trainer.accelerator._models):
             # train() replaces the constructor's model with this call's: not held twice while it builds (a
             # model_init that fails leaves the trainer without one; train() raises its error). The callbacks'
             # model (transformers keeps the constructor's there) becomes the model trained.
-            if handler.model is trainer.model:
+            if handler is not None and handler.model is getattr(trainer, "model", None):
                 handler.model = None
             trainer.model = trainer.model_wrapped = None
             gc.collect()  # transformers models sit in reference cycles: freed by a collection, not the drop
-        loaded = FirstLoad()
-        with loaded.weightless():
+        model = plain_build(trainer, call, trial)
+        if model is None and files:
+            loaded = FirstLoad()
+            with loaded.weightless():
+                model = call(trial)
+            if shard_from_files(trainer, loaded, model) == AGAIN:
+                logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds "
+                            "it whole, then shards it", type(model).__name__)
+                del model, loaded
+                model = call(trial)
+        elif model is None:
             model = call(trial)
-        if shard_from_files(trainer, loaded, model) == AGAIN:
-            logger.info("FSDP: %s's weights are not the pretrained files' as they are; every rank builds it "
-                        "whole, then shards it", type(model).__name__)
-            del model, loaded
-            model = call(trial)
-        if handler.model is None:
+        if handler is not None and handler.model is None:
             handler.model = model
         return model
 
     trainer.call_model_init = call_model_init
+
+
+class _Loads(Exception):
+    """``model_init`` loads weights (``from_pretrained``): not a plain module (the files' way)."""
+
+
+def plain_build(trainer, call, trial):
+    """``call(trial)`` (the trainer's ``model_init``) of a module it builds itself -- no ``from_pretrained``
+    inside -- under FSDP2 on several ranks, without a whole copy on any rank where it can; None where not
+    (a load, a ``model_init`` that refuses the meta device or names its own device, another wrapper): the
+    caller then builds it as before. Every rank builds it on the meta device first and all take one way:
+
+    - each rank its own shards (the default): accelerate's ``fsdp2_prepare_model`` shards the skeleton and
+      each rank runs the model's own initialisation on its shards (transformers' ``initialize_weights``, the
+      root's ``reset_parameters()``, or each module's own: ``strategies.fsdp._initialiser``); copies of the
+      same values several ranks hold (buffers) are made rank 0's;
+    - with ``fsdp_config["cpu_ram_efficient_loading"]``, or where some parameter has no initialiser, rank 0
+      builds the model for real and the others keep the skeleton: accelerate's ``prepare`` then broadcasts
+      rank 0's weights into every rank's shards (its own ``cpu_ram_efficient_loading``, set for this model),
+      and every rank goes on from rank 0's random state, as if each had built it."""
+    import torch.distributed as dist
+    import transformers.modeling_utils as modeling_utils
+    from accelerate.utils import DistributedType
+
+    from raytrainer.meta_model import build_on_meta, is_skeleton
+
+    accelerator = getattr(trainer, "accelerator", None)
+    if (accelerator is None or accelerator.state.distributed_type != DistributedType.FSDP
+            or not accelerator.is_fsdp2 or not dist.is_initialized()):
+        return None
+    owner = modeling_utils.PreTrainedModel
+    original = vars(owner)["from_pretrained"]
+
+    def loads(cls, *args, **kwargs):
+        raise _Loads()
+
+    owner.from_pretrained = classmethod(loads)
+    try:
+        model = build_on_meta(lambda: call(trial))
+    finally:
+        owner.from_pretrained = original
+    from raytrainer.strategies.fsdp import _initialiser
+
+    plugin = accelerator.state.fsdp_plugin
+    initialise = None
+    if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
+        initialise = _initialiser(model)
+    mine = 0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    votes = torch.tensor([mine], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)  # the least any rank can do
+    least = int(votes[0])
+    if least == 0:
+        return None
+    if least == 2:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
+        from raytrainer.worker.hosted_sharding import not_twice
+
+        with not_twice():  # in place, on the meta device
+            fsdp2_prepare_model(accelerator, model)
+        fill_shards(model, initialise, dist.get_rank(), accelerator.device)
+        agree_on_replicas(model)
+        return model
+    plugin.cpu_ram_efficient_loading = True  # prepare() broadcasts rank 0's weights into the shards
+    if dist.get_rank() == 0:
+        del model
+        model = call(trial)
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+    return model

@@ -42,12 +42,13 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=Non
 
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # over the worker group
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    plain = hosted_loading.plain_wanted(targs, world_size)
     if again is None or not hosted_loading.wanted(targs, world_size):
-        return _construct(trainer_cls, args, kwargs)
+        return _construct(trainer_cls, args, kwargs, plain=plain)
     loaded = hosted_loading.FirstLoad()
     try:
         with loaded.weightless():
-            trainer = _construct(trainer_cls, args, kwargs, by_shard=True)
+            trainer = _construct(trainer_cls, args, kwargs, by_shard=True, plain=True)
     except Exception as exc:  # a constructor that reads the weights it loaded: the ordinary way (below)
         logger.info("FSDP: %s could not be built on a weightless model (%s: %s)", trainer_cls.__name__,
                     type(exc).__name__, exc)
@@ -60,12 +61,13 @@ def build_trainer(trainer_cls: type, args: tuple, kwargs: dict, targs, again=Non
     logger.info("FSDP: the model %s trains is not the pretrained files' as they are; every rank builds the "
                 "trainer again, loading the whole model, which prepare() then shards", trainer_cls.__name__)
     del trainer, loaded
-    return _construct(trainer_cls, *again())
+    return _construct(trainer_cls, *again(), plain=plain)
 
 
-def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = False):
+def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = False, plain: bool = False):
     """``trainer_cls(*args, **kwargs)``, its accelerator switched to FSDP on a CPU group given ``fsdp``;
-    ``by_shard``: each ``model_init`` of ``train()`` reads its shards of the files (hosted_loading.py)."""
+    ``plain``: each ``model_init`` call (the constructor's too) builds a plain module without a whole copy on
+    any rank; ``by_shard``: each of ``train()`` also reads its shards of the files (hosted_loading.py)."""
     from raytrainer.worker import hosted_loading, hosted_mesh
 
     trainer = trainer_cls.__new__(trainer_cls)
@@ -82,6 +84,8 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
             _tied_embeddings_as_one(trainer.accelerator)
 
     trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess  # also for search trials
+    if plain:
+        hosted_loading.load_sharded_model_init(trainer, files=False)
     building = building_on_a_rank.set(True)
     try:
         trainer.__init__(*args, **kwargs)
@@ -96,7 +100,7 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
 def _tied_embeddings_as_one(accelerator) -> None:
     """Before accelerate's FSDP2 ``prepare`` shards a model, the embedding modules that hold its input
     embedding's very weight become that one module (``share_tied_embedding``); while it shards, a module
-    already inside a unit stays there (``_not_twice``)."""
+    already inside a unit stays there (``not_twice``)."""
     import torch
 
     prepare = accelerator._prepare_fsdp2
@@ -105,34 +109,39 @@ def _tied_embeddings_as_one(accelerator) -> None:
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 share_tied_embedding(obj)
-        with _not_twice():
+        with not_twice():
             return prepare(*args)
 
     accelerator._prepare_fsdp2 = _prepare_fsdp2
 
 
 @contextlib.contextmanager
-def _not_twice():
+def not_twice():
     """Meanwhile ``fully_shard`` of a module whose parameters a unit already holds leaves it in that unit.
     accelerate 1.16 shards each ``_no_split_modules`` block, then carves the input embedding into a unit of
     its own unless the embedding itself is one: BERT's and RoBERTa's blocks include ``BertEmbeddings``, so
-    ``fully_shard(word_embeddings)`` met parameters that were DTensors already and torch raised "Invariant
-    encountered: value was None" (on GPUs as here). tests/unit/test_hosted_sharding.py pins it."""
+    ``fully_shard(word_embeddings)`` met parameters a unit held already and torch raised "Invariant
+    encountered: value was None" (on GPUs as here). Tensor parallelism's DTensors, which no unit holds yet,
+    are sharded as before. tests/unit/test_hosted_sharding.py pins it."""
     import torch
     import torch.distributed.fsdp as fsdp
-    from torch.distributed.tensor import DTensor
 
     shard = fsdp.fully_shard
+    units: list = []  # what this context sharded: its parameters are FSDP's (tensor parallelism's DTensors
+    # are not, until a unit takes them)
 
-    def held_above(module) -> bool:  # a parameter sharded by no unit at or below ``module``: by one above
+    def held_above(module) -> bool:  # a parameter a unit holds that is not at or below ``module``
+        held = {id(p) for unit in units for p in unit.parameters()}
         below = {id(p) for m in module.modules() if isinstance(m, fsdp.FSDPModule) for p in m.parameters()}
-        return any(isinstance(p, DTensor) and id(p) not in below for p in module.parameters())
+        return any(id(p) in held and id(p) not in below for p in module.parameters())
 
     def fully_shard(module, *args, **kwargs):
-        if isinstance(module, torch.nn.Module):
-            return module if held_above(module) else shard(module, *args, **kwargs)
-        left = [m for m in module if not held_above(m)]
-        return shard(left, *args, **kwargs) if left else None
+        modules = [module] if isinstance(module, torch.nn.Module) else list(module)
+        left = [m for m in modules if not held_above(m)]
+        if not left:
+            return module if isinstance(module, torch.nn.Module) else None
+        units.extend(left)
+        return shard(left[0] if isinstance(module, torch.nn.Module) else left, *args, **kwargs)
 
     fsdp.fully_shard = fully_shard
     try:

@@ -137,7 +137,7 @@ def test_an_encoder_decoders_tied_embeddings_become_its_input_embedding_module()
 def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(gloo_group):
     """accelerate 1.16's ``fsdp2_prepare_model`` shards each ``_no_split_modules`` block (BERT's include
     ``BertEmbeddings``) and then ``fully_shard``s the input embedding, which torch refuses inside a unit.
-    Under ``_not_twice`` the embedding stays in its block's unit, the root (every parameter in a unit below
+    Under ``not_twice`` the embedding stays in its block's unit, the root (every parameter in a unit below
     it) is still sharded, and the model computes what the unsharded one does."""
     import inspect
 
@@ -146,7 +146,7 @@ def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(glo
     import transformers
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from raytrainer.worker.hosted_sharding import _not_twice
+    from raytrainer.worker.hosted_sharding import not_twice
 
     prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
     assert "from torch.distributed.fsdp import" in prepare and "fully_shard(input_embed" in prepare
@@ -167,7 +167,7 @@ def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(glo
         fully_shard(refused.get_input_embeddings())
 
     model = bert()
-    with _not_twice():
+    with not_twice():
         import torch.distributed.fsdp as fsdp
 
         blocks = [model.bert.embeddings, *model.bert.encoder.layer]
@@ -179,3 +179,15 @@ def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(glo
     assert not isinstance(model.get_input_embeddings(), FSDPModule)
     assert all(isinstance(m, FSDPModule) for m in (*blocks, model))
     assert torch.allclose(model(input_ids=ids).logits, expected, atol=1e-6)
+
+    # tensor parallelism's DTensors, which no unit holds yet, are still sharded (FSDP x TP meshes)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    tp = parallelize_module(torch.nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+    assert isinstance(tp.weight, DTensor)
+    with not_twice():
+        fsdp.fully_shard(tp, mesh=mesh["dp_shard"])
+    assert isinstance(tp, FSDPModule)

@@ -1,19 +1,16 @@
-"""A PEFT model under a sharding strategy saves its adapter without gathering the frozen base: the strategy's
-consolidated state holds the entries PEFT keeps (found by PEFT's own selection), gathered alone, and PEFT
-writes from it the same adapter files as from the unsharded model. FSDP2 and a ZeRO-3 engine run here on a
-real one-rank gloo group; 2-worker checkpoints and resumes of both are in
-tests/integration/test_from_pretrained.py."""
+"""A PEFT model under FSDP2 saves its adapter without gathering the frozen base (saving.peft_state_gathered,
+what its checkpoints and ``save_model`` write): the entries PEFT keeps (found by PEFT's own selection),
+gathered alone, from which PEFT writes the same adapter files as from the unsharded model. FSDP2 runs here on
+a real one-rank gloo group; 2-worker checkpoints and resumes under FSDP and ZeRO-3 are in
+tests/integration/test_from_pretrained.py and test_guarantees.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raytrainer import TrainingArguments
-from raytrainer.rank_context import RankContext
 from raytrainer.saving import peft_saved_keys
 
 
@@ -62,55 +59,21 @@ class _Counting:
 def test_fsdp_gathers_a_peft_model_s_adapter_alone(tmp_path, gloo_group, monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
-    from raytrainer.strategies.fsdp import FSDPStrategy
+    from raytrainer.saving import peft_state_gathered
 
     model = _peft_model()
     expected = _adapter_file(model, None, tmp_path / "unsharded")
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", fsdp="full_shard",
-                             num_workers=1)
     spy = _Counting(monkeypatch)
-    state = FSDPStrategy(RankContext(), args).full_state_dict(model)
+    state = peft_state_gathered(model)
 
     assert state.keys() == set(peft_saved_keys(model, model.state_dict()))
     assert len(spy.gathered) == len(state)  # one gather per adapter entry, none of the base
     base = sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad)
     assert sum(t.numel() for t in state.values()) < base / 4
     written = _adapter_file(model, state, tmp_path / "sharded")
-    assert written.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(written[name], tensor), name
-
-
-@pytest.mark.timeout(120)
-def test_zero3_gathers_a_peft_model_s_adapter_alone(tmp_path, gloo_group, monkeypatch):
-    import deepspeed
-
-    from raytrainer.strategies.deepspeed import _peft_state
-
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    model = _peft_model()
-    expected = _adapter_file(model, None, tmp_path / "unpartitioned")
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                     if p.requires_grad], config=config)
-    gathered: list[int] = []
-    real = deepspeed.zero.GatheredParameters
-
-    def spy(params, *args, **kwargs):
-        gathered.extend(p.ds_numel for p in params)
-        return real(params, *args, **kwargs)
-
-    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", spy)
-    state = _peft_state(engine.module)
-
-    adapter = sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad)
-    assert sum(gathered) == adapter  # the adapters and lm_head's trained copy; no frozen weight
-    assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned again afterwards
-    written = _adapter_file(engine.module, state, tmp_path / "partitioned")
     assert written.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(written[name], tensor), name

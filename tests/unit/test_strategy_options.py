@@ -1,5 +1,8 @@
-"""Strategy options checked on the driver (DeepSpeed config filling, GaLore, tf32) and, in-process,
-auto_find_batch_size and fp16/bf16_full_eval."""
+"""Strategy options checked on the driver (the DeepSpeed config's "auto" values known before the model
+exists, what a checkpoint can resume on, GaLore, tf32) and, in-process, auto_find_batch_size and
+fp16/bf16_full_eval. The values transformers fills on the ranks once the model exists (the run's length, the
+ZeRO buckets) are its own (``trainer_config_finalize``): the ZeRO runs of tests/integration/test_deepspeed.py
+train with them."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import torch
 from torch import nn
 
 from raytrainer import Trainer, TrainingArguments
-from raytrainer.strategies.deepspeed import DeepSpeedStrategy
-from raytrainer.strategies.deepspeed_config import fill_for_run, fill_from_args
+from raytrainer.strategies import check_resume
+from raytrainer.strategies.deepspeed_config import fill_from_args
 
 
 def _ds_args(tmp_path, config, **kw):
@@ -59,10 +62,10 @@ def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     args = _ds_args(tmp_path, str(path), warmup_steps=0.1)
-    filled = fill_for_run(fill_from_args(json.loads(path.read_text()), args, 2), args, 100, hidden_size=64)
+    filled = fill_from_args(json.loads(path.read_text()), args, 2)
     assert filled["train_micro_batch_size_per_gpu"] == 4
     assert filled["gradient_accumulation_steps"] == 3
-    assert filled["train_batch_size"] == 2 * 4 * 3
+    assert filled["train_batch_size"] == 2 * 4 * 3  # the Ray workers' count, which the driver knows
     assert filled["gradient_clipping"] == 1.0
     assert filled["optimizer"]["params"] == {
         "lr": 3e-4,
@@ -70,22 +73,9 @@ def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
         "eps": 1e-8,
         "weight_decay": 0.01,
     }
-    assert filled["scheduler"]["params"] == {
-        "warmup_min_lr": 0,
-        "warmup_max_lr": 3e-4,
-        "warmup_num_steps": 10,
-        "total_num_steps": 100,
-    }
+    assert filled["scheduler"]["params"]["warmup_min_lr"] == 0
+    assert filled["scheduler"]["params"]["warmup_max_lr"] == 3e-4
     assert filled["bf16"] == {"enabled": True}
-    zero = filled["zero_optimization"]
-    assert (
-        zero["reduce_bucket_size"],
-        zero["stage3_prefetch_bucket_size"],
-        zero["stage3_param_persistence_threshold"],
-    ) == (64 * 64, int(0.9 * 64 * 64), 640)
-    # without a hidden_size the bucket sizes are left to DeepSpeed's defaults
-    bare = fill_for_run(fill_from_args(config, args, 2), args, 100, hidden_size=None)
-    assert "reduce_bucket_size" not in bare["zero_optimization"]
 
 
 def test_deepspeed_values_that_disagree_with_the_arguments_are_all_named(tmp_path):
@@ -131,10 +121,10 @@ def test_a_zero_checkpoint_on_another_world_size_announces_the_conversion(tmp_pa
         "global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
-    with caplog.at_level(logging.WARNING, logger="raytrainer.strategies.deepspeed"):
-        DeepSpeedStrategy.check_resume(args, files, 10, 2)  # same world size: nothing to convert
+    with caplog.at_level(logging.WARNING, logger="raytrainer.strategies"):
+        check_resume(args, files, 10, 2)  # same world size: nothing to convert
         assert caplog.records == []
-        DeepSpeedStrategy.check_resume(args, files, 10, 4)
+        check_resume(args, files, 10, 4)
     (record,) = caplog.records
     assert "saved by 2 workers and this run has 4" in record.getMessage()
     assert "universal format" in record.getMessage()
@@ -143,23 +133,20 @@ def test_a_zero_checkpoint_on_another_world_size_announces_the_conversion(tmp_pa
 def test_a_checkpoint_whose_model_is_only_zero3_partitions_resumes_only_on_zero3(tmp_path):
     """A ZeRO-3 checkpoint holds the model only as the engine's partitions (no model.safetensors): a ZeRO-3
     run resumes it; another strategy, or another ZeRO stage, is refused on the driver naming the fix."""
-    from raytrainer.strategies.base import Strategy
-
     files = ["trainer_state.json", "rng_state_0.safetensors", "rng_state_1.safetensors",
              "global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt",
              "global_step10/zero_pp_rank_1_mp_rank_00_model_states.pt",
              "global_step10/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
              "global_step10/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    DeepSpeedStrategy.check_resume(_ds_args(tmp_path, {"zero_optimization": {"stage": 3}}), files, 10, 2)
+    check_resume(_ds_args(tmp_path, {"zero_optimization": {"stage": 3}}), files, 10, 2)
     for stage in (1, 2):
         with pytest.raises(ValueError, match=r"only as DeepSpeed ZeRO-3 partitions \(global_step10/\).*"
                                              r"raytrainer consolidate CHECKPOINT OUT"):
-            DeepSpeedStrategy.check_resume(
-                _ds_args(tmp_path, {"zero_optimization": {"stage": stage}}), files, 10, 2)
+            check_resume(_ds_args(tmp_path, {"zero_optimization": {"stage": stage}}), files, 10, 2)
     plain = TrainingArguments(output_dir=str(tmp_path), num_workers=2, report_to="none")
     with pytest.raises(ValueError, match="only a ZeRO-3 DeepSpeed engine reads"):
-        Strategy.check_resume(plain, files, 10, 2)
-    Strategy.check_resume(plain, [*files, "model.safetensors"], 10, 2)  # consolidated weights beside: fine
+        check_resume(plain, files, 10, 2)
+    check_resume(plain, [*files, "model.safetensors"], 10, 2)  # consolidated weights beside: fine
 
 
 @pytest.mark.parametrize(
@@ -289,33 +276,10 @@ def test_bf16_turns_on_a_missing_deepspeed_bf16_section(tmp_path):
     assert "bf16" not in fill_from_args(plain.deepspeed, plain, 2)
 
 
-def test_find_unused_parameters_follows_transformers_rule():
-    from types import SimpleNamespace
-
-    from raytrainer.strategies.ddp import find_unused_parameters
-
-    class PreTrainedModel(torch.nn.Module):  # stands for transformers' base class (matched by name)
-        is_gradient_checkpointing = False
-
-    class Bert(PreTrainedModel):
-        pass
-
-    unset = SimpleNamespace(ddp_find_unused_parameters=None, activation_checkpointing=None)
-    off = SimpleNamespace(ddp_find_unused_parameters=False, activation_checkpointing=None)
-    assert find_unused_parameters(unset, torch.nn.Linear(2, 2)) is True
-    assert find_unused_parameters(unset, Bert()) is True
-    checkpointing = Bert()
-    checkpointing.is_gradient_checkpointing = True
-    assert find_unused_parameters(unset, checkpointing) is False
-    assert find_unused_parameters(off, torch.nn.Linear(2, 2)) is False
-    asked = SimpleNamespace(ddp_find_unused_parameters=None, activation_checkpointing=True)
-    assert find_unused_parameters(asked, Bert()) is False  # transformers 5's activation_checkpointing
-
-
 def test_deepspeed_filling_is_transformers_and_leaves_its_global_config_alone(tmp_path):
     """The "auto" filling is transformers' HfTrainerDeepSpeedConfig (save_on_each_node reaches DeepSpeed's
-    checkpoint section as there); checking a config on the driver does not replace the config a DeepSpeed
-    strategy registered for from_pretrained's ZeRO-3 path in the same process."""
+    checkpoint section as there); checking a config on the driver does not replace the config registered
+    for from_pretrained's ZeRO-3 path in the same process."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     registered = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
@@ -328,29 +292,3 @@ def test_deepspeed_filling_is_transformers_and_leaves_its_global_config_alone(tm
     del registered
     filled = fill_from_args(config, args, 2)
     assert filled["checkpoint"] == {"use_node_local_storage": True}
-    run = fill_for_run(filled, args, 100, hidden_size=8)
-    # below ZeRO-3 the stage3_ bucket is DeepSpeed's default; warmup is at least 1 step, as transformers fills
-    assert run["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 64}
-    assert run["scheduler"]["params"]["warmup_num_steps"] == 1
-    with pytest.raises(ValueError, match=r"ds scheduler.params.total_num_steps=7 vs hf num_training_steps"):
-        fill_for_run({"scheduler": {"params": {"total_num_steps": 7}}}, args, 100, hidden_size=8)
-
-
-def test_fsdp_wraps_layers_without_auto_wrap_as_transformers_5_does():
-    """transformers 5 wraps by default: its auto_wrap_policy defaults to accelerate's first policy,
-    TRANSFORMER_BASED_WRAP, and "auto_wrap" in ``fsdp`` is a no-op. raytrainer's FSDP follows; without
-    it ``fsdp="full_shard"`` sharded the whole model as one unit (every parameter gathered at once: issue
-    54's 0.84x of DDP's peak memory). NO_WRAP keeps the root alone."""
-    import inspect
-
-    from accelerate.utils.constants import FSDP_AUTO_WRAP_POLICY
-    from transformers import TrainingArguments as HFArguments
-
-    from raytrainer.strategies.fsdp import wraps
-
-    assert FSDP_AUTO_WRAP_POLICY[0] == "TRANSFORMER_BASED_WRAP"
-    assert 'self.fsdp_config.get("auto_wrap_policy", FSDP_AUTO_WRAP_POLICY[0])' in inspect.getsource(
-        HFArguments._process_fsdp_args)
-    assert wraps({"transformer_layer_cls_to_wrap": ["Linear"]}) and wraps({})
-    assert wraps({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000})
-    assert not wraps({"auto_wrap_policy": "NO_WRAP"})
