@@ -3,7 +3,7 @@
 A rank's ``model_init`` (or TRL's load by name) runs on the meta device (raytrainer.meta_model), accelerate
 shards the skeleton with ``fully_shard``, and each rank then fills only its shards
 (worker/hosted_loading.py): from the pretrained files' bytes for its slices (``initialiser_from_files``,
-strategies/file_shards.py), or with the model's own initialisation run on its shards (``_initialiser``).
+strategies/file_shards.py), or with the model's own initialisation run on its shards (``model_initialiser``).
 ``fill_shards`` allocates and fills; ``agree_on_replicas`` then makes the copies several ranks hold (HSDP's
 replicas, tensor parallelism's replicated parameters, buffers) equal. No rank ever holds the whole model:
 at 70B on 64 ranks, 2.2 GB of weights each instead of 140 GB on rank 0.
@@ -65,10 +65,10 @@ def initialiser_from_files(model: torch.nn.Module, sources: dict):
     from raytrainer.strategies.file_shards import files_initialiser
 
     files = sources_by_name(model, sources)
-    return files_initialiser(model, files, _initialiser(model)) if files else None
+    return files_initialiser(model, files, model_initialiser(model)) if files else None
 
 
-def _initialiser(model: torch.nn.Module):
+def model_initialiser(model: torch.nn.Module):
     """How ``model`` initialises every parameter and buffer it holds, on whatever storage they have (its
     shards), or None: transformers' ``initialize_weights``, the root module's own ``reset_parameters``, or
     each module's own (``_each_module_resets``).

@@ -120,7 +120,6 @@ def shard_from_files(trainer, loaded: FirstLoad, model) -> str:
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
-    from raytrainer.worker.hosted_sharding import not_twice
 
     with not_twice():  # in place, on the meta device: no weight is materialised
         fsdp2_prepare_model(accelerator, model)
@@ -177,7 +176,7 @@ def plain_build(trainer, call, trial):
 
     - each rank its own shards (the default): accelerate's ``fsdp2_prepare_model`` shards the skeleton and
       each rank runs the model's own initialisation on its shards (transformers' ``initialize_weights``, the
-      root's ``reset_parameters()``, or each module's own: ``strategies.fsdp._initialiser``); copies of the
+      root's ``reset_parameters()``, or each module's own: ``strategies.fsdp.model_initialiser``); copies of the
       same values several ranks hold (buffers) are made rank 0's;
     - with ``fsdp_config["cpu_ram_efficient_loading"]``, or where some parameter has no initialiser, rank 0
       builds the model for real and the others keep the skeleton: accelerate's ``prepare`` then broadcasts
@@ -204,12 +203,12 @@ def plain_build(trainer, call, trial):
         model = build_on_meta(lambda: call(trial))
     finally:
         owner.from_pretrained = original
-    from raytrainer.strategies.fsdp import _initialiser
+    from raytrainer.strategies.fsdp import model_initialiser
 
     plugin = accelerator.state.fsdp_plugin
     initialise = None
     if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
-        initialise = _initialiser(model)
+        initialise = model_initialiser(model)
     mine = 0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     votes = torch.tensor([mine], device=device)
@@ -221,7 +220,6 @@ def plain_build(trainer, call, trial):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
-        from raytrainer.worker.hosted_sharding import not_twice
 
         with not_twice():  # in place, on the meta device
             fsdp2_prepare_model(accelerator, model)
@@ -236,3 +234,38 @@ def plain_build(trainer, call, trial):
     dist.broadcast_object_list(state, src=0)
     torch.set_rng_state(state[0])
     return model
+
+
+@contextlib.contextmanager
+def not_twice():
+    """Meanwhile ``fully_shard`` of a module whose parameters a unit already holds leaves it in that unit.
+    accelerate 1.16 shards each ``_no_split_modules`` block, then carves the input embedding into a unit of
+    its own unless the embedding itself is one: BERT's and RoBERTa's blocks include ``BertEmbeddings``, so
+    ``fully_shard(word_embeddings)`` met parameters a unit held already and torch raised "Invariant
+    encountered: value was None" (on GPUs as here). Tensor parallelism's DTensors, which no unit holds yet,
+    are sharded as before. tests/unit/test_hosted_sharding.py pins it."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    shard = fsdp.fully_shard
+    units: list = []  # what this context sharded: its parameters are FSDP's (tensor parallelism's DTensors
+    # are not, until a unit takes them)
+
+    def held_above(module) -> bool:  # a parameter a unit holds that is not at or below ``module``
+        held = {id(p) for unit in units for p in unit.parameters()}
+        below = {id(p) for m in module.modules() if isinstance(m, fsdp.FSDPModule) for p in m.parameters()}
+        return any(id(p) in held and id(p) not in below for p in module.parameters())
+
+    def fully_shard(module, *args, **kwargs):
+        modules = [module] if isinstance(module, torch.nn.Module) else list(module)
+        left = [m for m in modules if not held_above(m)]
+        if not left:
+            return module if isinstance(module, torch.nn.Module) else None
+        units.extend(left)
+        return shard(left[0] if isinstance(module, torch.nn.Module) else left, *args, **kwargs)
+
+    fsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = shard

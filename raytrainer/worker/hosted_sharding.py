@@ -18,7 +18,6 @@ and the driver's ``trainer.model`` is consolidated from the partitions (``save_w
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -100,8 +99,10 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
 def _tied_embeddings_as_one(accelerator) -> None:
     """Before accelerate's FSDP2 ``prepare`` shards a model, the embedding modules that hold its input
     embedding's very weight become that one module (``share_tied_embedding``); while it shards, a module
-    already inside a unit stays there (``not_twice``)."""
+    already inside a unit stays there (``hosted_loading.not_twice``)."""
     import torch
+
+    from raytrainer.worker import hosted_loading
 
     prepare = accelerator._prepare_fsdp2
 
@@ -109,45 +110,10 @@ def _tied_embeddings_as_one(accelerator) -> None:
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 share_tied_embedding(obj)
-        with not_twice():
+        with hosted_loading.not_twice():
             return prepare(*args)
 
     accelerator._prepare_fsdp2 = _prepare_fsdp2
-
-
-@contextlib.contextmanager
-def not_twice():
-    """Meanwhile ``fully_shard`` of a module whose parameters a unit already holds leaves it in that unit.
-    accelerate 1.16 shards each ``_no_split_modules`` block, then carves the input embedding into a unit of
-    its own unless the embedding itself is one: BERT's and RoBERTa's blocks include ``BertEmbeddings``, so
-    ``fully_shard(word_embeddings)`` met parameters a unit held already and torch raised "Invariant
-    encountered: value was None" (on GPUs as here). Tensor parallelism's DTensors, which no unit holds yet,
-    are sharded as before. tests/unit/test_hosted_sharding.py pins it."""
-    import torch
-    import torch.distributed.fsdp as fsdp
-
-    shard = fsdp.fully_shard
-    units: list = []  # what this context sharded: its parameters are FSDP's (tensor parallelism's DTensors
-    # are not, until a unit takes them)
-
-    def held_above(module) -> bool:  # a parameter a unit holds that is not at or below ``module``
-        held = {id(p) for unit in units for p in unit.parameters()}
-        below = {id(p) for m in module.modules() if isinstance(m, fsdp.FSDPModule) for p in m.parameters()}
-        return any(id(p) in held and id(p) not in below for p in module.parameters())
-
-    def fully_shard(module, *args, **kwargs):
-        modules = [module] if isinstance(module, torch.nn.Module) else list(module)
-        left = [m for m in modules if not held_above(m)]
-        if not left:
-            return module if isinstance(module, torch.nn.Module) else None
-        units.extend(left)
-        return shard(left[0] if isinstance(module, torch.nn.Module) else left, *args, **kwargs)
-
-    fsdp.fully_shard = fully_shard
-    try:
-        yield
-    finally:
-        fsdp.fully_shard = shard
 
 
 def share_tied_embedding(model) -> None:

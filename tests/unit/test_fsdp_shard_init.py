@@ -1,5 +1,5 @@
 """How FSDP initialises each rank's shard of a model built on the meta device (strategies/fsdp.py
-``_initialiser``), for a plain torch model with no root ``reset_parameters()``: each module's own."""
+``model_initialiser``), for a plain torch model with no root ``reset_parameters()``: each module's own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from raytrainer.strategies.fsdp import _initialiser
+from raytrainer.strategies.fsdp import model_initialiser
 
 
 class Scaled(torch.nn.Module):
@@ -30,7 +30,7 @@ def _on_meta(build):
 def test_each_modules_own_reset_parameters_initialises_a_plain_model():
     model = _on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8),
                                                  torch.nn.Linear(8, 2), torch.nn.BatchNorm1d(2)))
-    initialise = _initialiser(model)
+    initialise = model_initialiser(model)
     assert initialise is not None
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -51,5 +51,5 @@ def test_each_modules_own_reset_parameters_initialises_a_plain_model():
 def test_a_parameter_no_module_initialises_means_rank_0_builds_and_the_warning_names_it(caplog):
     model = _on_meta(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), Scaled()))
     with caplog.at_level(logging.WARNING, logger="raytrainer.strategies.fsdp"):
-        assert _initialiser(model) is None
+        assert model_initialiser(model) is None
     assert "1.gain" in caplog.text and "reset_parameters()" in caplog.text

@@ -146,7 +146,7 @@ def test_a_module_inside_a_unit_stays_there_where_accelerate_shards_it_again(glo
     import transformers
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from raytrainer.worker.hosted_sharding import not_twice
+    from raytrainer.worker.hosted_loading import not_twice
 
     prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
     assert "from torch.distributed.fsdp import" in prepare and "fully_shard(input_embed" in prepare

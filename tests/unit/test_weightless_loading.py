@@ -129,7 +129,7 @@ def test_a_skeleton_filled_from_the_files_is_the_real_load(saved, lora):
     rank-0 way builds it for real."""
     from raytrainer.meta_model import sources_by_name
     from raytrainer.strategies.file_shards import files_initialiser
-    from raytrainer.strategies.fsdp import _initialiser
+    from raytrainer.strategies.fsdp import model_initialiser
 
     def build():
         model = AutoModelForCausalLM.from_pretrained(saved)
@@ -143,7 +143,7 @@ def test_a_skeleton_filled_from_the_files_is_the_real_load(saved, lora):
     sources: dict = {}
     with weightless_loading(sources):
         skeleton = build()
-    initialise = files_initialiser(skeleton, sources_by_name(skeleton, sources), _initialiser(skeleton))
+    initialise = files_initialiser(skeleton, sources_by_name(skeleton, sources), model_initialiser(skeleton))
     if lora == "dora":
         assert initialise is None
         return
