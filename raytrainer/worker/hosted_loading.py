@@ -176,8 +176,8 @@ def plain_build(trainer, call, trial):
 
     - each rank its own shards (the default): accelerate's ``fsdp2_prepare_model`` shards the skeleton and
       each rank runs the model's own initialisation on its shards (transformers' ``initialize_weights``, the
-      root's ``reset_parameters()``, or each module's own: ``strategies.fsdp.model_initialiser``); copies of the
-      same values several ranks hold (buffers) are made rank 0's;
+      root's ``reset_parameters()``, or each module's own: ``strategies.fsdp.model_initialiser``); copies
+      of the same values several ranks hold (buffers) are made rank 0's;
     - with ``fsdp_config["cpu_ram_efficient_loading"]``, or where some parameter has no initialiser, rank 0
       builds the model for real and the others keep the skeleton: accelerate's ``prepare`` then broadcasts
       rank 0's weights into every rank's shards (its own ``cpu_ram_efficient_loading``, set for this model),
