@@ -231,6 +231,7 @@ class RayArgumentsMixin:
                              f"which sets {name}={value!r}",
                              f"drop --{name} (the file decides how the run is laid out) or edit the file")
             setattr(self, name, value)
+            self.__dict__["_given"][name] = value  # as if given: the ranks' arguments are built from these
 
     def _fill_defaults(self) -> None:
         if self.output_dir is None:

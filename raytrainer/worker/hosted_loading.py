@@ -1,10 +1,15 @@
-"""Under FSDP each rank of a hosted trainer reads only its shards of the ``from_pretrained`` model it trains.
+"""Under FSDP each rank of a hosted trainer builds only its shards of the model it trains.
+
+A ``model_init`` that builds a module itself (a config's model, a plain torch module) is built on the meta
+device on every rank, sharded, and each rank runs the model's own initialisation on its shards
+(``plain_build``; with ``cpu_ram_efficient_loading`` rank 0 builds it and accelerate broadcasts it into the
+shards). A ``from_pretrained`` model is read shard by shard from its files:
 
 TRL's trainers load the model named by ``model=`` (a path or hub id) in their constructor; transformers'
 Trainer loads ``model_init``'s in its constructor and again in ``train()``. Left as they are, every rank loads
 the whole model and accelerate's ``prepare`` then shards it: at 70B, 280 GB of fp32 weights on each rank for
-a moment, which no node holds eight times. raytrainer's own FSDP path builds a skeleton and reads each
-rank's shards from the safetensors files (strategies/file_shards.py); a hosted trainer gets the same here:
+a moment, which no node holds eight times. Instead each rank builds a skeleton and reads its shards from
+the safetensors files (strategies/file_shards.py):
 
 - the first ``PreTrainedModel.from_pretrained`` of the trainer's construction (or of a ``model_init`` call)
   builds the skeleton under ``meta_model.weightless_loading``, which records each weight's file and key;
@@ -178,20 +183,58 @@ def plain_build(trainer, call, trial):
       each rank runs the model's own initialisation on its shards (transformers' ``initialize_weights``, the
       root's ``reset_parameters()``, or each module's own: ``strategies.fsdp.model_initialiser``); copies
       of the same values several ranks hold (buffers) are made rank 0's;
-    - with ``fsdp_config["cpu_ram_efficient_loading"]``, or where some parameter has no initialiser, rank 0
-      builds the model for real and the others keep the skeleton: accelerate's ``prepare`` then broadcasts
-      rank 0's weights into every rank's shards (its own ``cpu_ram_efficient_loading``, set for this model),
-      and every rank goes on from rank 0's random state, as if each had built it."""
+    - with ``fsdp_config["cpu_ram_efficient_loading"]``, where some parameter has no initialiser, or where
+      initialising a shard failed on any rank (said once), rank 0 builds the model for real and the others
+      keep the skeleton (``_from_rank0``)."""
     import torch.distributed as dist
-    import transformers.modeling_utils as modeling_utils
     from accelerate.utils import DistributedType
 
-    from raytrainer.meta_model import build_on_meta, is_skeleton
+    from raytrainer.meta_model import is_skeleton
+    from raytrainer.strategies.fsdp import model_initialiser
 
     accelerator = getattr(trainer, "accelerator", None)
     if (accelerator is None or accelerator.state.distributed_type != DistributedType.FSDP
             or not accelerator.is_fsdp2 or not dist.is_initialized()):
         return None
+    model = _skeleton(call, trial)
+    plugin = accelerator.state.fsdp_plugin
+    initialise = None
+    if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
+        initialise = model_initialiser(model)
+    least = _least(0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1)
+    if least == 0:
+        return None
+    if least == 1:
+        return _from_rank0(accelerator, call, trial, model)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
+
+    with not_twice():  # in place, on the meta device
+        fsdp2_prepare_model(accelerator, model)
+    error = None
+    try:
+        fill_shards(model, initialise, dist.get_rank(), accelerator.device)
+    except Exception as exc:  # any failure means: rank 0's way
+        error = exc
+    if _least(0 if error is not None else 1) == 0:
+        logger.warning("FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
+                       "broadcasts it into every rank's shard instead", type(model).__name__,
+                       error or "on another rank")
+        del model
+        gc.collect()
+        return _from_rank0(accelerator, call, trial, _skeleton(call, trial))
+    agree_on_replicas(model)
+    return model
+
+
+def _skeleton(call, trial):
+    """``call(trial)`` on the meta device, or None where it loads weights (``from_pretrained``) or fails
+    there (meta_model.build_on_meta, which puts the random state back)."""
+    import transformers.modeling_utils as modeling_utils
+
+    from raytrainer.meta_model import build_on_meta
+
     owner = modeling_utils.PreTrainedModel
     original = vars(owner)["from_pretrained"]
 
@@ -200,36 +243,40 @@ def plain_build(trainer, call, trial):
 
     owner.from_pretrained = classmethod(loads)
     try:
-        model = build_on_meta(lambda: call(trial))
+        return build_on_meta(lambda: call(trial))
     finally:
         owner.from_pretrained = original
-    from raytrainer.strategies.fsdp import model_initialiser
 
-    plugin = accelerator.state.fsdp_plugin
-    initialise = None
-    if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
-        initialise = model_initialiser(model)
-    mine = 0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1
+
+def _least(mine: int) -> int:
+    """The least of every rank's ``mine`` (an all-reduce)."""
+    import torch.distributed as dist
+
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     votes = torch.tensor([mine], device=device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN)  # the least any rank can do
-    least = int(votes[0])
-    if least == 0:
-        return None
-    if least == 2:
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    return int(votes[0])
 
-        from raytrainer.strategies.fsdp import agree_on_replicas, fill_shards
 
-        with not_twice():  # in place, on the meta device
-            fsdp2_prepare_model(accelerator, model)
-        fill_shards(model, initialise, dist.get_rank(), accelerator.device)
-        agree_on_replicas(model)
-        return model
-    plugin.cpu_ram_efficient_loading = True  # prepare() broadcasts rank 0's weights into the shards
-    if dist.get_rank() == 0:
-        del model
-        model = call(trial)
+def _from_rank0(accelerator, call, trial, skeleton):
+    """Rank 0 builds the model for real; every other rank keeps ``skeleton`` (on the meta device), given
+    rank 0's non-persistent buffers (rotary tables: the state dict leaves them out); accelerate's
+    ``prepare`` then broadcasts rank 0's weights into every rank's shards (its ``cpu_ram_efficient_loading``,
+    set for this model), and every rank goes on from rank 0's random state, as if each had built it."""
+    import torch.distributed as dist
+
+    accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = True
+    model = call(trial) if dist.get_rank() == 0 else skeleton
+    kept = set(model.state_dict())
+    for name, buffer in list(model.named_buffers()):
+        if name in kept:
+            continue
+        value = (buffer.detach().to(accelerator.device, copy=True) if dist.get_rank() == 0
+                 else torch.empty(buffer.shape, dtype=buffer.dtype, device=accelerator.device))
+        dist.broadcast(value, src=0)
+        if dist.get_rank() != 0:
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent).register_buffer(leaf, value, persistent=False)
     state = [torch.get_rng_state()]
     dist.broadcast_object_list(state, src=0)
     torch.set_rng_state(state[0])

@@ -620,26 +620,23 @@ class DieOnceInEvaluation(TrainerCallback):
             os._exit(1)
 
 
-class DiesWhileSaving(Regressor):
-    """Rank 0's process exits half-way through writing ``checkpoint-<step>``'s weights, once (a node lost
-    during a save; ``output_dir/died`` marks it). Otherwise it saves as a model without save_pretrained."""
+class DiesWhileSaving(TrainerCallback):
+    """Rank 0's process exits while ``checkpoint-<step>`` is being saved, once (a node lost during a save;
+    ``output_dir/died`` marks it): its weights file cut short, before the checkpoint is committed (the
+    rank layer's commit runs after the script's callbacks, its background write dies with the process)."""
 
     def __init__(self, step: int):
-        super().__init__()
         self.step = step
 
-    def save_pretrained(self, folder, state_dict=None, **kwargs):
-        from safetensors.torch import save_file
-
-        root = os.path.dirname(os.path.abspath(folder))
-        marker = os.path.join(root, "died")
-        if os.path.basename(folder) == f"checkpoint-{self.step}" and not os.path.exists(marker):
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        marker = os.path.join(args.output_dir, "died")
+        if state.global_step == self.step and args.process_index == 0 and not os.path.exists(marker):
             with open(os.path.join(folder, "model.safetensors"), "wb") as f:
                 f.write(b"\0" * 64)  # a partial file
             with open(marker, "w") as f:
                 f.write(str(os.getpid()))
             os._exit(1)
-        save_file(state_dict or self.state_dict(), os.path.join(folder, "model.safetensors"))
 
 
 # -- sequence to sequence (Seq2SeqTrainer) -------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_a_lost_worker_is_replaced_and_the_run_resumes_bitwise(tmp_path, uninter
 
 
 def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_path, uninterrupted, caplog):
-    """Rank 0 dies half-way through writing checkpoint-4 (its weights file cut short, no manifest): the new
+    """Rank 0 dies while checkpoint-4 is saved (its weights file cut short, no manifest): the new
     worker group resumes from checkpoint-2, the last committed one, writes checkpoint-4 again whole, and ends
     bitwise where the uninterrupted run ends."""
     import torch
@@ -130,7 +130,7 @@ def test_a_worker_lost_during_a_checkpoint_write_never_uses_that_checkpoint(tmp_
     from raytrainer.checkpoint import CheckpointReader, model_weights
 
     with caplog.at_level("WARNING"):
-        resumed = _run_with_one_loss(tmp_path, DiesWhileSaving(step=4))
+        resumed = _run_with_one_loss(tmp_path, Regressor(), [DiesWhileSaving(step=4)])
     assert (tmp_path / "died").exists()
     resumes = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
     assert resumes and all(f"resuming from {tmp_path}/checkpoint-2" in m for m in resumes), resumes
@@ -171,9 +171,10 @@ def test_a_worker_lost_more_often_than_max_failures_ends_the_run_cleanly(tmp_pat
             break
         time.sleep(1)
     assert actors <= before[0] and groups <= before[1], (actors - before[0], groups - before[1])
-    # checkpoint-4 is written at step 4 and committed in step 5 after on_step_end -- where rank 1 dies
+    # checkpoint-4 is written at step 4 and committed on the rank layer's own thread, which may or may not
+    # have finished when rank 1 dies in step 5; what is committed is whole and resumes
     committed = [step for step, _ in committed_checkpoints(Storage.from_uri(str(tmp_path)), warn=False)]
-    assert committed == [2]
+    assert committed in ([2], [2, 4]), committed
     args = TrainingArguments(output_dir=str(tmp_path), num_workers=0, max_steps=8, save_strategy="no",
                              per_device_train_batch_size=8, report_to="none", disable_tqdm=True, seed=3)
     resumed = Trainer(model=Regressor(), args=args, train_dataset=make_data(32))

@@ -48,6 +48,20 @@ def test_fsdp_v2_reshard_after_forward(tmp_path):
     assert "cpu_ram_efficient_loading" not in args.fsdp_config  # each rank initialises its own shard
 
 
+def test_the_ranks_arguments_carry_the_files_layout(tmp_path):
+    """The ranks build transformers' own arguments from the values as given (hosted_recipe.plain_config):
+    the file's values count as given, so each rank's accelerator gets the FSDP plugin it describes."""
+    from raytrainer.hosted_recipe import plain_config
+
+    extra = ("fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+             "  fsdp_transformer_layer_cls_to_wrap: Linear\n")
+    args = TrainingArguments(output_dir=str(tmp_path),
+                             accelerate_config=write(tmp_path, extra, kind="FSDP", use_cpu="true"))
+    ranks = plain_config(args, use_cpu=True)
+    assert ranks.fsdp_plugin_args["fsdp_version"] == 2
+    assert ranks.fsdp_config["transformer_layer_cls_to_wrap"] == ["Linear"]
+
+
 def test_fsdp_cpu_ram_efficient_loading_builds_on_rank_0(tmp_path):
     extra = "fsdp_config:\n  fsdp_version: 2\n  fsdp_cpu_ram_efficient_loading: true\n"
     args = TrainingArguments(output_dir=str(tmp_path), accelerate_config=write(tmp_path, extra, kind="FSDP"))
