@@ -70,13 +70,17 @@ def reading_adapters(trainer):
     if not getattr(trainer, "is_fsdp_enabled", False):
         yield
         return
+    previous = {name: trainer.__dict__.get(name) for name in _LOADS}  # the layer's own wrappers, if any
     for name in _LOADS:
         setattr(trainer, name, functools.partial(_adapter_or, getattr(trainer, name), trainer, name))
     try:
         yield
     finally:
-        for name in _LOADS:
-            trainer.__dict__.pop(name, None)
+        for name, method in previous.items():
+            if method is None:
+                trainer.__dict__.pop(name, None)
+            else:
+                setattr(trainer, name, method)
 
 
 def _adapter_or(load, trainer, name: str, *args, **kwargs):

@@ -25,6 +25,12 @@ writes before it returns):
 Under FSDP a LoRA model's checkpoint leaves out its frozen weights under every name they have
 (``_no_frozen_aliases``: torch's filter missed a frozen embedding tied to ``lm_head``).
 
+``load_best_model_at_end`` waits for the last checkpoint's writes and commit first (the best may be it).
+The checkpoint's folder is made first: transformers sets ``best_model_checkpoint`` only where the best
+step's folder exists when it looks, right after ``save_model``, which writes nothing under
+``SHARDED_STATE_DICT`` (the shards come later, from ``_save_optimizer_and_scheduler``): a sharded run whose
+latest checkpoint was its best never loaded it at the end (on GPUs as here).
+
 The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them. Under
 FSDP with ``FULL_STATE_DICT`` (transformers' default) the state is gathered on rank 0, a collective, and
 written there on the training thread, as transformers does.
@@ -124,7 +130,12 @@ def write_in_background(trainer) -> BackgroundSaves:
             from raytrainer.strategies.deepspeed_writes import write_in_background as engine_in_background
 
             engine_in_background(trainer.model_wrapped)
-        saves.begin()
+        saves.begin()  # the last checkpoint committed first
+        if trainer.args.should_save:  # before transformers looks for the best checkpoint's folder (below)
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+            os.makedirs(os.path.join(trainer._get_output_dir(trial=trial), folder), exist_ok=True)
         try:
             with contextlib.ExitStack() as stack:
                 if saves.driver_rotates:
@@ -162,6 +173,15 @@ def write_in_background(trainer) -> BackgroundSaves:
             for write in saves.take():
                 write.result()
 
+    load_best_model = trainer._load_best_model
+
+    def _load_best_model():  # the best checkpoint may be the last, still being written and committed
+        for wait in saves.before_each:
+            wait()
+        concurrent.futures.wait(saves._inflight)
+        return load_best_model()
+
+    trainer._load_best_model = _load_best_model
     trainer._save_checkpoint, trainer._save, trainer.save_model = _save_checkpoint, _save, save_model_now
     trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     return saves

@@ -201,3 +201,41 @@ def test_transformers_rotates_checkpoints_at_the_end_of_save_checkpoint_through_
     source = inspect.getsource(hf_trainer.Trainer._save_checkpoint)
     assert "rotate_checkpoints(" in source and "self._rotate_checkpoints(" not in source
     assert callable(hf_trainer.rotate_checkpoints)
+
+
+def test_transformers_looks_for_the_best_checkpoints_folder_before_the_sharded_files_are_written():
+    """What ``write_in_background`` makes the folder first for: ``_save_checkpoint`` sets
+    ``best_model_checkpoint`` only where the best step's folder exists, checked after ``save_model`` (which
+    writes nothing under FSDP's ``SHARDED_STATE_DICT``) and before ``_save_optimizer_and_scheduler`` (which
+    writes the shards)."""
+    import inspect
+
+    import transformers.trainer as hf_trainer
+
+    source = inspect.getsource(hf_trainer.Trainer._save_checkpoint)
+    looks = source.index("if os.path.exists(best_checkpoint_dir):")
+    assert source.index("self.save_model(") < looks < source.index("self._save_optimizer_and_scheduler(")
+
+
+def test_a_checkpoint_folder_exists_before_transformers_saves_into_it(tmp_path):
+    """With the background writes installed, ``checkpoint-<step>`` exists when transformers' own
+    ``_save_checkpoint`` starts (a save_model that writes nothing cannot hide the best checkpoint)."""
+    from raytrainer.worker.hosted_saves import write_in_background
+
+    trainer = _trainer(str(tmp_path), max_steps=2)
+    seen = []
+    inner = type(trainer)._save_checkpoint
+
+    def spy(self, model, trial):
+        seen.append(os.path.isdir(os.path.join(str(tmp_path), f"checkpoint-{self.state.global_step}")))
+        return inner(self, model, trial)
+
+    type(trainer)._save_checkpoint = spy
+    try:
+        saves = write_in_background(trainer)
+        trainer.train()
+        for write in saves.take():
+            write.result()
+    finally:
+        type(trainer)._save_checkpoint = inner
+    assert seen == [True]
