@@ -13,6 +13,7 @@ and ``train`` resumes from the latest committed checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 
@@ -92,7 +93,7 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             with _loaders_of_one_process(trainer, kwargs["name"]):
                 output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
         else:
-            with resume.reading(trainer), new_hyperparameters(trainer, exploit):
+            with resume.reading(trainer), new_hyperparameters(trainer, exploit), _config_kept(trainer):
                 output = getattr(trainer, method)(**kwargs)
         weights_at = _write_final_weights(trainer, ctx, final)
     if not ctx.is_world_zero:
@@ -170,6 +171,31 @@ def _split_callbacks(trainer, session: RankSession, given) -> None:
         add_to_layer(trainer, PaceCallback(trainer, session.ctx, report))
     if session.ctx.is_world_zero:
         add_to_layer(trainer, RelayCallback(session.channel))
+
+
+@contextlib.contextmanager
+def _config_kept(trainer):
+    """Meanwhile (a call) the DeepSpeed config transformers fills stays as it was after the call: an
+    ``evaluate()`` before any ``train()`` under ZeRO-3 runs transformers' inference ``deepspeed_init``, which
+    fills the config's "auto" ``scheduler.params.total_num_steps`` with 0 and drops its ``optimizer``, in the
+    accelerator's shared config: the ``train()`` after it failed with "ds scheduler.params.total_num_steps=0
+    vs hf num_training_steps" (transformers' own, in one process too), and then found the inference engine
+    wrapped already and built none to train. Both are put back; the config a ``train()`` filled is kept."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+    if config is None or getattr(trainer, "deepspeed", None) is not None:
+        yield
+        return
+    kept = copy.deepcopy(config)
+    try:
+        yield
+    finally:
+        if getattr(trainer, "optimizer", None) is None:  # no train() built its engine: as before the call
+            config.clear()
+            config.update(kept)
+            # and the inference engine is not the model train() wraps (transformers would skip its
+            # prepare: no engine to step, "'NoneType' object has no attribute 'backward'")
+            trainer.deepspeed, trainer.model_wrapped = None, trainer.model
 
 
 def rank_layer(trainer, ctx, channel, given) -> None:
