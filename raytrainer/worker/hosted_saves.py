@@ -26,10 +26,10 @@ Under FSDP a LoRA model's checkpoint leaves out its frozen weights under every n
 (``_no_frozen_aliases``: torch's filter missed a frozen embedding tied to ``lm_head``).
 
 ``load_best_model_at_end`` waits for the last checkpoint's writes and commit first (the best may be it).
-The checkpoint's folder is made first: transformers sets ``best_model_checkpoint`` only where the best
-step's folder exists when it looks, right after ``save_model``, which writes nothing under
-``SHARDED_STATE_DICT`` (the shards come later, from ``_save_optimizer_and_scheduler``): a sharded run whose
-latest checkpoint was its best never loaded it at the end (on GPUs as here).
+The checkpoint's folder is made once ``save_model`` returns: transformers sets ``best_model_checkpoint``
+only where the best step's folder exists when it looks, right after ``save_model``, which writes nothing
+under ``SHARDED_STATE_DICT`` (the shards come later, from ``_save_optimizer_and_scheduler``): a sharded
+run whose latest checkpoint was its best never loaded it at the end (on GPUs as here).
 
 The RNG states and ``trainer_state.json`` (small) are written at once, as transformers writes them. Under
 FSDP with ``FULL_STATE_DICT`` (transformers' default) the state is gathered on rank 0, a collective, and
@@ -130,12 +130,7 @@ def write_in_background(trainer) -> BackgroundSaves:
             from raytrainer.strategies.deepspeed_writes import write_in_background as engine_in_background
 
             engine_in_background(trainer.model_wrapped)
-        saves.begin()  # the last checkpoint committed first
-        if trainer.args.should_save:  # before transformers looks for the best checkpoint's folder (below)
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-            os.makedirs(os.path.join(trainer._get_output_dir(trial=trial), folder), exist_ok=True)
+        saves.begin()
         try:
             with contextlib.ExitStack() as stack:
                 if saves.driver_rotates:
@@ -169,6 +164,8 @@ def write_in_background(trainer) -> BackgroundSaves:
 
     def save_model_now(output_dir=None, _internal_call=False):
         save_model(output_dir, _internal_call)
+        if saves.saving and output_dir and trainer.args.should_save:  # before transformers looks for the
+            os.makedirs(output_dir, exist_ok=True)  # best checkpoint's folder, right after this (above)
         if not saves.saving:  # a user's save_model (ZeRO-3's engine files too) is written when it returns
             for write in saves.take():
                 write.result()

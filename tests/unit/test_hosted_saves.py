@@ -217,25 +217,24 @@ def test_transformers_looks_for_the_best_checkpoints_folder_before_the_sharded_f
     assert source.index("self.save_model(") < looks < source.index("self._save_optimizer_and_scheduler(")
 
 
-def test_a_checkpoint_folder_exists_before_transformers_saves_into_it(tmp_path):
-    """With the background writes installed, ``checkpoint-<step>`` exists when transformers' own
-    ``_save_checkpoint`` starts (a save_model that writes nothing cannot hide the best checkpoint)."""
+def test_a_checkpoint_folder_exists_once_save_model_returns_even_when_it_wrote_nothing(tmp_path):
+    """With the background writes installed, ``checkpoint-<step>`` exists when transformers looks for the
+    best checkpoint (after ``save_model``), even where ``save_model`` writes nothing (as under FSDP's
+    ``SHARDED_STATE_DICT``: the shards come from ``_save_optimizer_and_scheduler``, after the look)."""
     from raytrainer.worker.hosted_saves import write_in_background
 
     trainer = _trainer(str(tmp_path), max_steps=2)
+    trainer.save_model = lambda output_dir=None, _internal_call=False: None  # writes nothing
+    saves = write_in_background(trainer)
     seen = []
-    inner = type(trainer)._save_checkpoint
+    save_rest = trainer._save_optimizer_and_scheduler
 
-    def spy(self, model, trial):
-        seen.append(os.path.isdir(os.path.join(str(tmp_path), f"checkpoint-{self.state.global_step}")))
-        return inner(self, model, trial)
+    def spy(output_dir):
+        seen.append(os.path.isdir(output_dir))
+        return save_rest(output_dir)
 
-    type(trainer)._save_checkpoint = spy
-    try:
-        saves = write_in_background(trainer)
-        trainer.train()
-        for write in saves.take():
-            write.result()
-    finally:
-        type(trainer)._save_checkpoint = inner
+    trainer._save_optimizer_and_scheduler = spy
+    trainer.train()
+    for write in saves.take():
+        write.result()
     assert seen == [True]
