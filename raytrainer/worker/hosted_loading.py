@@ -114,10 +114,8 @@ def shard_from_files(trainer, loaded: FirstLoad, model) -> str:
             and accelerator.state.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2):
         initialise = initialiser_from_files(model, loaded.sources)
     mine = 2 if initialise is not None else 1 if untouched else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    votes = torch.tensor([mine, -mine], device=device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN)  # the least and the most any rank can do
-    least, most = int(votes[0]), -int(votes[1])
+    least, negated_most = _least(mine, -mine)  # the least and the most any rank can do
+    most = -negated_most
     if least != most or least == 0:
         return AGAIN
     if least == 1:
@@ -201,7 +199,7 @@ def plain_build(trainer, call, trial):
     initialise = None
     if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
         initialise = model_initialiser(model)
-    least = _least(0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1)
+    (least,) = _least(0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1)
     if least == 0:
         return None
     if least == 1:
@@ -217,7 +215,7 @@ def plain_build(trainer, call, trial):
         fill_shards(model, initialise, dist.get_rank(), accelerator.device)
     except Exception as exc:  # any failure means: rank 0's way
         error = exc
-    if _least(0 if error is not None else 1) == 0:
+    if _least(0 if error is not None else 1) == [0]:
         logger.warning("FSDP: initialising each rank's shard of %s failed (%s); rank 0 builds the model and "
                        "broadcasts it into every rank's shard instead", type(model).__name__,
                        error or "on another rank")
@@ -248,14 +246,14 @@ def _skeleton(call, trial):
         owner.from_pretrained = original
 
 
-def _least(mine: int) -> int:
-    """The least of every rank's ``mine`` (an all-reduce)."""
+def _least(*mine: int) -> list[int]:
+    """The least of every rank's value of each of ``mine`` (one all-reduce)."""
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    votes = torch.tensor([mine], device=device)
+    votes = torch.tensor(list(mine), device=device)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN)
-    return int(votes[0])
+    return [int(v) for v in votes]
 
 
 def _from_rank0(accelerator, call, trial, skeleton):
