@@ -171,6 +171,7 @@ class HostedTrainer:
             accelerator=DriverAccelerator(targs.num_workers),
             _recipe=Recipe.make(self.hosted_class, args, kwargs),
             _constructor=(args, kwargs),  # the user's objects, as given (a search's trials replace args=)
+            _model_mark=module_mark(bound.arguments.get("model")),  # the module as the recipe holds it
             # what a search reads here (each trial's ranks build their own model and optimizer)
             model_init=bound.arguments.get("model_init"),
             optimizer=(bound.arguments.get("optimizers") or (None, None))[0],
@@ -191,6 +192,7 @@ class HostedTrainer:
         self._check_fits(target)
         kwargs = dict(resume_from_checkpoint=target, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                       **kwargs)
+        self._follow_the_module()
         vars(self).pop("_model", None)
         before = vars(self).pop("_weights_at", None)  # the last train()'s: where a new group's ranks start
         self._trained = True  # trainer.model: the trained weights from now on
@@ -421,7 +423,8 @@ class HostedTrainer:
         """What a copy elsewhere (a Ray Tune trial actor) starts from: no worker group, pusher or fetched
         model of this process's, and the recipe without its object-store reference (the copy puts its own).
         Rebuilt without ``__new__``, which would build the trainer from constructor arguments."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_group", "_model", "_init_model")}
+        state = {k: v for k, v in vars(self).items()
+                 if k not in ("_group", "_model", "_init_model", "_model_mark")}  # a copy's tensors: new counts
         state["_hub"] = None
         if "_recipe" in state:
             state["_recipe"] = dataclasses.replace(state["_recipe"], ref=None)
@@ -460,6 +463,7 @@ class HostedTrainer:
         from raytrainer.worker.place import driver_place
         from raytrainer.worker.rank import absorb_callback_states, callback_states
 
+        self._follow_the_module()
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
         # a rank that builds the trainer (first call, new group, edited list) starts from the state of the
         # script's callbacks here, which took on rank 0's after each call; a warm rank keeps its own
@@ -532,8 +536,21 @@ class HostedTrainer:
         signature = constructor_signature(self.hosted_class)
         args, kwargs = _replace_args(signature, *self._constructor, module, name="model")
         vars(self).update(_constructor=(args, kwargs), _model=module, _trained=False,
-                          _recipe=Recipe.make(self.hosted_class, args, kwargs, self._callback_edits))
+                          _recipe=Recipe.make(self.hosted_class, args, kwargs, self._callback_edits),
+                          _model_mark=module_mark(module))
         vars(self).pop("_weights_at", None)
+
+    def _follow_the_module(self) -> None:
+        """Until the first ``train()``, the ranks build the trainer around the script's module as it is at
+        each call, as transformers' Trainer trains the module it holds: a layer frozen, weights loaded or a
+        config value set after the constructor (``trainer.model.config.use_cache = False``) makes a new
+        recipe, pickled anew; an unchanged module is not pickled again. After ``train()`` the ranks' model is
+        the trained one (the driver's copy only mirrors it)."""
+        if vars(self).get("_trained") or "_model_mark" not in vars(self):
+            return
+        module = self._given("model")
+        if module_mark(module) != self._model_mark:
+            self.model = module
 
     def _untrained_model(self):
         """The model before any ``train()``, as the driver holds it: the script's module (what the ranks
@@ -663,6 +680,33 @@ _LOADERS = (("train", "get_train_dataloader"), ("evaluate", "get_eval_dataloader
 
 #: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
 _HERE = frozenset({*vars(HostedTrainer), *_DRIVER_SIDE, "hosted_class", "user_class"})
+
+
+def module_mark(module) -> tuple | None:
+    """What a script can change in a module between the constructor and a call, cheaply (no values read):
+    each parameter's and buffer's name, shape, dtype, device, ``requires_grad``, storage and in-place writes
+    (the tensor's version counter, which ``load_state_dict``, ``fill_`` and an optimizer step move), and a
+    transformers config's values. None for anything but a module."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        return None
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    config = getattr(module, "config", None)
+    try:
+        config = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    except Exception:  # a value JSON cannot write: its repr
+        config = repr(vars(config))
+    return (tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad, t.data_ptr(), _writes(t))
+                  for name, t in tensors), config)
+
+
+def _writes(tensor) -> int:
+    """The tensor's version counter; -1 for one made under ``torch.inference_mode``, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def _rebuilt(cls: type, state: dict) -> HostedTrainer:

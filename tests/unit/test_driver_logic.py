@@ -370,3 +370,30 @@ def test_trainer_model_is_the_script_s_module_trained_and_a_new_one_is_what_the_
         _, _, kwargs = cloudpickle.loads(ray.get(second.payload[0]))
         assert kwargs["model"].linear.weight.tolist() == [[2.0, 2.0]]
     assert trainer.model is replacement and replacement.linear.weight.tolist() == [[0.5, 0.5]]
+
+
+def test_the_ranks_build_around_the_script_s_module_as_it_is_at_each_call_until_the_first_train(tmp_path):
+    """As transformers' Trainer trains the module it holds: a layer frozen and weights loaded after the
+    constructor reach the ranks at the next call (a new recipe); an unchanged module is not pickled again;
+    after train() the driver's copy, filled with the trained weights, makes no new recipe."""
+    import cloudpickle
+    import ray
+
+    backend = FakeBackend({"train": [_train_reply(tmp_path), _train_reply(tmp_path)]})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+    module = trainer.model
+    built = trainer._recipe
+    module.linear.bias.requires_grad_(False)
+    with torch.no_grad():
+        module.linear.weight.fill_(3.0)
+    trainer.train()
+    assert trainer._recipe is not built
+    _, _, kwargs = cloudpickle.loads(ray.get(backend.commands[0].spec[0].payload[0]))
+    assert kwargs["model"].linear.weight.tolist() == [[3.0, 3.0]]
+    assert not kwargs["model"].linear.bias.requires_grad and kwargs["model"].linear.weight.requires_grad
+
+    trained = trainer._recipe
+    assert trainer.model is module and module.linear.weight.tolist() == [[0.5, 0.5]]  # filled in place
+    trainer.train()
+    first, second = (cloudpickle.loads(cmd.spec[0].trainer) for cmd in backend.commands)
+    assert trainer._recipe is trained and first.key == second.key
