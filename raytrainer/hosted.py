@@ -423,8 +423,9 @@ class HostedTrainer:
         """What a copy elsewhere (a Ray Tune trial actor) starts from: no worker group, pusher or fetched
         model of this process's, and the recipe without its object-store reference (the copy puts its own).
         Rebuilt without ``__new__``, which would build the trainer from constructor arguments."""
+        # (a copy's tensors count their writes from 0: no mark, so the copy does not pickle its module anew)
         state = {k: v for k, v in vars(self).items()
-                 if k not in ("_group", "_model", "_init_model", "_model_mark")}  # a copy's tensors: new counts
+                 if k not in ("_group", "_model", "_init_model", "_model_mark")}
         state["_hub"] = None
         if "_recipe" in state:
             state["_recipe"] = dataclasses.replace(state["_recipe"], ref=None)
@@ -691,7 +692,8 @@ def module_mark(module) -> tuple | None:
 
     if not isinstance(module, torch.nn.Module):
         return None
-    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    tensors = [*module.named_parameters(remove_duplicate=False),
+               *module.named_buffers(remove_duplicate=False)]
     config = getattr(module, "config", None)
     try:
         config = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
