@@ -192,7 +192,7 @@ class HostedTrainer:
         self._check_fits(target)
         kwargs = dict(resume_from_checkpoint=target, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                       **kwargs)
-        self._follow_the_module()
+        self._follow_the_script()
         vars(self).pop("_model", None)
         before = vars(self).pop("_weights_at", None)  # the last train()'s: where a new group's ranks start
         self._trained = True  # trainer.model: the trained weights from now on
@@ -448,6 +448,18 @@ class HostedTrainer:
             raise AttributeError(name)
         return self._run("call", {"name": name, "call": False}).output
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``trainer.train_dataset = data`` (or another of ``_FOLLOWED``), as a script sets it on
+        transformers' Trainer, which reads it at each call: here, and from the next call the ranks build the
+        trainer with it, as if the constructor had been given it (the trained weights and state kept)."""
+        object.__setattr__(self, name, value)
+        if name in _FOLLOWED and "_recipe" in vars(self):
+            signature = constructor_signature(self.hosted_class)
+            if name in signature.parameters:
+                args, kwargs = _replace_args(signature, *self._constructor, value, name=name)
+                vars(self).update(_constructor=(args, kwargs), _recipe=Recipe.make(
+                    self.hosted_class, args, kwargs, self._callback_edits))
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} on {self.args.num_workers} Ray workers>"
 
@@ -464,7 +476,7 @@ class HostedTrainer:
         from raytrainer.worker.place import driver_place
         from raytrainer.worker.rank import absorb_callback_states, callback_states
 
-        self._follow_the_module()
+        self._follow_the_script()
         ensure_ray(self.args)  # the recipe's payload goes into the object store at the first command
         # a rank that builds the trainer (first call, new group, edited list) starts from the state of the
         # script's callbacks here, which took on rank 0's after each call; a warm rank keeps its own
@@ -541,17 +553,23 @@ class HostedTrainer:
                           _model_mark=module_mark(module))
         vars(self).pop("_weights_at", None)
 
-    def _follow_the_module(self) -> None:
-        """Until the first ``train()``, the ranks build the trainer around the script's module as it is at
-        each call, as transformers' Trainer trains the module it holds: a layer frozen, weights loaded or a
-        config value set after the constructor (``trainer.model.config.use_cache = False``) makes a new
-        recipe, pickled anew; an unchanged module is not pickled again. After ``train()`` the ranks' model is
-        the trained one (the driver's copy only mirrors it)."""
-        if vars(self).get("_trained") or "_model_mark" not in vars(self):
-            return
-        module = self._given("model")
-        if module_mark(module) != self._model_mark:
-            self.model = module
+    def _follow_the_script(self) -> None:
+        """The ranks build the trainer from the script's objects as they are at each call, as transformers'
+        Trainer reads the ones it holds:
+
+        - ``trainer.args`` changed after the constructor (``trainer.args.seed = 314``): a new recipe with the
+          arguments as they are (the payload is not pickled again), the trained weights and state kept;
+        - until the first ``train()``, the constructor's module changed (a layer frozen, weights loaded,
+          ``model.config.use_cache = False``): a new recipe around it, pickled anew; after ``train()`` the
+          ranks' model is the trained one (the driver's module only mirrors it)."""
+        from raytrainer.hosted_recipe import arguments_mark
+
+        if not vars(self).get("_trained") and "_model_mark" in vars(self):
+            module = self._given("model")
+            if module_mark(module) != self._model_mark:
+                self.model = module
+        if self._recipe.mark and arguments_mark(self.args) != self._recipe.mark:
+            self._recipe = self._recipe.with_arguments(self.args)
 
     def _untrained_model(self):
         """The model before any ``train()``, as the driver holds it: the script's module (what the ranks
@@ -680,6 +698,10 @@ _LOADERS = (("train", "get_train_dataloader"), ("evaluate", "get_eval_dataloader
             ("predict", "get_test_dataloader"))
 
 #: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
+#: What transformers' Trainer reads at each call from the attributes its constructor set, which a script may
+#: set anew between calls (``HostedTrainer.__setattr__``)
+_FOLLOWED = frozenset({"train_dataset", "eval_dataset", "data_collator", "compute_metrics",
+                       "compute_loss_func", "preprocess_logits_for_metrics"})
 _HERE = frozenset({*vars(HostedTrainer), *_DRIVER_SIDE, "hosted_class", "user_class"})
 
 

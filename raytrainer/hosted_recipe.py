@@ -129,6 +129,11 @@ class Recipe:
     ref: list | None = dataclasses.field(default=None, repr=False)  # [ObjectRef] of the payload
     #: the driver's edits of the trainer's callback list (raytrainer/hosted_callbacks.py), pickled
     edits: bytes | None = None
+    #: ``trainer.args`` as the script changed it after the constructor (``trainer.args.seed = 314``),
+    #: pickled: the ranks build the trainer with it in place of the payload's (``with_arguments``)
+    arguments: bytes | None = None
+    #: the driver's: the arguments as this recipe holds them (``arguments_mark``); not sent to the ranks
+    mark: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
     _numbers = itertools.count()
 
@@ -138,7 +143,16 @@ class Recipe:
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         with token_withheld(targs):  # the hub token stays on the driver, which pushes
             payload = _pickled(trainer_cls, args, kwargs)
-        return cls(_new_key(), payload, bool(targs.use_gpu), edits=_pickled_edits(edits))
+        return cls(_new_key(), payload, bool(targs.use_gpu), edits=_pickled_edits(edits),
+                   mark=arguments_mark(targs))
+
+    def with_arguments(self, targs) -> Recipe:
+        """This recipe with the arguments ``targs`` as they are now, in place of those its payload holds
+        (the script set a field after the constructor): a new trainer (new ``key``), from the same payload
+        in the object store, with the trained weights and state, as after an edit of the callback list."""
+        with token_withheld(targs):
+            arguments = cloudpickle.dumps(targs)
+        return dataclasses.replace(self, key=_new_key(), arguments=arguments, mark=arguments_mark(targs))
 
     def with_edits(self, edits: tuple) -> Recipe:
         """This recipe, its trainer's callback list edited by ``edits`` (``hosted_callbacks.Edit``) after
@@ -162,7 +176,7 @@ class Recipe:
 
         if self.ref is None:
             self.ref = [ray.put(self.payload)]
-        return cloudpickle.dumps(dataclasses.replace(self, payload=None, ref=None)), self.ref
+        return cloudpickle.dumps(dataclasses.replace(self, payload=None, ref=None, mark=b"")), self.ref
 
     def fetched(self, ref: list) -> Recipe:
         """The recipe with its payload, fetched from the object store (a rank about to build the trainer)."""
@@ -178,7 +192,10 @@ class Recipe:
 
         with imports_in_own_folder():
             trainer_cls, args, kwargs = cloudpickle.loads(self.payload)
+            changed = None if self.arguments is None else cloudpickle.loads(self.arguments)
         signature = constructor_signature(trainer_cls)
+        if changed is not None:  # trainer.args as the script changed it after the constructor
+            args, kwargs = _replace_args(signature, args, kwargs, changed)
         targs = _find_args(signature, signature.bind(None, *args, **kwargs))
         overrides = {"push_to_hub": False}  # the driver pushes (raytrainer/hosted.py)
         if not self.use_gpu:
@@ -199,6 +216,13 @@ class Recipe:
         plain = plain_config(targs, **overrides)
         args, kwargs = _replace_args(signature, args, kwargs, plain)
         return trainer_cls, args, kwargs, plain, targs
+
+
+def arguments_mark(targs) -> bytes:
+    """The arguments' values as the ranks would build them (``given_values``), pickled: what tells that the
+    script changed one after the constructor. The hub token is left out (it stays on the driver)."""
+    with token_withheld(targs):
+        return cloudpickle.dumps(targs.given_values())
 
 
 def _new_key() -> str:

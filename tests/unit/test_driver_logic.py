@@ -397,3 +397,42 @@ def test_the_ranks_build_around_the_script_s_module_as_it_is_at_each_call_until_
     trainer.train()
     first, second = (cloudpickle.loads(cmd.spec[0].trainer) for cmd in backend.commands)
     assert trainer._recipe is trained and first.key == second.key
+
+
+def test_arguments_the_script_changes_after_the_constructor_are_the_ranks_at_the_next_call(tmp_path):
+    """``trainer.args.seed = 314`` between two train() calls (transformers' test_model_init): the next
+    call's ranks build the trainer with seed 314, from the same payload in the object store (not pickled
+    again); the hub token stays on the driver."""
+    import cloudpickle
+
+    backend = FakeBackend({"train": [_train_reply(tmp_path), _train_reply(tmp_path)]})
+    trainer = _trainer(tmp_path, backend, save_strategy="no", hub_token="hf_secret")
+    trainer.train()
+    trainer.args.seed = 314
+    trainer.train()
+    first, second = (cmd.spec[0] for cmd in backend.commands)
+    before, after = cloudpickle.loads(first.trainer), cloudpickle.loads(second.trainer)
+    assert after.key != before.key and second.payload == first.payload
+    _, _, _, plain, targs = after.fetched(second.payload).unpack(world_size=2)
+    assert plain.seed == 314 and targs.seed == 314 and targs.hub_token is None
+    assert before.fetched(first.payload).unpack(world_size=2)[3].seed == 42
+    assert trainer.args.hub_token == "hf_secret"
+
+
+def test_a_data_set_the_script_assigns_to_the_trainer_is_the_ranks_at_the_next_call(tmp_path):
+    """``trainer.train_dataset = other`` between calls, as transformers' Trainer reads it at each call: the
+    driver holds it, and the next call's ranks build the trainer with it."""
+    import cloudpickle
+    import ray
+
+    backend = FakeBackend({"train": [_train_reply(tmp_path), _train_reply(tmp_path)]})
+    trainer = _trainer(tmp_path, backend, save_strategy="no")
+    trainer.train()
+    other = _data(4)
+    trainer.train_dataset = other
+    assert trainer.train_dataset is other
+    trainer.train()
+    first, second = (cmd.spec[0] for cmd in backend.commands)
+    assert second.payload != first.payload
+    assert len(cloudpickle.loads(ray.get(first.payload[0]))[2]["train_dataset"]) == 16
+    assert len(cloudpickle.loads(ray.get(second.payload[0]))[2]["train_dataset"]) == 4
