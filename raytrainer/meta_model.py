@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,66 @@ def build_on_meta(build) -> torch.nn.Module | None:
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])
     return model
+
+
+#: The methods by which a model initialises its own weights, in torch's convention (``reset_parameters``) and
+#: transformers' (``_init_weights`` and the calls that run it): what redoing the initialisation on each
+#: shard of a model built on the meta device can redo (strategies/fsdp.py ``initialiser_methods``).
+INIT_METHODS = frozenset({"reset_parameters", "_init_weights", "init_weights", "initialize_weights",
+                          "_initialize_weights", "post_init"})
+
+
+class InPlaceWrites(TorchDispatchMode):
+    """Meanwhile, every in-place write to a tensor (``nn.init``'s draws, ``fill_``, a ``load_state_dict``'s
+    ``copy_``), on any device, meta included: ``writes`` lists ``(storage key, the INIT_METHODS and
+    ``__init__`` of the modules it ran inside)``, the second empty for a write from anywhere else (a
+    ``model_init`` that sets weights itself after building the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[tuple[int, frozenset]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                tensor = args[i] if i < len(args) else kwargs.get(argument.name)
+                key = storage_key(tensor)
+                if key is not None:
+                    self.writes.append((key, _init_methods_running()))
+        return func(*args, **kwargs)
+
+    def outside(self, model: torch.nn.Module, methods: frozenset) -> list[str]:
+        """The names of ``model``'s parameters and buffers whose last write was not inside ``methods`` (one
+        that ``methods`` write again after, as transformers' ``_init_weights`` redraws what GPT-2's
+        ``Conv1D.__init__`` drew, is theirs)."""
+        last = dict(self.writes)
+        beyond = {key for key, running in last.items() if not running & methods}
+        return [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
+                if storage_key(tensor) in beyond]
+
+
+def storage_key(tensor) -> int | None:
+    """What tells a tensor's storage from another's (views share it), meta tensors' too; None for what has
+    none."""
+    try:
+        return tensor.untyped_storage()._cdata if isinstance(tensor, torch.Tensor) else None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _init_methods_running() -> frozenset:
+    """The INIT_METHODS and ``__init__`` of a module that run in the caller's stack."""
+    import sys
+
+    found, frame = set(), sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if (name in INIT_METHODS or name == "__init__") and isinstance(frame.f_locals.get("self"),
+                                                                        torch.nn.Module):
+            found.add(name)
+        frame = frame.f_back
+    return frozenset(found)
 
 
 class FileSlice(NamedTuple):

@@ -94,6 +94,21 @@ def model_initialiser(model: torch.nn.Module):
     return _each_module_resets(model)
 
 
+def initialiser_methods(model: torch.nn.Module) -> frozenset:
+    """The methods whose writes ``model_initialiser(model)`` makes again on each shard: for a transformers
+    model, everything its construction writes (its ``_init_weights``, which ``initialize_weights`` runs on
+    each shard, is what a whole build's values follow); else ``reset_parameters`` (the root's, or each
+    module's own). A weight the build set anywhere else (a custom init or a ``load_state_dict`` in
+    ``model_init`` after the constructor, ``self.apply(self._init_weights)`` in a plain module's
+    ``__init__``) would come out otherwise on the shards (``meta_model.InPlaceWrites``)."""
+    from raytrainer.meta_model import INIT_METHODS
+
+    hf = (getattr(model, name, None) for name in ("initialize_weights", "_init_weights"))
+    if all(callable(method) for method in hf):
+        return INIT_METHODS | {"__init__"}
+    return frozenset({"reset_parameters"})
+
+
 def _each_module_resets(model: torch.nn.Module):
     """torch's convention, as torchtitan and Lightning Fabric use it: each module that holds parameters or
     buffers initialises them with its own ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``,
@@ -111,8 +126,8 @@ def _each_module_resets(model: torch.nn.Module):
             orphans += [f"{name}.{n}" if name else n for n, _ in own]
     if orphans:
         logger.warning(
-            "FSDP: %s has parameters or buffers that no module's reset_parameters() initialises (%s); every "
-            "rank builds the whole model, then FSDP shards it. Give their module a "
+            "FSDP: %s has parameters or buffers that no module's reset_parameters() initialises (%s); rank 0 "
+            "builds the whole model and broadcasts it into every rank's shard. Give their module a "
             "reset_parameters() (or the model a root one) to initialise each shard on its rank",
             type(model).__name__, ", ".join(orphans[:5]) + (", ..." if len(orphans) > 5 else ""))
         return None

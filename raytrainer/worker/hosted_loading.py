@@ -188,17 +188,23 @@ def plain_build(trainer, call, trial):
     from accelerate.utils import DistributedType
 
     from raytrainer.meta_model import is_skeleton
-    from raytrainer.strategies.fsdp import model_initialiser
+    from raytrainer.strategies.fsdp import initialiser_methods, model_initialiser
 
     accelerator = getattr(trainer, "accelerator", None)
     if (accelerator is None or accelerator.state.distributed_type != DistributedType.FSDP
             or not accelerator.is_fsdp2 or not dist.is_initialized()):
         return None
-    model = _skeleton(call, trial)
+    model, writes = _skeleton(call, trial)
     plugin = accelerator.state.fsdp_plugin
     initialise = None
     if model is not None and is_skeleton(model) and not plugin.cpu_ram_efficient_loading:
         initialise = model_initialiser(model)
+        beyond = writes.outside(model, initialiser_methods(model)) if initialise is not None else []
+        if beyond:  # values initialising each shard would not give: rank 0's build has them
+            logger.info("FSDP: model_init sets %s of %s beyond the modules' own initialisation (a custom "
+                        "init, loaded weights); rank 0 builds it and broadcasts it into every rank's shard",
+                        ", ".join(beyond[:3]) + (", ..." if len(beyond) > 3 else ""), type(model).__name__)
+            initialise = None
     (least,) = _least(0 if model is None or not is_skeleton(model) else 2 if initialise is not None else 1)
     if least == 0:
         return None
@@ -221,17 +227,18 @@ def plain_build(trainer, call, trial):
                        error or "on another rank")
         del model
         gc.collect()
-        return _from_rank0(accelerator, call, trial, _skeleton(call, trial))
+        return _from_rank0(accelerator, call, trial, _skeleton(call, trial)[0])
     agree_on_replicas(model)
     return model
 
 
 def _skeleton(call, trial):
     """``call(trial)`` on the meta device, or None where it loads weights (``from_pretrained``) or fails
-    there (meta_model.build_on_meta, which puts the random state back)."""
+    there (meta_model.build_on_meta, which puts the random state back); with the tensors it wrote in place
+    and where (``meta_model.InPlaceWrites``)."""
     import transformers.modeling_utils as modeling_utils
 
-    from raytrainer.meta_model import build_on_meta
+    from raytrainer.meta_model import InPlaceWrites, build_on_meta
 
     owner = modeling_utils.PreTrainedModel
     original = vars(owner)["from_pretrained"]
@@ -240,8 +247,10 @@ def _skeleton(call, trial):
         raise _Loads()
 
     owner.from_pretrained = classmethod(loads)
+    writes = InPlaceWrites()
     try:
-        return build_on_meta(lambda: call(trial))
+        with writes:
+            return build_on_meta(lambda: call(trial)), writes
     finally:
         owner.from_pretrained = original
 
