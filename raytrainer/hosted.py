@@ -697,11 +697,11 @@ def _is_peft(model_cls: type) -> bool:
 _LOADERS = (("train", "get_train_dataloader"), ("evaluate", "get_eval_dataloader"),
             ("predict", "get_test_dataloader"))
 
-#: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
 #: What transformers' Trainer reads at each call from the attributes its constructor set, which a script may
 #: set anew between calls (``HostedTrainer.__setattr__``)
 _FOLLOWED = frozenset({"train_dataset", "eval_dataset", "data_collator", "compute_metrics",
                        "compute_loss_func", "preprocess_logits_for_metrics"})
+#: Read on the driver's object itself: what ``HostedTrainer`` defines and what the driver holds.
 _HERE = frozenset({*vars(HostedTrainer), *_DRIVER_SIDE, "hosted_class", "user_class"})
 
 
@@ -719,8 +719,8 @@ def module_mark(module) -> tuple | None:
     config = getattr(module, "config", None)
     try:
         config = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
-    except Exception:  # a value JSON cannot write: its repr
-        config = repr(vars(config))
+    except Exception:  # a value JSON cannot write: the values' repr
+        config = repr(getattr(config, "__dict__", config))
     return (tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad, t.data_ptr(), _writes(t))
                   for name, t in tensors), config)
 
