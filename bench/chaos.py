@@ -22,7 +22,9 @@ The script is run with ``max_failures=-1`` and resumes from the output folder's 
 again. At the end the run must have: the uninterrupted run's final weights (bitwise: the world size stays
 2), every ``checkpoint-<step>`` of the save schedule committed with every file matching its manifest's
 sha256, no ``*.tmp-*`` file in the output folder, nothing in the run's TMPDIR, no actor or placement
-group alive on the cluster, and none of the run's processes (drivers, ranks) alive.
+group alive on the cluster, and none of the run's processes (drivers, ranks) alive, once the workers
+raytrainer keeps idle for a script's next run on a running cluster have ended (``KEEP_WORKERS_S`` after
+the script: a script run again after a fault may take them).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))  # the tiny model folder the tests use
 
-from chaos_driver import SAVE_STEPS  # noqa: E402
+from chaos_driver import KEEP_WORKERS_S, SAVE_STEPS  # noqa: E402
 
 CLUSTER = os.path.join(ROOT, "cluster", "local-multinode.sh")
 DRIVER = os.path.join(HERE, "chaos_driver.py")
@@ -324,7 +326,9 @@ def leftovers(cluster: Cluster, run: Run, env: dict) -> dict:
              "pgs = [p['placement_group_id'] for p in ray.util.placement_group_table().values() "
              "if p['state'] != 'REMOVED']\n"
              "print('PROBE ' + json.dumps({'actors': actors, 'placement groups': pgs}))\n")
-    time.sleep(5)  # the GCS marks a finished job's actors dead a moment after its driver exits
+    # the script's workers stay up, idle, for KEEP_WORKERS_S after it ends (raytrainer's keeper), then end;
+    # the GCS marks their actors dead a moment after
+    time.sleep(KEEP_WORKERS_S + 10)
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     tables = json.loads(done.stdout.split("PROBE ", 1)[1].splitlines()[0])
     # Ray's autoscaling coordinator is the cluster's, not a run's: one named, detached actor that every job's

@@ -24,6 +24,10 @@ from transformers import TrainerCallback
 
 STEP_S = 0.1  # each step sleeps this long on every rank, so a fault lands mid-run, not after it
 SAVE_STEPS = 4
+#: On this running cluster a script's workers stay up, idle, this long after it ends (raytrainer's keeper):
+#: a script run again after its driver was killed may take them, and the harness checks that the idle group
+#: then ends and leaves nothing (bench/chaos.py ``leftovers``)
+KEEP_WORKERS_S = 10
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
          "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
@@ -87,7 +91,7 @@ def arguments(host: str, out: str, address: str, steps: int) -> dict:
     values = dict(output_dir=out, ray_address=address, num_workers=2, placement_strategy="STRICT_SPREAD",
                   max_failures=-1, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
                   save_strategy="steps", save_steps=SAVE_STEPS, logging_steps=1, report_to="none",
-                  disable_tqdm=True, use_cpu=True, seed=3, log_level="warning")
+                  disable_tqdm=True, use_cpu=True, seed=3, log_level="warning", keep_workers_s=KEEP_WORKERS_S)
     if host == "fsdp":
         values.update(fsdp="full_shard auto_wrap",
                       fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
