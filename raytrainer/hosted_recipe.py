@@ -225,6 +225,34 @@ def arguments_mark(targs) -> bytes:
         return cloudpickle.dumps(targs.given_values())
 
 
+def module_mark(module) -> tuple | None:
+    """What a script can change in a module between the constructor and a call, cheaply (no values read):
+    each parameter's and buffer's name, shape, dtype, device, ``requires_grad``, storage and in-place writes
+    (the tensor's version counter, which ``load_state_dict``, ``fill_`` and an optimizer step move), and a
+    transformers config's values. None for anything but a module."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        return None
+    tensors = [*module.named_parameters(remove_duplicate=False),
+               *module.named_buffers(remove_duplicate=False)]
+    config = getattr(module, "config", None)
+    try:
+        config = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+    except Exception:  # a value JSON cannot write: the values' repr
+        config = repr(getattr(config, "__dict__", config))
+    return (tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad, t.data_ptr(), _writes(t))
+                  for name, t in tensors), config)
+
+
+def _writes(tensor) -> int:
+    """The tensor's version counter; -1 for one made under ``torch.inference_mode``, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
 def _new_key() -> str:
     return f"{uuid.uuid4().hex[:8]}-{next(Recipe._numbers)}"
 
