@@ -15,6 +15,10 @@ raw numbers as JSON. Not a test: nothing asserts.
 
     python bench/bench_trl_sft.py --rounds 2 --out bench/results/trl-sft.json
     python bench/bench_trl_sft.py --rounds 2 --cluster   # Ray already running, as on a cluster
+    # before and after a change, in one run:
+    mkdir -p /tmp/before && git archive HEAD raytrainer | tar -x -C /tmp/before
+    python bench/bench_trl_sft.py --rounds 2 --sides accelerate,raytrainer,raytrainer@before \
+        --before /tmp/before
     # peak memory under FSDP against DDP (issue 53), on a model whose weights and Adam state outweigh the
     # ~600 MB every rank spends on torch, transformers and TRL:
     python bench/bench_trl_sft.py --rounds 1 --sides accelerate,accelerate-fsdp,raytrainer,raytrainer-fsdp \
@@ -71,7 +75,9 @@ def child(argv: list[str]) -> None:
             # between a step's end and the next one's begin: logging, and at a save step the save
             gaps = {step: self.begins[step + 1] - end for step, end in self.ends.items()
                     if step + 1 in self.begins}
-            record = {"t0": self.t0, "steps": self.times, "warmup": self.warmup, "gaps": gaps,
+            record = {"t0": self.t0, "steps": self.times,
+                      "raytrainer": getattr(sys.modules.get("raytrainer"), "__file__", None),
+                      "warmup": self.warmup, "gaps": gaps,
                       "max_steps": state.max_steps,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(os.path.join(args.output_dir, f"timing-rank{args.process_index}.json"), "w") as f:
@@ -122,8 +128,10 @@ def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
     script = [os.path.abspath(__file__), "--child", "--model", model, "--data", data, "--output_dir", out,
               "--max_steps", str(opts.steps), "--batch", str(opts.batch), "--length", str(opts.length),
               "--warmup", str(opts.warmup), "--save-steps", str(opts.save_steps),
-              *([f"--{side.split('-')[1]}"] if "-" in side else [])]
+              *([f"--{side.split('@')[0].split('-')[1]}"] if "-" in side else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
+    if side.endswith("@before"):  # driver and workers import the older checkout (workers inherit it)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [opts.before, env.get("PYTHONPATH")]))
     if side.startswith("raytrainer"):
         command = [sys.executable, *script, "--ray"]
     else:
@@ -138,6 +146,10 @@ def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
         with open(os.path.join(out, f"timing-rank{r}.json")) as f:
             ranks.append(json.load(f))
     shutil.rmtree(out, ignore_errors=True)
+    if side.startswith("raytrainer"):  # each side ran the raytrainer it names
+        before = [opts.before is not None and rk["raytrainer"].startswith(os.path.abspath(opts.before))
+                  for rk in ranks]
+        assert before == [side.endswith("@before")] * 2, (side, [rk["raytrainer"] for rk in ranks])
     first = max(rk["steps"]["1"] - rk["t0"] for rk in ranks)
     steady = min((rk["max_steps"] - rk["warmup"]) / (rk["steps"][str(rk["max_steps"])]
                                                      - rk["steps"][str(rk["warmup"])]) for rk in ranks)
@@ -157,7 +169,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=None)
     parser.add_argument("--sides", default="accelerate,raytrainer",
-                        help="comma-separated: accelerate, raytrainer, each with -fsdp or -zero3")
+                        help="comma-separated: accelerate, raytrainer, each with -fsdp or -zero3; "
+                             "raytrainer...@before runs --before's raytrainer")
+    parser.add_argument("--before", default=None,
+                        help="another raytrainer checkout (e.g. `git archive <commit> raytrainer | tar -x -C "
+                             "/tmp/before`), for the sides named ...@before")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)

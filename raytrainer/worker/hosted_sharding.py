@@ -79,6 +79,7 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
                 create()  # once more, on the FSDP state: transformers' FSDP flags and checks for this run
         if mesh is not None:
             hosted_mesh.install(trainer, mesh)
+        gradients_in_the_buckets(trainer.accelerator)
         if getattr(trainer.accelerator, "is_fsdp2", False):
             _tied_embeddings_as_one(trainer.accelerator)
 
@@ -94,6 +95,23 @@ def _construct(trainer_cls: type, args: tuple, kwargs: dict, by_shard: bool = Fa
         hosted_loading.load_sharded_model_init(trainer)
     trainer._raytrainer_save_whole = functools.partial(save_whole, trainer)  # the driver's trainer.model
     return trainer
+
+
+def gradients_in_the_buckets(accelerator) -> None:
+    """DDP keeps each gradient in the bucket it all-reduces (``gradient_as_bucket_view``) instead of a
+    tensor of its own that the bucket is copied into and back from: every rank holds one copy of the
+    gradients, not two (51 MB less at the peak of a 12.8 M-parameter float32 model), and the copy back is
+    gone. The values are the bucket's, averaged, as before (tests/unit/test_hosted_sharding.py: bit for bit
+    transformers' own DDP on 2 ranks). transformers' arguments have no field for it (its DDP kwargs: find
+    unused parameters, bucket size, buffers, static graph), so a rank sets it on the handler transformers
+    made."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    if handler is not None:
+        handler.gradient_as_bucket_view = True
+    else:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        accelerator.ddp_handler = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
 
 
 def _tied_embeddings_as_one(accelerator) -> None:

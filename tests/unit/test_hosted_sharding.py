@@ -24,7 +24,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _trainer(output_dir: str, hosted: bool, **overrides):
+def _trainer(output_dir: str, hosted: bool, fsdp: str = "full_shard auto_wrap", **overrides):
     """transformers' Trainer over a tiny GPT-2 (4 x 64 wide blocks) with ``fsdp``, as a hosted rank builds
     it (``hosted``) or as transformers does."""
     import torch
@@ -40,18 +40,18 @@ def _trainer(output_dir: str, hosted: bool, **overrides):
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16), generator=gen)]
     args = transformers.TrainingArguments(
         output_dir, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1, report_to=[],
-        use_cpu=True, disable_tqdm=True, learning_rate=1e-3, fsdp="full_shard auto_wrap",
-        fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]}, **overrides)
+        use_cpu=True, disable_tqdm=True, learning_rate=1e-3, fsdp=fsdp,
+        fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]} if fsdp else None, **overrides)
     kwargs = dict(model=model, args=args, train_dataset=rows)
     return build_trainer(transformers.Trainer, (), kwargs, args) if hosted else transformers.Trainer(**kwargs)
 
 
-def _rank(hosted: bool, output_dir: str, rank: int, port: str, results) -> None:
+def _rank(hosted: bool, output_dir: str, rank: int, port: str, results, fsdp: str = "full_shard auto_wrap"):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
     from torch.distributed.fsdp import FSDPModule
 
-    trainer = _trainer(output_dir, hosted)
+    trainer = _trainer(output_dir, hosted, fsdp)
     trainer.train()
     params = list(trainer.model.parameters())
     held = sum(getattr(p, "_local_tensor", p).numel() for p in params)  # this rank's share
@@ -60,8 +60,15 @@ def _rank(hosted: bool, output_dir: str, rank: int, port: str, results) -> None:
     weights = {k: v.numpy().copy() for k, v in trainer.accelerator.get_state_dict(trainer.model).items()}
     out = dict(rank=rank, type=trainer.accelerator.distributed_type.name, fsdp=trainer.is_fsdp_enabled,
                sharded=isinstance(trainer.model_wrapped, FSDPModule), held=held, whole=whole, losses=losses,
-               weights=weights if rank == 0 else None)
-    if hosted:  # the checkpoint of step 2, resumed by a new trainer: the same last two steps
+               weights=weights if rank == 0 else None,
+               bucket_view=getattr(trainer.model_wrapped, "gradient_as_bucket_view", None))
+    if hosted and not fsdp:  # one more backward: DDP leaves each gradient in its all-reduce bucket
+        batch = {k: v[:2] for k, v in trainer.data_collator(trainer.train_dataset[:2]).items()}
+        trainer.model_wrapped(**batch).loss.backward()
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        out["grads"], out["grad_storages"] = len(grads), len({g.untyped_storage().data_ptr() for g in grads})
+        out["params"] = len(list(trainer.model.parameters()))
+    elif hosted:  # the checkpoint of step 2, resumed by a new trainer: the same last two steps
         again = _trainer(output_dir + "-resumed", hosted)
         again.train(resume_from_checkpoint=os.path.join(output_dir, "checkpoint-2"))
         resumed = again.accelerator.get_state_dict(again.model)
@@ -71,8 +78,8 @@ def _rank(hosted: bool, output_dir: str, rank: int, port: str, results) -> None:
     results.put(out)
 
 
-def _run(tmp_path, hosted: bool) -> list[dict]:
-    results = run_two_ranks(functools.partial(_rank, hosted, str(tmp_path / "out")), _free_port())
+def _run(tmp_path, hosted: bool, **kwargs) -> list[dict]:
+    results = run_two_ranks(functools.partial(_rank, hosted, str(tmp_path / "out"), **kwargs), _free_port())
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -103,6 +110,20 @@ def test_a_hosted_cpu_group_given_fsdp_shards_trains_the_same_and_resumes(tmp_pa
     for r in sharded:
         assert r["resumed_losses"] == sharded[0]["losses"]  # steps 1-2 from the checkpoint's state, 3-4 again
         assert r["resumed_equal"]
+
+
+def test_a_hosted_ddp_rank_keeps_gradients_in_its_buckets_and_trains_bit_for_bit(tmp_path, unsharded):
+    """``gradients_in_the_buckets``: DDP's gradients are views of its all-reduce buckets (one copy of them
+    per rank, not two) and the training is transformers' own DDP run's, bit for bit (``unsharded``: the
+    same arguments but ``fsdp``, which accelerate ignores on a CPU group)."""
+    ddp = _run(tmp_path, hosted=True, fsdp="")
+    assert [r["bucket_view"] for r in unsharded] == [False, False]  # transformers' own: a copy of each
+    for r in ddp:
+        assert (r["type"], r["bucket_view"]) == ("MULTI_CPU", True)
+        assert r["grads"] == r["params"] == 52 and r["grad_storages"] < 5  # in a few buckets (25 MB each)
+        assert r["losses"] == unsharded[0]["losses"]
+    for name, value in unsharded[0]["weights"].items():
+        np.testing.assert_array_equal(ddp[0]["weights"][name], value)
 
 
 def test_an_encoder_decoders_tied_embeddings_become_its_input_embedding_module():
