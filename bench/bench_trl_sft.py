@@ -63,6 +63,9 @@ def child(argv: list[str]) -> None:
             self.warmup, self.t0, self.times = warmup, t0, {}  # t0 travels with the callback
             self.begins, self.ends = {}, {}  # every step's on_step_begin / on_step_end time
 
+        def on_train_begin(self, args, state, control, **kwargs):  # built, prepared: what training adds after
+            self.rss_at_begin = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
         def on_step_begin(self, args, state, control, **kwargs):
             self.begins[state.global_step + 1] = time.perf_counter()
 
@@ -79,7 +82,8 @@ def child(argv: list[str]) -> None:
                       "raytrainer": getattr(sys.modules.get("raytrainer"), "__file__", None),
                       "warmup": self.warmup, "gaps": gaps,
                       "max_steps": state.max_steps,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_rss_at_begin_mb": self.rss_at_begin}
             with open(os.path.join(args.output_dir, f"timing-rank{args.process_index}.json"), "w") as f:
                 json.dump(record, f)
 
@@ -154,7 +158,8 @@ def run_side(side: str, folder: str, model: str, data: str, opts) -> dict:
     steady = min((rk["max_steps"] - rk["warmup"]) / (rk["steps"][str(rk["max_steps"])]
                                                      - rk["steps"][str(rk["warmup"])]) for rk in ranks)
     result = {"first_step_s": first, "steady_steps_per_s": steady,
-              "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks)}
+              "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks),
+              "peak_rss_at_begin_mb": max(rk["peak_rss_at_begin_mb"] for rk in ranks)}
     if opts.save_steps:  # rank 0 writes: its gap after a save step, less its median gap after another step
         gaps = {int(step): gap for step, gap in ranks[0]["gaps"].items() if int(step) >= opts.warmup}
         saves = [gap for step, gap in gaps.items() if step % opts.save_steps == 0]
@@ -210,6 +215,7 @@ def _compare(opts) -> None:
     print(f"\n| measure | {' | '.join(sides)} |\n|---|{'---:|' * len(sides)}")
     for key, label in (("steady_steps_per_s", "steady steps/s"), ("first_step_s", "time to first step (s)"),
                        ("peak_rss_mb", "peak memory per worker (MB)"),
+                       ("peak_rss_at_begin_mb", "the same at train begin (MB)"),
                        *([("save_blocks_s", "a save blocks the step (s)")] if opts.save_steps else [])):
         cells = [f"{med[s][key]:.2f} ({med[s][key] / med[base][key]:.2f}x)" for s in sides]
         print(f"| {label} | {' | '.join(cells)} |")
