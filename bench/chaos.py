@@ -60,6 +60,9 @@ FIRST_FAULT_AFTER = 2 * SAVE_STEPS + 2  # a checkpoint is committed before the f
 CLUSTER_SINGLETON = "_AutoscalingCoordinatorActor"
 GAP = 6  # steps between two planned faults, at least
 TAIL = 40  # steps after the last planned fault: a drained node's notice arrives some 25 steps after the drain
+#: the run goes on while a drained node's notice comes and its checkpoint is agreed (about 25 steps at the
+#: preemption check's cadence, which is set in seconds): the faults after a drain come that much later
+DRAIN_STEPS = 25
 
 
 @dataclass
@@ -81,7 +84,7 @@ def plan(seed: int, faults: int) -> tuple[list[Fault], int]:
     kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(faults - len(KINDS))]
     rng.shuffle(kinds)
     out = [Fault(kind, FIRST_FAULT_AFTER + GAP * i + rng.randrange(GAP)) for i, kind in enumerate(kinds)]
-    return out, FIRST_FAULT_AFTER + GAP * faults + TAIL
+    return out, FIRST_FAULT_AFTER + GAP * faults + TAIL + DRAIN_STEPS * kinds.count("drain-node")
 
 
 class Cluster:

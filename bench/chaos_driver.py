@@ -28,7 +28,11 @@ SAVE_STEPS = 4
 #: a script run again after its driver was killed may take them, and the harness checks that the idle group
 #: then ends and leaves nothing (bench/chaos.py ``leftovers``)
 KEEP_WORKERS_S = 10
-ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+#: ZeRO-3 with ``save_model`` writing the whole model (``model.safetensors``, what the harness compares), as
+#: a transformers user asks for it; without the flag transformers' ``save_model`` writes DeepSpeed's
+#: partitions only
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+         "train_micro_batch_size_per_gpu": "auto",
          "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
 
