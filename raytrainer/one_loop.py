@@ -433,16 +433,14 @@ def _built_anew(cls: type, constructor: dict):
 
 def _write_arguments(folder: str, args) -> None:
     """``args`` readable in ``folder`` (``training_args.json``, as raytrainer's checkpoints hold them), whole
-    or not at all: written beside and renamed into place. A checkpoint's ``_save`` writes it on the save's
-    writer thread (worker/hosted_saves.py) while ``_save_checkpoint`` may write it on the training thread;
-    two writers of one open file left it with the tail of the longer text after the shorter one."""
-    import tempfile
-
+    or not at all (``Storage.write_atomic``). A checkpoint's ``_save`` writes it on the save's writer thread
+    (worker/hosted_saves.py) while ``_save_checkpoint`` may write it on the training thread; two writers of
+    one open file left it with the tail of the longer text after the shorter one."""
     from raytrainer.saving import TRAINING_ARGS_NAME
+    from raytrainer.storage import Storage
 
-    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=f".{TRAINING_ARGS_NAME}.", delete=False) as f:
-        f.write(args.to_json_string())
-    os.replace(f.name, os.path.join(folder, TRAINING_ARGS_NAME))
+    storage = Storage.from_uri(folder)
+    storage.write_atomic(storage.path(TRAINING_ARGS_NAME), args.to_json_string().encode())
 
 
 @contextlib.contextmanager
