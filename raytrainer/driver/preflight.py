@@ -6,6 +6,7 @@ it (driver/spec.py), where pickling -- and the error that names what cannot be p
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Mapping
@@ -303,15 +304,24 @@ def _check_returns_loss(trainer, dataset) -> None:
         return
     if not skeleton and sum(p.numel() for p in params) > FORWARD_CHECK_MAX_PARAMS:
         return
+    with _leaves_no_trace(model):
+        outputs = _forward_once(trainer, model, dataset, skeleton)
+    if outputs is not None:
+        loss_from_outputs(outputs, model)
+
+
+
+def _forward_once(trainer, model, dataset, skeleton: bool):
+    """The model's outputs on (up to) two collated examples, in eval mode, without gradient; None where a
+    skeleton's forward cannot run without weights."""
     examples = _first_examples(dataset, max(1, min(2, trainer.args.per_device_train_batch_size)))
     batch = rdata.collator_for(trainer, dataset)(examples)
     device = next(model.parameters(), torch.empty(0)).device
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            outputs = model(**batch)
+            return model(**batch)
     except TypeError as exc:
         raise ValueError(
             f"{type(model).__name__}.forward could not take a collated batch with keys {sorted(batch)}: "
@@ -322,7 +332,49 @@ def _check_returns_loss(trainer, dataset) -> None:
             raise
         # a forward that reads values (``.item()``, data-dependent shapes) cannot run without weights
         logger.debug("the forward check does not run on the meta device: %s", exc)
-        return
-    finally:
-        model.train(was_training)
-    loss_from_outputs(outputs, model)
+        return None
+
+
+@contextlib.contextmanager
+def _leaves_no_trace(model):
+    """The forward check is not training, and transformers' loop never runs it: what it changes is put back
+    -- each module's attributes (``training`` too; the lists, dicts and sets among its own, as they were)
+    and buffers, whether replaced (``self.seen = torch.cat(...)``) or changed in place, and the random
+    streams the collator's masking or the forward draw from -- so the run's first step sees the model and
+    the random state the script left. Costs a copy of the buffers (statistics, position tables: small beside
+    the weights). Not put back: a parameter changed in place by a forward without gradient, and state
+    outside the modules (a counter in a closure)."""
+    saved = [(module, _attributes(module), dict(module._buffers)) for module in model.modules()]
+    buffers = {id(t): (t, _version(t), t.detach().clone()) for _, _, held in saved for t in held.values()
+               if t is not None}
+    devices = sorted({t.device.index or 0 for t, _, _ in buffers.values() if t.device.type == "cuda"} |
+                     {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for module, attributes, held in saved:
+                vars(module).clear()
+                vars(module).update(attributes)
+                module._buffers.clear()
+                module._buffers.update(held)
+            with torch.no_grad():
+                for tensor, version, before in buffers.values():
+                    if _version(tensor) != version:
+                        tensor.copy_(before)
+
+
+def _attributes(module: torch.nn.Module) -> dict:
+    """``module``'s attributes, the script's own lists, dicts and sets copied (torch's own, ``_``-named,
+    are held by reference: hook handles find their dicts by identity)."""
+    return {name: type(value)(value) if type(value) in (list, dict, set) and not name.startswith("_")
+            else value for name, value in vars(module).items()}
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """How many times ``tensor`` was changed in place (None for an inference tensor, which keeps no count
+    and cannot be changed in place outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

@@ -143,6 +143,48 @@ def test_the_drivers_checks_refuse_a_call_before_the_loop_starts(tmp_path, make_
     assert began == []
 
 
+class _Remembers(nn.Module):
+    """A model whose forward leaves traces: the rows it saw (a buffer replaced), its calls (a buffer changed
+    in place, an attribute), and a random draw that joins its output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("seen", torch.empty(0))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.forwards = 0
+        self.draws: list[float] = []
+
+    def forward(self, x, labels=None):
+        self.seen = torch.cat([self.seen, x[:, 0]])
+        self.calls.add_(1)
+        self.forwards += 1
+        noise = torch.rand(())
+        self.draws.append(float(noise))
+        logits = self.linear(x) + noise
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_drivers_forward_check_leaves_no_trace_on_the_model_or_the_random_stream(tmp_path,
+                                                                                     make_examples):
+    """The driver runs the model's forward once before training to check it returns a loss; transformers'
+    loop never does. What that forward changed (buffers replaced and changed in place, attributes, the
+    random stream) is put back: after training, the model holds what transformers.Trainer's does, bit for
+    bit, and counted only the training forwards."""
+    data, _, _ = make_examples(16)
+    ours_model, theirs_model = _Remembers(), _Remembers()
+    Trainer(model=ours_model, args=_args(tmp_path / "a"), train_dataset=data).train()
+    transformers.Trainer(model=theirs_model, train_dataset=data,
+                         args=_args(tmp_path / "b", cls=transformers.TrainingArguments)).train()
+    assert theirs_model.forwards == 8 and int(theirs_model.calls) == 8
+    assert ours_model.forwards == 8 and int(ours_model.calls) == 8
+    assert ours_model.draws == theirs_model.draws
+    assert ours_model.training and theirs_model.training
+    for (name, a), (_, b) in zip(ours_model.state_dict().items(), theirs_model.state_dict().items()):
+        assert a.shape == b.shape == ((32,) if name == "seen" else a.shape) and torch.equal(a, b), name
+
+
 def test_the_runs_log_level_holds_during_calls_only(tmp_path, make_classifier, make_examples):
     data, _, _ = make_examples(8)
     hf_logger = logging.getLogger("transformers")
