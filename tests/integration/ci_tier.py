@@ -38,6 +38,7 @@ CI_TESTS = {
     "[transformers-fsdp]",
     # TRL's own scripts with only the imports changed; a user's Trainer subclass; LoRA under FSDP
     "test_hosted.py::test_a_trl_script_on_two_workers_trains_as_in_one_process_and_resumes[sft]",
+    "test_hosted.py::test_trl_sft_script_with_a_worker_killed_mid_run_ends_with_the_uninterrupted_weights",
     "test_hosted.py::test_a_trl_script_sharded_on_two_cpu_workers_trains_and_saves[sft-peft-fsdp]",
     "test_hosted.py::test_grpo_with_a_vllm_server_is_refused_on_the_driver",
     "test_hosted.py::test_a_users_compute_loss_subclass_on_two_workers_matches_one_process",

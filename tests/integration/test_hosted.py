@@ -14,7 +14,10 @@ import re
 import runpy
 import statistics
 import sys
+import threading
+import time
 
+import psutil
 import pytest
 from hosted_fixtures import (
     REWARD_MODULE,
@@ -141,6 +144,64 @@ def test_trl_grpo_script_on_two_workers_generates_with_transformers_and_a_rule_b
     import transformers
 
     transformers.AutoModelForCausalLM.from_pretrained("grpo")
+
+
+def kill_a_rank_once(folder: str, committed: str, timeout_s: float = 300) -> threading.Thread:
+    """A thread that, once ``committed`` (a checkpoint's manifest) exists, SIGKILLs a Ray Train worker of
+    the run working in ``folder`` (a rank runs a command in the driver's working directory) and records its
+    PID in ``folder/killed-pid``: a worker lost mid-run, from outside the script."""
+
+    def watch():
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and not os.path.exists(committed):
+            time.sleep(0.02)
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if "RayTrainWorker" in " ".join(proc.info["cmdline"] or ()) and proc.cwd() == folder:
+                    proc.kill()
+                    with open(os.path.join(folder, "killed-pid"), "w") as f:
+                        f.write(str(proc.pid))
+                    return
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(600)
+def test_trl_sft_script_with_a_worker_killed_mid_run_ends_with_the_uninterrupted_weights(workdir, monkeypatch,
+                                                                                        capfd):
+    """TRL's sft.py (imports changed only) on 2 workers, twice: uninterrupted, and with a worker's process
+    SIGKILLed once step 10's checkpoint is committed (``--max_failures 1``). Ray Train starts the group
+    again, which resumes from a committed checkpoint: every logged loss and every saved weight equal the
+    uninterrupted run's, bit for bit (CPU, the tiny GPT-2 has no dropout)."""
+    import safetensors.torch
+    import torch
+
+    script = trl_script_on_ray("sft", str(workdir))
+    flags = ["--model_name_or_path", "tiny-model", "--dataset_name", "data", "--max_length", "32",
+             "--max_steps", "40", "--save_steps", "10", "--logging_steps", "1", "--learning_rate", "5e-3",
+             "--report_to", "none", "--use_cpu", "--disable_tqdm", "True", "--seed", "1",
+             "--per_device_train_batch_size", "2", "--num_workers", "2", "--max_failures", "1"]
+    run_script(script, *flags, "--output_dir", "plain", monkeypatch=monkeypatch)
+    os.makedirs("killed")
+    watcher = kill_a_rank_once(str(workdir), os.path.join("killed", "checkpoint-10", "manifest.json"))
+    run_script(script, *flags, "--output_dir", "killed", monkeypatch=monkeypatch)
+    watcher.join(timeout=5)
+    console = "".join(capfd.readouterr())
+    pid = int((workdir / "killed-pid").read_text())
+    assert not psutil.pid_exists(pid)
+    assert re.search(r"restart 1: Ray Train started the worker group again .*resuming from \S*checkpoint-\d+",
+                     console), console[-3000:]
+    plain, killed = losses("plain/checkpoint-40"), losses("killed/checkpoint-40")
+    assert sorted(killed) == list(range(1, 41)) and killed == plain
+    ours = safetensors.torch.load_file("killed/model.safetensors")
+    theirs = safetensors.torch.load_file("plain/model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
 
 
 SHARDED_RUNS = {  # run: the script, its own flags (the data sets and lengths of the runs above)
