@@ -54,6 +54,23 @@ class CheckpointRegistry:
             listener(info)
         self.rotate()
 
+    def end_of_training(self) -> list[str]:
+        """transformers' last deletion (``Trainer._finalize_training``), once the call's checkpoints are
+        committed: with ``save_total_limit=1`` and a best checkpoint, every other committed checkpoint goes,
+        the latest too (the run is over; a push still reading one keeps it)."""
+        if self.limit != 1 or not self.best:
+            return []
+        best = uri_basename(self.best)
+        deleted = []
+        for _, path in committed_checkpoints(self.storage, warn=False):
+            name = os.path.basename(path)
+            if name != best and name not in self.pinned:
+                self.storage.delete_dir(self.storage.path(name))
+                deleted.append(name)
+                logger.info("deleted %s (save_total_limit=1, the best is %s)", self.storage.uri_of(name),
+                            best)
+        return deleted
+
     def rotate(self) -> list[str]:
         if not self.limit:
             return []

@@ -47,6 +47,7 @@ def train_sequence(trainer, kwargs: dict, asked, registry: CheckpointRegistry, o
             try:
                 output = once(kwargs)
                 _best_as_committed(trainer.state, registry)
+                registry.end_of_training()
                 return output
             except DamagedCheckpointError as exc:
                 instead = _earlier_checkpoint(trainer, exc, asked)

@@ -178,7 +178,13 @@ def write_in_background(trainer) -> BackgroundSaves:
         concurrent.futures.wait(saves._inflight)
         return load_best_model()
 
-    trainer._load_best_model = _load_best_model
+    finalize_training = trainer._finalize_training
+
+    def _finalize_training(*args, **kwargs):  # with save_total_limit=1 it deletes all but the best folder,
+        with _driver_rotates():  # the driver does once they are committed (a copy elsewhere goes anyway)
+            return finalize_training(*args, **kwargs)
+
+    trainer._load_best_model, trainer._finalize_training = _load_best_model, _finalize_training
     trainer._save_checkpoint, trainer._save, trainer.save_model = _save_checkpoint, _save, save_model_now
     trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     return saves
@@ -186,20 +192,23 @@ def write_in_background(trainer) -> BackgroundSaves:
 
 @contextlib.contextmanager
 def _driver_rotates():
-    """Meanwhile transformers' ``_save_checkpoint`` deletes no checkpoint: its last step
+    """Meanwhile transformers deletes no checkpoint. ``_save_checkpoint``'s last step
     (``rotate_checkpoints(output_dir=run_dir, save_total_limit=...)``, a function of ``transformers.trainer``)
-    would delete the oldest folders of ``output_dir`` whatever reads them, where the driver's registry
-    (driver/registry.py) rotates the same folders by the same rule once each is committed, keeping the ones
-    a hub push is still reading (``hub_strategy="all_checkpoints"``). tests/unit/test_hosted_saves.py pins
-    how transformers calls it."""
+    would delete the oldest folders of ``output_dir`` whatever reads them, and ``_finalize_training`` (with
+    ``save_total_limit=1`` and a best checkpoint) every folder ``sort_checkpoints`` lists but the best, while
+    the driver may still be committing them: it wrote a manifest into a folder being deleted, leaving a
+    folder of one file that rotation no longer saw. The driver's registry (driver/registry.py) applies both
+    rules to the same folders once each is committed, keeping the ones a hub push is still reading
+    (``hub_strategy="all_checkpoints"``). tests/unit/test_hosted_saves.py pins how transformers calls them."""
     import transformers.trainer as hf_trainer
 
-    rotate = hf_trainer.rotate_checkpoints
+    rotate, listed = hf_trainer.rotate_checkpoints, hf_trainer.sort_checkpoints
     hf_trainer.rotate_checkpoints = lambda *args, **kwargs: None
+    hf_trainer.sort_checkpoints = lambda *args, **kwargs: []
     try:
         yield
     finally:
-        hf_trainer.rotate_checkpoints = rotate
+        hf_trainer.rotate_checkpoints, hf_trainer.sort_checkpoints = rotate, listed
 
 
 @contextlib.contextmanager

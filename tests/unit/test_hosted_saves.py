@@ -191,6 +191,57 @@ def test_a_save_on_a_new_best_metric_waits_for_the_last_commit_and_the_driver_ro
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [Saved.names[-1]]
 
 
+def test_with_a_limit_of_one_the_end_of_training_leaves_the_best_checkpoint_once_all_are_committed(tmp_path):
+    """``save_total_limit=1`` with a best checkpoint: transformers' ``_finalize_training`` deletes every
+    checkpoint folder but the best. On a rank it deleted them while the driver was still committing them
+    (the driver's commits come over the channel, later; here a thread 0.3 s behind): the driver then wrote
+    a manifest into a folder being deleted, and a folder of one file stayed. Now the rank deletes nothing,
+    every checkpoint is committed whole, and the driver's registry deletes all but the best once they are
+    (``end_of_training``, after ``train()``'s commits)."""
+    import json
+    import time
+    import types
+
+    from raytrainer.checkpoint import committed_checkpoints
+    from raytrainer.driver.registry import CheckpointRegistry
+    from raytrainer.rank_context import RankContext
+    from raytrainer.worker import hosted_commit
+    from raytrainer.worker.hosted_saves import write_in_background
+
+    run = types.SimpleNamespace(output_dir=str(tmp_path), storage_path=None, storage_filesystem=None,
+                                save_total_limit=1)
+    registry = CheckpointRegistry(run)
+    committing: list[threading.Thread] = []
+
+    class Driver:
+        def send(self, kind, part, urgent=False):
+            def later():
+                time.sleep(0.3)
+                registry.add_part(part)
+
+            committing.append(threading.Thread(target=later))
+            committing[-1].start()
+
+    # the loss falls, so with greater_is_better the first evaluation's checkpoint stays the best
+    trainer = _trainer(str(tmp_path), max_steps=6, eval_strategy="steps", eval_steps=2,
+                       metric_for_best_model="loss", greater_is_better=True, load_best_model_at_end=True,
+                       save_total_limit=1)
+    commit = hosted_commit.CommitCallback(RankContext(), Driver(), run, write_in_background(trainer))
+    trainer.add_callback(commit)
+    trainer.train()
+    commit.wait()
+    assert os.path.basename(trainer.state.best_model_checkpoint) == "checkpoint-2"
+    for thread in committing:
+        thread.join()
+    # rotation as each was committed kept the latest and the best; every folder left is whole
+    assert [os.path.basename(p) for _, p in committed_checkpoints(registry.storage)] == [
+        "checkpoint-2", "checkpoint-6"] == sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert registry.end_of_training() == ["checkpoint-6"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+    manifest = json.loads((tmp_path / "checkpoint-2" / "manifest.json").read_text())
+    assert all((tmp_path / "checkpoint-2" / name).exists() for name in manifest["files"])
+
+
 def test_transformers_rotates_checkpoints_at_the_end_of_save_checkpoint_through_its_module_function():
     """What ``hosted_saves._driver_rotates`` relies on: ``Trainer._save_checkpoint`` deletes old checkpoints
     by calling ``transformers.trainer.rotate_checkpoints`` (a module function, looked up when called)."""
