@@ -310,7 +310,6 @@ def _check_returns_loss(trainer, dataset) -> None:
         loss_from_outputs(outputs, model)
 
 
-
 def _forward_once(trainer, model, dataset, skeleton: bool):
     """The model's outputs on (up to) two collated examples, in eval mode, without gradient; None where a
     skeleton's forward cannot run without weights."""

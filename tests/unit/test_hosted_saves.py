@@ -244,7 +244,8 @@ def test_with_a_limit_of_one_the_end_of_training_leaves_the_best_checkpoint_once
 
 def test_transformers_rotates_checkpoints_at_the_end_of_save_checkpoint_through_its_module_function():
     """What ``hosted_saves._driver_rotates`` relies on: ``Trainer._save_checkpoint`` deletes old checkpoints
-    by calling ``transformers.trainer.rotate_checkpoints`` (a module function, looked up when called)."""
+    by calling ``transformers.trainer.rotate_checkpoints``, and ``Trainer._finalize_training`` the folders
+    ``transformers.trainer.sort_checkpoints`` lists (module functions, looked up when called)."""
     import inspect
 
     import transformers.trainer as hf_trainer
@@ -252,6 +253,10 @@ def test_transformers_rotates_checkpoints_at_the_end_of_save_checkpoint_through_
     source = inspect.getsource(hf_trainer.Trainer._save_checkpoint)
     assert "rotate_checkpoints(" in source and "self._rotate_checkpoints(" not in source
     assert callable(hf_trainer.rotate_checkpoints)
+    # and ``_finalize_training`` (save_total_limit=1) deletes the folders ``sort_checkpoints`` lists
+    source = inspect.getsource(hf_trainer.Trainer._finalize_training)
+    assert "checkpoints_sorted = sort_checkpoints(" in source and "shutil.rmtree(checkpoint" in source
+    assert callable(hf_trainer.sort_checkpoints)
 
 
 def test_transformers_looks_for_the_best_checkpoints_folder_before_the_sharded_files_are_written():
