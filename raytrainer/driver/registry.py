@@ -60,22 +60,16 @@ class CheckpointRegistry:
         the latest too (the run is over; a push still reading one keeps it)."""
         if self.limit != 1 or not self.best:
             return []
-        best = uri_basename(self.best)
-        deleted = []
-        for _, path in committed_checkpoints(self.storage, warn=False):
-            name = os.path.basename(path)
-            if name != best and name not in self.pinned:
-                self.storage.delete_dir(self.storage.path(name))
-                deleted.append(name)
-                logger.info("deleted %s (save_total_limit=1, the best is %s)", self.storage.uri_of(name),
-                            best)
-        return deleted
+        return self.rotate(keep_newest=False)
 
-    def rotate(self) -> list[str]:
+    def rotate(self, keep_newest: bool = True) -> list[str]:
+        """Delete the oldest committed checkpoints until ``save_total_limit`` are left, never the best, one a
+        push is reading, nor (``keep_newest``) the newest."""
         if not self.limit:
             return []
         names = [os.path.basename(path) for _, path in committed_checkpoints(self.storage, warn=False)]
-        protected = {uri_basename(u) for u in (self.latest, self.best) if u} | self.pinned | set(names[-1:])
+        newest = (self.latest, *names[-1:]) if keep_newest else ()
+        protected = {uri_basename(u) for u in (self.best, *newest) if u} | self.pinned
         keep = max(self.limit, len(protected.intersection(names)))
         deleted = []
         for name in names:  # oldest first
