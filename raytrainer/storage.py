@@ -147,9 +147,9 @@ class Storage:
             f.write(data)
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        """Readers see the whole file or none: a temporary name, then a rename (one PUT on object stores,
-        which is atomic by itself)."""
-        if not self.is_local:
+        """Readers see the whole file or none: a temporary name, then a rename on a local filesystem
+        (``file://`` URIs included), one PUT on object stores (atomic by itself)."""
+        if not isinstance(self.fs, pafs.LocalFileSystem):
             self.write_bytes(path, data)
             return
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"

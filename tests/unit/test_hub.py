@@ -460,3 +460,19 @@ def test_a_push_of_an_fsdp_sharded_checkpoint_takes_the_models_dcp_folder_as_it_
     assert staging.model_files(Storage.from_uri(str(checkpoint))) == [
         "config.json", "training_args.json", "pytorch_model_fsdp_0/.metadata",
         "pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"]
+
+
+def test_a_file_uri_repository_replaces_its_commit_list_whole(tmp_path):
+    """commits.json on a file:// repository is replaced by a rename, never rewritten in place: a reader
+    that opened it before a push reads the whole list as it was (an in-place write truncates the very file
+    it reads, and a reader between the truncation and the write saw an empty file)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    target = FilesystemTarget(f"file://{tmp_path / 'repo'}")
+    target.upload(str(tmp_path / "model"), "", "Training in progress, step 2", None)
+    with open(tmp_path / "repo" / "commits.json") as before:
+        target.upload(str(tmp_path / "model"), "", "Training in progress, step 4", None)
+        assert [c["message"] for c in json.load(before)] == ["Training in progress, step 2"]
+    assert [c["message"] for c in target.commits()] == ["Training in progress, step 2",
+                                                        "Training in progress, step 4"]
+    assert sorted(os.listdir(tmp_path / "repo")) == ["commits.json", "main"]  # no temporary left
