@@ -2,10 +2,17 @@
 
 A worker group outlives one Trainer call (driver/group.py): the processes, their imports and the process
 group are made once, and ``train``, ``evaluate``, ``predict`` -- and search trials, one after another -- run
-on them. Each command starts from a clean slate: the trainer's recipe is unpickled afresh from the command's
-spec, and the process-level state one command may change (random generators, determinism and TF32 flags, the
-default dtype, compile caches, the CUDA cache, environment variables) is put back as the fresh worker had
-it, so a command gives the same result whatever ran before it.
+on them. Each script starts from a clean slate: the process-level state a command may change (random
+generators, determinism and TF32 flags, the default dtype, environment variables) is put back as the fresh
+worker had it before another script's first command, and the compile caches and the CUDA cache are emptied
+after every command, so a script's run gives the same result whatever ran before it.
+
+Between two commands of one script that state is the script's, as between two calls in one process: the
+next command finds it as the last one left it. A trainer a command builds seeds the random generators itself
+(transformers' ``set_seed``) and sets its flags, but one kept from an earlier command (``evaluate()`` then
+``train()``) does neither: it reads the stream as it finds it -- accelerate's seedable sampler takes the
+shuffle's seed from it, which every rank must share, and torch seeds a fresh worker's at random -- and runs
+with ``full_determinism`` or ``tf32`` only as long as the flags stay set.
 """
 
 from __future__ import annotations
@@ -42,14 +49,17 @@ def worker_main(config: dict) -> None:
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)
     fresh = ProcessState()
-    done, driver = 0, None
+    done, driver, left = 0, None, None
     while (command := client.next_command(done)) is not None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
         if driver is not None and spec.driver != driver:  # another script's run (driver/keeper.py)
             fresh.forget_scripts_modules()
+            left = None
         driver = spec.driver
+        if left is not None:  # the script's state, where its last command left it (module docstring)
+            left.restore()
         session = RankSession(ctx, client, transformers_log_level=spec.transformers_log_level)
         try:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
@@ -66,6 +76,7 @@ def worker_main(config: dict) -> None:
             raise
         del recipe, spec, session
         client.set_result(command.id, result)
+        left = ProcessState()
         fresh.restore()
         done = command.id
     remove_own()  # the group closed: Ray Train ends this process without an interpreter exit

@@ -93,6 +93,8 @@ def run_hosted(recipe, session: RankSession, method: str, kwargs: dict, payload:
             with _loaders_of_one_process(trainer, kwargs["name"]):
                 output = found(*kwargs["args"], **kwargs["kwargs"]) if kwargs["call"] else found
         else:
+            if method == "train":
+                wrap_after_evaluation(trainer)
             with resume.reading(trainer), new_hyperparameters(trainer, exploit), _config_kept(trainer):
                 output = getattr(trainer, method)(**kwargs)
         weights_at = _write_final_weights(trainer, ctx, final)
@@ -196,6 +198,27 @@ def _config_kept(trainer):
             # and the inference engine is not the model train() wraps (transformers would skip its
             # prepare: no engine to step, "'NoneType' object has no attribute 'backward'")
             trainer.deepspeed, trainer.model_wrapped = None, trainer.model
+
+
+def wrap_after_evaluation(trainer) -> None:
+    """The model an ``evaluate()`` or ``predict()`` before any ``train()`` prepared is wrapped for training
+    by the ``train()`` after it. transformers' evaluation prepares the bare model with accelerate's
+    ``evaluation_mode`` (no DDP wrapper) and accelerate marks it prepared, so the ``train()`` after it took
+    it as it was: on several processes each rank trained its own replica, its gradients never averaged,
+    and rank 0's weights were saved (transformers' own under torchrun, 5.25 with accelerate 1.16). The
+    mark goes, with the autocast wrapper of the evaluation's ``forward``, and ``train()`` prepares the
+    model as for a first call. FSDP and DeepSpeed prepare for training in evaluation too (the model
+    transformers then holds is sharded or an engine), and tensor parallelism never wraps: left as they
+    are."""
+    model = getattr(trainer, "model", None)
+    if (trainer.args.world_size > 1 and getattr(model, "_is_accelerate_prepared", False)
+            and trainer.model_wrapped is model and not trainer.is_fsdp_enabled
+            and not trainer.is_deepspeed_enabled
+            and not getattr(trainer, "is_distributed_loading_by_transformers", False)):
+        from accelerate.utils import extract_model_from_parallel
+
+        del model._is_accelerate_prepared
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)  # the evaluation's autocast wrapper
 
 
 def rank_layer(trainer, ctx, channel, given) -> None:

@@ -56,6 +56,8 @@ CI_TESTS = {
     "test_failures.py::test_a_run_that_saves_evaluates_resumes_and_fails_on_a_worker_shows_only_raytrainer_s_lines",
     # raytrainer's Trainer keeps its trained model across calls, on its group and on a new one after close()
     "test_warm_workers.py::test_one_group_serves_train_evaluate_predict_and_close_leaves_nothing",
+    # evaluate() then train() on 2 workers: one shuffle on every rank, the model in DDP, one process's weights
+    "test_warm_workers.py::test_a_trainer_evaluated_before_train_trains_as_one_process",
     # hyperparameter_search: Optuna, 2 workers per trial, a pruned trial
     "test_search.py::test_optuna_two_workers_per_trial_prunes_planted_bad_trial",
     # Ray Tune with num_workers=0: each trial's trainer copied into its actor and trained there

@@ -42,6 +42,29 @@ class Regressor(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, labels), logits
 
 
+class SeenRegressor(Regressor):
+    """Records the examples each training forward takes (their first feature, unique per example)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.seen: list[list[float]] = []
+
+    def forward(self, x, labels=None):
+        if self.training:
+            self.seen.append(sorted(x[:, 0].tolist()))
+        return super().forward(x, labels)
+
+
+class Seen(TrainerCallback):
+    """What a ``SeenRegressor`` took in training, rank 0's read back on the driver (a callback's state)."""
+
+    def __init__(self):
+        self.seen: list[list[float]] = []
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.seen = list(model.seen)
+
+
 class InitFailsOnShards(Regressor):
     """A root ``reset_parameters`` that fails on rank 1's shards: FSDP must fall back to rank 0's build."""
 
@@ -212,6 +235,9 @@ class TokenNet(torch.nn.Module):
         self.emb = torch.nn.Embedding(20, dim)
         self.head = torch.nn.Linear(dim, 2)
 
+    def get_input_embeddings(self):  # what transformers' loop hooks NEFTune's noise on
+        return self.emb
+
     def forward(self, input_ids, labels=None):
         logits = self.head(self.emb(input_ids).mean(dim=1))
         return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
@@ -224,8 +250,9 @@ def token_data(n: int, seq: int = 5) -> list[dict]:
 
 
 class NEFTuneProbe(TrainerCallback):
-    """On every rank: the noise train-mode lookups of the same ids get (and eval mode does not), and
-    whether the hook is gone when training ends."""
+    """On every rank: the noise train-mode lookups of the same ids get (and eval mode does not), and, at an
+    ``evaluate()`` after ``train()``, whether the hook is gone (transformers removes it once ``train()``'s
+    loop has returned, after ``on_train_end``)."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step != 1:
@@ -240,8 +267,8 @@ class NEFTuneProbe(TrainerCallback):
         log.error("rank %d: neftune train max=%.6f fresh=%s eval=%.1f", args.process_index,
                   first.abs().max().item(), not torch.equal(first, second), eval_delta)
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        log.error("rank %d: neftune hooks at train end=%d", args.process_index, len(model.emb._forward_hooks))
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        log.error("rank %d: neftune hooks after train=%d", args.process_index, len(model.emb._forward_hooks))
 
 
 class RecordPid(TrainerCallback):

@@ -163,21 +163,23 @@ def _assert_curve_goes_on(resumed, reference, after: int) -> None:
 
 def test_neftune_noise_under_a_deepspeed_engine(tmp_path, capfd):
     """The NEFTune hook sits on the embedding module the engine wraps: noise in train mode only, on
-    every rank, and removed when training ends."""
+    every rank, and removed when training ends (an evaluate() after train() finds it gone)."""
     import re
 
     from models import NEFTuneProbe, TokenNet, token_data
 
     args = _args(tmp_path, 2, neftune_noise_alpha=5.0, max_steps=2, save_strategy="no")
     probe = NEFTuneProbe()
-    ReportEngine(model=TokenNet(), args=args, train_dataset=token_data(32), callbacks=[probe]).train()
+    trainer = ReportEngine(model=TokenNet(), args=args, train_dataset=token_data(32), callbacks=[probe])
+    trainer.train()
+    trainer.evaluate(token_data(8))
     console = "".join(capfd.readouterr())
     bound = 5.0 / (5 * 8) ** 0.5  # alpha / sqrt(seq_len * dim)
     for rank in (0, 1):
         assert f"rank {rank}: DeepSpeedEngine stage=2" in console
         found = re.search(rf"rank {rank}: neftune train max=([0-9.]+) fresh=True eval=0\.0", console)
         assert found and 0 < float(found.group(1)) <= bound + 1e-6, console[-2000:]
-        assert f"rank {rank}: neftune hooks at train end=0" in console
+        assert f"rank {rank}: neftune hooks after train=0" in console
 
 
 @pytest.mark.timeout(600)

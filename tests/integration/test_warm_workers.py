@@ -17,6 +17,8 @@ from models import (
     Journal,
     RecordPid,
     Regressor,
+    Seen,
+    SeenRegressor,
     StopAtStepOnRank,
     make_data,
 )
@@ -157,6 +159,35 @@ def test_a_second_trainer_runs_on_the_first_ones_group_as_on_a_fresh_group(tmp_p
     assert not torch.equal(shared_weights["net.0.weight"], first.model.state_dict()["net.0.weight"])
     raytrainer.shutdown()
     assert run_actors() <= before_actors and placement_groups() <= before_groups
+
+
+def test_a_trainer_evaluated_before_train_trains_as_one_process(tmp_path, ray_session):
+    """``evaluate()`` then ``train()`` on 2 workers ends with one process's weights (twice the batch). The
+    second call runs on the trainer the first one built on each rank. It goes on from the random stream
+    that call left there, as one process does: each rank's training loader draws its shuffle's seed from it
+    (accelerate's seedable sampler), and from a stream of the worker's own each rank shuffled otherwise,
+    an epoch training some examples twice and others never. And it trains the model wrapped in DDP:
+    transformers' evaluation had marked the bare model prepared, so its ``train()`` never wrapped it and
+    each rank trained its own replica (worker/hosted.wrap_after_evaluation). Rank 0's examples at each
+    step are half of one process's."""
+    data, held_out = make_data(64), make_data(20, seed=4)
+
+    def run(num_workers: int, batch: int):
+        seen = Seen()
+        args = _args(tmp_path, f"w{num_workers}", num_workers=num_workers, per_device_train_batch_size=batch)
+        trainer = Trainer(model=SeenRegressor(seed=3), args=args, train_dataset=data, eval_dataset=held_out,
+                          callbacks=[seen])
+        trainer.evaluate()
+        trainer.train()
+        return seen.seen, trainer.model.state_dict()
+
+    one, one_weights = run(0, 16)
+    two, two_weights = run(2, 8)
+    assert len(one) == len(two) == 6
+    for step, (rank_zero, whole) in enumerate(zip(two, one)):
+        assert len(rank_zero) == 8 and set(rank_zero) <= set(whole), step
+    for key, value in one_weights.items():
+        torch.testing.assert_close(two_weights[key], value, rtol=1e-5, atol=1e-6)
 
 
 def test_worker_lost_during_a_warm_evaluate_is_recovered(tmp_path, ray_session):
