@@ -168,12 +168,15 @@ def under_torchrun(name: str, workers: int) -> types.SimpleNamespace:
 
 
 def rank_of(name: str, out: str) -> None:
-    """A torchrun process: transformers' side of setting ``name``; rank 0 writes the record to ``out``."""
+    """A torchrun process: transformers' side of setting ``name``; rank 0 writes the record to ``out``.
+    Every rank's ``output_dir`` is one folder beside ``out``, as under torchrun on one machine: with a
+    folder of its own, rank 1 found no best checkpoint to load at the end (rank 0 saves them) and evaluated
+    the last weights where rank 0 evaluated the best."""
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    with tempfile.TemporaryDirectory() as tmp:
-        record = run(transformers.Trainer, transformers.TrainingArguments, SETTINGS[name], tmp,
-                     _with_metrics(name), workers=int(os.environ["WORLD_SIZE"]))
+    record = run(transformers.Trainer, transformers.TrainingArguments, SETTINGS[name],
+                 os.path.join(os.path.dirname(out), "output"), _with_metrics(name),
+                 workers=int(os.environ["WORLD_SIZE"]))
     if os.environ["RANK"] == "0":
         with open(out, "wb") as f:
             pickle.dump(record, f)
