@@ -49,17 +49,15 @@ def worker_main(config: dict) -> None:
     ctx = ray_train_context(config["use_gpu"], config["ray_run_root"])
     client = ChannelClient(config["channel"], ctx.rank)
     fresh = ProcessState()
-    done, driver, left = 0, None, None
+    done, driver = 0, None
     while (command := client.next_command(done)) is not None:
         (spec_ref,) = command.spec
         TIMES["command"] = time.time()
         spec = ray.get(spec_ref)  # an object-store reference: the bytes are fetched here
         if driver is not None and spec.driver != driver:  # another script's run (driver/keeper.py)
+            fresh.restore()  # between one script's commands the state stays as it was (module docstring)
             fresh.forget_scripts_modules()
-            left = None
         driver = spec.driver
-        if left is not None:  # the script's state, where its last command left it (module docstring)
-            left.restore()
         session = RankSession(ctx, client, transformers_log_level=spec.transformers_log_level)
         try:
             # relative paths mean what they mean there, and the Trainer's classes import from where the
@@ -76,8 +74,7 @@ def worker_main(config: dict) -> None:
             raise
         del recipe, spec, session
         client.set_result(command.id, result)
-        left = ProcessState()
-        fresh.restore()
+        empty_caches()
         done = command.id
     remove_own()  # the group closed: Ray Train ends this process without an interpreter exit
 
@@ -125,11 +122,15 @@ class ProcessState:
         for key in set(os.environ) - set(self.environ):
             del os.environ[key]
         os.environ.update({k: v for k, v in self.environ.items() if os.environ.get(k) != v})
-        if hasattr(torch, "_dynamo"):
-            torch._dynamo.reset()  # compiled graphs of the last command's model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+
+def empty_caches() -> None:
+    """What a finished command leaves cached: the compiled graphs of its model, its garbage, CUDA's blocks."""
+    if hasattr(torch, "_dynamo"):
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _backend_flags() -> dict:
